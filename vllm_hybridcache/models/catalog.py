@@ -1,0 +1,153 @@
+"""The embedded models: names, transformers configs and generation settings.
+
+Dimensions are chosen for the real CPU kernels (vLLM's CPU GDN rejects head size 32; 64 and
+128 work) and `initializer_range` is raised well above the 0.02 default so random weights give
+peaked logits: a test comparing logprobs then has signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedConfig
+
+VOCAB_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One embedded model: how to build its config, and what it is for."""
+
+    name: str
+    summary: str
+    build_config: Callable[[dict[str, int]], PreTrainedConfig]
+    seed: int = 0
+    # Tensors transformers' class does not create but the real checkpoint has (the MTP layer).
+    extra_weights: Callable[[PreTrainedConfig, int], dict] | None = None
+
+
+def _qwen3_next(special: dict[str, int], *, hidden: int, layers: int, heads: int,
+                gdn_k_heads: int, gdn_v_heads: int, gdn_dim: int, head_dim: int,
+                experts: int, moe_inter: int) -> PreTrainedConfig:
+    from transformers import Qwen3NextConfig
+
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                   for i in range(layers)]
+    return Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=gdn_dim,
+        linear_value_head_dim=gdn_dim,
+        linear_num_key_heads=gdn_k_heads,
+        linear_num_value_heads=gdn_v_heads,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=moe_inter,
+        decoder_sparse_step=1,
+        layer_types=layer_types,
+        max_position_embeddings=65536,
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        pad_token_id=special["<|endoftext|>"],
+        torch_dtype="bfloat16",
+    )
+
+
+def _qwen3_next_tiny(special: dict[str, int]) -> PreTrainedConfig:
+    return _qwen3_next(special, hidden=256, layers=4, heads=4, gdn_k_heads=2, gdn_v_heads=4,
+                       gdn_dim=64, head_dim=64, experts=4, moe_inter=256)
+
+
+def _qwen3_next_small(special: dict[str, int]) -> PreTrainedConfig:
+    return _qwen3_next(special, hidden=1024, layers=8, heads=8, gdn_k_heads=4, gdn_v_heads=8,
+                       gdn_dim=128, head_dim=128, experts=8, moe_inter=512)
+
+
+def _flash_next(special: dict[str, int], *, hidden: int, layers: int, heads: int,
+                gdn_k_heads: int, gdn_v_heads: int, gdn_dim: int, head_dim: int,
+                experts: int, moe_inter: int, idx_heads: int, idx_dim: int, budget: int,
+                ratio: int, hc_lowrank: int) -> PreTrainedConfig:
+    from transformers import Qwen4ExpTextConfig
+
+    layer_types = ["indexed_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                   for i in range(layers)]
+    return Qwen4ExpTextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=gdn_dim,
+        linear_value_head_dim=gdn_dim,
+        linear_num_key_heads=gdn_k_heads,
+        linear_num_value_heads=gdn_v_heads,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=moe_inter,
+        layer_types=layer_types,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25},
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        hc_count=2,
+        hc_lowrank=hc_lowrank,
+        ple_layer_ids=[2],
+        ple_embed_dim=hidden,
+        ple_conv_kernel_size=4,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=16,
+        split_ngram_parts=4,
+        indexer_n_heads=idx_heads,
+        indexer_kv_heads=1,
+        indexer_head_dim=idx_dim,
+        indexer_budget=budget,
+        indexer_compress_ratio=ratio,
+        output_gate_type="sigmoid",
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        pad_token_id=special["<|endoftext|>"],
+        torch_dtype="bfloat16",
+    )
+
+
+def _flash_next_tiny(special: dict[str, int]) -> PreTrainedConfig:
+    return _flash_next(special, hidden=256, layers=4, heads=4, gdn_k_heads=2, gdn_v_heads=4,
+                       gdn_dim=64, head_dim=64, experts=4, moe_inter=256, idx_heads=2,
+                       idx_dim=64, budget=64, ratio=4, hc_lowrank=32)
+
+
+def _flash_next_small(special: dict[str, int]) -> PreTrainedConfig:
+    return _flash_next(special, hidden=1024, layers=8, heads=8, gdn_k_heads=4, gdn_v_heads=8,
+                       gdn_dim=128, head_dim=128, experts=8, moe_inter=512, idx_heads=4,
+                       idx_dim=128, budget=2048, ratio=4, hc_lowrank=128)
+
+
+CATALOG: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("qwen3-next-tiny", "Qwen3-Next, 4 layers (3 GDN + 1 attention), hidden 256",
+                  _qwen3_next_tiny, seed=1),
+        ModelSpec("qwen3-next-small", "Qwen3-Next, 8 layers, hidden 1024 (benchmarks)",
+                  _qwen3_next_small, seed=2),
+        ModelSpec("flash-next-tiny", "Flash-Next (qwen4_exp), 4 layers, GDN + QSA + PLE + HC + MoE",
+                  _flash_next_tiny, seed=3),
+        ModelSpec("flash-next-small", "Flash-Next (qwen4_exp), 8 layers, hidden 1024 (benchmarks)",
+                  _flash_next_small, seed=4),
+    )
+}
