@@ -1,0 +1,57 @@
+"""Cache core: keys, snapshot tree, eviction, payload store, stats. Imports no vLLM.
+
+Scheduler side: SnapshotTree (metadata, decisions). Worker side: LinkStore (payload bytes).
+They talk only through plain data (link ids, row ranges) that the adapter ships in vLLM's
+per-step metadata. See docs/cache-core.md.
+
+API notes beyond the contract (additions only; nothing renamed or removed):
+- lookup/reserve accept a PromptKeys (tree.keys(tokens)) instead of raw tokens, to hash a prompt
+  once per request; lookup's limit defaults to len(tokens).
+- begin_restore returns bool: False when the chain changed since lookup (recorded as an
+  `evicted` miss; prefill cold). end_restore raises KeyError for a plan that is not active.
+- commit returns bool (False: unknown/dropped id); abort returns the number of links dropped.
+- Reservation has existing_id (set on a dedup) and nbytes; LookupResult has prompt_tokens,
+  limit and verify_collisions; RestorePlan has part_bytes, tokens, link_ids, deepest.
+- SkipReason.DISABLED: reserve with budget 0.
+- SnapshotTree.invalidate(ids) drops links the worker reported lost; evict(nbytes) and
+  set_budget(bytes) shrink the tree on demand.
+- LinkStore.restore/restore_views_into take non_blocking and return the bytes moved;
+  LinkStore.buffers(id) re-opens an allocated link's tensors.
+"""
+
+from .config import GiB, TreeConfig
+from .eviction import CostPolicy, EvictionPolicy, LRUPolicy, make_policy
+from .keys import BLOCK, Hasher, PromptKeys, blake2b_128, make_domain
+from .layout import SectionSpec, StateLayout, ViewSpec
+from .stats import CacheStats, Histogram, MissReason, SkipReason
+from .store import LinkBuffers, LinkStore, MissingLinkError
+from .tree import LinkRef, LookupResult, Reservation, RestorePlan, SnapshotTree
+
+__all__ = [
+    "BLOCK",
+    "CacheStats",
+    "CostPolicy",
+    "EvictionPolicy",
+    "GiB",
+    "Hasher",
+    "Histogram",
+    "LRUPolicy",
+    "LinkBuffers",
+    "LinkRef",
+    "LinkStore",
+    "LookupResult",
+    "MissReason",
+    "MissingLinkError",
+    "PromptKeys",
+    "Reservation",
+    "RestorePlan",
+    "SectionSpec",
+    "SkipReason",
+    "SnapshotTree",
+    "StateLayout",
+    "TreeConfig",
+    "ViewSpec",
+    "blake2b_128",
+    "make_domain",
+    "make_policy",
+]

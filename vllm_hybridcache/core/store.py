@@ -1,0 +1,225 @@
+"""LinkStore: the worker-side half of the cache. Payload bytes only, no decisions.
+
+It executes the commands the scheduler-side SnapshotTree hands out by integer link id: allocate
+host buffers for a reserved link, let the model runner fill them in place, seal them, restore a
+chain into caller-provided destinations, drop what the tree evicted. Each link is one contiguous
+host allocation (pinned where a CUDA/ROCm device exists, so device copies can be asynchronous)
+carved into typed, 64-byte aligned part tensors; the typed views are rebuilt on demand so a
+stored link costs one tensor object of bookkeeping.
+
+Threading: a LinkStore is not thread-safe; it is called from one thread only (the model-runner
+thread of its worker process). See docs/cache-core.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
+
+import torch
+
+from .layout import StateLayout, torch_dtype
+from .tree import RestorePlan
+
+__all__ = ["LinkBuffers", "LinkStore", "MissingLinkError"]
+
+ALIGN = 64
+
+ViewSink = Callable[[str, int, torch.Tensor], None]
+
+
+class MissingLinkError(KeyError):
+    """A plan names a link this store does not hold (sealed); the adapter prefills cold."""
+
+
+class LinkBuffers(NamedTuple):
+    """Typed host tensors of one link, to fill in place: sections at p, view rows [start, p)."""
+
+    sections: dict[str, torch.Tensor]
+    views: dict[str, torch.Tensor]
+
+
+class _Entry:
+    __slots__ = ("buf", "rows", "sealed")
+
+    def __init__(self, buf: torch.Tensor, rows: int) -> None:
+        self.buf = buf
+        self.rows = rows
+        self.sealed = False
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def default_pin_memory() -> bool:
+    """Pin host buffers when a CUDA or ROCm device is present (torch.cuda covers both)."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class LinkStore:
+    """Worker-side payload store keyed by the tree's link ids."""
+
+    def __init__(self, layout: StateLayout, pin_memory: bool | None = None) -> None:
+        self.layout = layout
+        self.pin_memory = default_pin_memory() if pin_memory is None else bool(pin_memory)
+        self._entries: dict[int, _Entry] = {}
+        self._bytes = 0
+        # Fixed offsets of the sections; views follow, sized by the link's row count.
+        self._sec: list[tuple[str, int, int, torch.dtype, tuple[int, ...]]] = []
+        off = 0
+        for s in layout.sections:
+            self._sec.append((s.name, off, s.nbytes, torch_dtype(s.dtype), s.shape))
+            off = _align(off + s.nbytes)
+        self._sections_end = off
+        self._views = [
+            (v.name, v.bytes_per_row, torch_dtype(v.dtype), v.row_shape) for v in layout.views
+        ]
+
+    # ------------------------------------------------------------------ layout of one buffer
+    def _view_offsets(self, rows: int) -> tuple[list[tuple[str, int, int]], int]:
+        off = self._sections_end
+        out = []
+        for name, bpr, _, _ in self._views:
+            out.append((name, off, bpr * rows))
+            off = _align(off + bpr * rows)
+        return out, off
+
+    def _typed(self, buf: torch.Tensor, rows: int) -> LinkBuffers:
+        secs = {
+            name: buf[o : o + n].view(dt).view(shape) for name, o, n, dt, shape in self._sec
+        }
+        offs, _ = self._view_offsets(rows)
+        views = {}
+        for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
+            views[name] = buf[o : o + n].view(dt).view(rows, *row_shape)
+        return LinkBuffers(secs, views)
+
+    # ------------------------------------------------------------------ capture
+    def allocate(self, link_id: int, rows: int) -> LinkBuffers:
+        """Host buffers for link `link_id` holding `rows` view rows; fill them, then seal."""
+        if link_id in self._entries:
+            raise ValueError(f"link {link_id} is already allocated")
+        if rows < 0:
+            raise ValueError("rows must be >= 0")
+        _, total = self._view_offsets(rows)
+        buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+        self._entries[link_id] = _Entry(buf, rows)
+        self._bytes += buf.numel()
+        return self._typed(buf, rows)
+
+    def buffers(self, link_id: int) -> LinkBuffers:
+        """Typed tensors of an allocated link (sealed or not)."""
+        e = self._entries.get(link_id)
+        if e is None:
+            raise MissingLinkError(link_id)
+        return self._typed(e.buf, e.rows)
+
+    def seal(self, link_id: int) -> None:
+        """The link is filled and its copies are complete: it may now be restored."""
+        e = self._entries.get(link_id)
+        if e is None:
+            raise MissingLinkError(link_id)
+        e.sealed = True
+
+    def discard(self, link_id: int) -> None:
+        """Forget a link whose fill failed (same as drop for one id)."""
+        self.drop((link_id,))
+
+    # ------------------------------------------------------------------ restore
+    def _check(self, plan: RestorePlan) -> list[_Entry]:
+        entries = []
+        for ref in plan.chain:
+            e = self._entries.get(ref.link_id)
+            if e is None or not e.sealed:
+                raise MissingLinkError(ref.link_id)
+            if e.rows != ref.end - ref.start:
+                raise MissingLinkError(f"link {ref.link_id} holds {e.rows} rows, plan wants "
+                                       f"{ref.end - ref.start}")
+            entries.append(e)
+        return entries
+
+    def restore(
+        self,
+        plan: RestorePlan,
+        section_dst: Mapping[str, torch.Tensor],
+        view_sink: ViewSink,
+        non_blocking: bool = False,
+    ) -> int:
+        """Copy the deepest link's sections into section_dst[name] and hand every link's view
+        rows to view_sink(name, start_row, rows) (a view of the stored rows, no copy), in chain
+        order. Every link is checked before the first byte moves, so a MissingLinkError leaves
+        the destinations untouched. Returns the bytes handed over.
+        """
+        entries = self._check(plan)
+        last = entries[-1]
+        moved = 0
+        for name, o, n, dt, shape in self._sec:
+            src = last.buf[o : o + n].view(dt).view(shape)
+            section_dst[name].copy_(src, non_blocking=non_blocking)
+            moved += n
+        for ref, e in zip(plan.chain, entries, strict=True):
+            if e.rows == 0:
+                continue
+            tv = self._typed(e.buf, e.rows).views
+            for name, rows in tv.items():
+                view_sink(name, ref.start, rows)
+                moved += rows.numel() * rows.element_size()
+        return moved
+
+    def restore_views_into(
+        self, plan: RestorePlan, dst: Mapping[str, torch.Tensor], non_blocking: bool = False
+    ) -> int:
+        """Copy every view's rows of the chain into dst[name][start:end] (dst: [n >= tokens,
+        *row_shape]). Sections are not touched. Returns the bytes copied."""
+        entries = self._check(plan)
+        moved = 0
+        for ref, e in zip(plan.chain, entries, strict=True):
+            if e.rows == 0:
+                continue
+            offs, _ = self._view_offsets(e.rows)
+            for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
+                src = e.buf[o : o + n].view(dt).view(e.rows, *row_shape)
+                dst[name][ref.start : ref.end].copy_(src, non_blocking=non_blocking)
+                moved += n
+        return moved
+
+    # ------------------------------------------------------------------ housekeeping
+    def drop(self, link_ids: Iterable[int]) -> int:
+        """Free links the tree dropped (unknown ids are ignored). Returns bytes freed."""
+        freed = 0
+        for lid in link_ids:
+            e = self._entries.pop(lid, None)
+            if e is not None:
+                freed += e.buf.numel()
+        self._bytes -= freed
+        return freed
+
+    def clear(self) -> int:
+        n = len(self._entries)
+        self._entries.clear()
+        self._bytes = 0
+        return n
+
+    def has(self, link_id: int) -> bool:
+        """Whether the link is allocated and sealed (restorable)."""
+        e = self._entries.get(link_id)
+        return e is not None and e.sealed
+
+    @property
+    def bytes_held(self) -> int:
+        """Host bytes allocated, including alignment padding."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def padding_bytes(self, rows: int) -> int:
+        """Alignment padding of one link with `rows` rows (beyond layout.link_bytes)."""
+        _, total = self._view_offsets(rows)
+        return max(total, 1) - self.layout.link_bytes(rows)
+
+
