@@ -29,11 +29,12 @@ from .launch import config_for
 
 @triton.jit
 def _conv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, state_ptr,
-    cu_ptr, slot_ptr, init_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, new_state_ptr,
+    cu_ptr, slot_ptr, out_slot_ptr, init_ptr,
     D,
     stride_xt, stride_xd, stride_ot, stride_od,
     stride_ss, stride_sd, stride_sk,
+    stride_ns, stride_nd, stride_nk,
     stride_wd, stride_wk,
     W: tl.constexpr, DIL: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INIT: tl.constexpr,
@@ -45,6 +46,7 @@ def _conv_kernel(
     end = tl.load(cu_ptr + n + 1)
     length = end - start
     slot = tl.load(slot_ptr + n).to(tl.int64)
+    out_slot = tl.load(out_slot_ptr + n).to(tl.int64)
     # 0/1 as int32: the interpreter rejects masks built from loaded bool scalars.
     use_state = (slot >= 0).to(tl.int32)
     if HAS_INIT:
@@ -69,14 +71,19 @@ def _conv_kernel(
             xv = tl.load(
                 x_ptr + (start + src)[:, None] * stride_xt + offs_d[None, :] * stride_xd,
                 mask=(from_x & mask_t)[:, None] & mask_d[None, :], other=0.0,
-            ).to(tl.float32)
+            )
             sv = tl.load(
                 state_base[None, :] + (S + src)[:, None] * stride_sk,
                 mask=((~from_x) & mask_t & (offs_t * 0 + use_state != 0))[:, None]
                 & mask_d[None, :],
                 other=0.0,
-            ).to(tl.float32)
-            acc += wi.to(tl.float32)[None, :] * tl.where(from_x[:, None], xv, sv)
+            )
+            # Inputs are cast to the weight dtype first, as transformers runs the conv in it.
+            xs = tl.where(from_x[:, None], xv.to(w_ptr.dtype.element_ty),
+                          sv.to(w_ptr.dtype.element_ty))
+            acc += wi.to(tl.float32)[None, :] * xs.to(tl.float32)
+        # transformers rounds the conv result to the weight dtype before the activation.
+        acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(
@@ -84,9 +91,10 @@ def _conv_kernel(
             acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :],
         )
 
-    if slot >= 0:
+    if out_slot >= 0:
         # New state: the last S inputs of (old state ++ x). Gather everything, then barrier,
-        # then overwrite: element j of the new state may read old element j + length.
+        # then overwrite: in place (same pool and slot) element j of the new state may read old
+        # element j + length.
         offs_k = tl.arange(0, SP)
         mask_k = offs_k < S
         src = length - S + offs_k
@@ -100,11 +108,11 @@ def _conv_kernel(
             mask=mask_d[:, None] & ((~from_x) & mask_k & (offs_k * 0 + use_state != 0))[None, :],
             other=0.0,
         )
-        new = tl.where(from_x[None, :], xv.to(state_ptr.dtype.element_ty),
-                       sv.to(state_ptr.dtype.element_ty))
+        new = tl.where(from_x[None, :], xv.to(new_state_ptr.dtype.element_ty),
+                       sv.to(new_state_ptr.dtype.element_ty))
         tl.debug_barrier()
-        tl.store(state_base[:, None] + offs_k[None, :] * stride_sk, new,
-                 mask=mask_d[:, None] & mask_k[None, :])
+        tl.store(new_state_ptr + out_slot * stride_ns + offs_d[:, None] * stride_nd
+                 + offs_k[None, :] * stride_nk, new, mask=mask_d[:, None] & mask_k[None, :])
 
 
 def causal_conv1d_varlen(
@@ -118,23 +126,28 @@ def causal_conv1d_varlen(
     *,
     dilation: int = 1,
     activation: str | None = "silu",
+    new_state: torch.Tensor | None = None,
+    new_state_slots: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise conv over a flattened varlen batch, carrying ``conv_state`` in place.
+    """Causal depthwise conv over a flattened varlen batch, carrying the conv state.
 
     Args:
         x: ``[T, D]`` inputs of all sequences, back to back (any strides).
-        weight: ``[D, W]`` taps, oldest first (HF ``conv1d.weight.squeeze(1)``).
+        weight: ``[D, W]`` taps, oldest first (HF ``conv1d.weight.squeeze(1)``). The conv runs
+            in ``weight.dtype`` as transformers does: inputs are cast to it and the result is
+            rounded to it before the activation; accumulation is fp32.
         bias: ``[D]`` or None.
-        conv_state: ``[num_slots, D, S]`` with ``S >= (W-1)*dilation``; the last
-            ``(W-1)*dilation`` columns are read as history and rewritten with the new tail.
-        cu_seqlens: ``[N+1]`` int32 offsets into ``x``.
-        state_slots: ``[N]`` int32 slot of each sequence in ``conv_state``; -1 means no state
-            (history is zero and nothing is written back).
+        conv_state: ``[num_slots, D, S']`` with ``S' >= S = (W-1)*dilation``; its last ``S``
+            columns are the history (most recent last).
+        cu_seqlens: ``[N+1]`` offsets into ``x``.
+        state_slots: ``[N]`` slot of each sequence in ``conv_state``; -1 means no history.
         has_initial_state: ``[N]`` bool; False treats the history as zeros (a fresh prefill
             into a slot holding stale data). None means every sequence with a slot has one.
         dilation: 1 for GDN, ``ngram_size`` for PLE.
         activation: ``"silu"`` or None.
+        new_state, new_state_slots: where the new tail goes (``[slots, D, S'']``, last ``S``
+            columns); default: in place, ``conv_state`` at ``state_slots`` (-1: not written).
     Returns:
         ``[T, D]`` outputs in ``x.dtype`` (``out`` if given).
     """
@@ -147,6 +160,11 @@ def causal_conv1d_varlen(
         raise ValueError(f"unsupported activation {activation!r}")
     # Address the last S columns so wider (speculative) states work unchanged.
     state_view = conv_state[..., conv_state.shape[-1] - S:]
+    if new_state is None:
+        new_view, new_slots = state_view, state_slots
+    else:
+        new_view = new_state[..., new_state.shape[-1] - S:]
+        new_slots = new_state_slots if new_state_slots is not None else state_slots
     if out is None:
         out = torch.empty((T, D), dtype=x.dtype, device=x.device)
     N = cu_seqlens.numel() - 1
@@ -156,12 +174,13 @@ def causal_conv1d_varlen(
     BD = min(cfg["BD"], triton.next_power_of_2(D))
     grid = (N, triton.cdiv(D, BD))
     _conv_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, state_view,
-        cu_seqlens, state_slots,
+        x, weight, bias if bias is not None else weight, out, state_view, new_view,
+        cu_seqlens, state_slots, new_slots,
         has_initial_state if has_initial_state is not None else state_slots,
         D,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         state_view.stride(0), state_view.stride(1), state_view.stride(2),
+        new_view.stride(0), new_view.stride(1), new_view.stride(2),
         weight.stride(0), weight.stride(1),
         W=W, DIL=dilation, S=S, SP=triton.next_power_of_2(max(S, 1)),
         HAS_BIAS=bias is not None, SILU=activation is not None,

@@ -41,12 +41,12 @@ def _l2norm_rows(x, eps: tl.constexpr):
 
 @triton.jit
 def _gdn_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, state_ptr, new_state_ptr,
     cu_ptr, in_slot_ptr, out_slot_ptr, init_ptr,
     scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk,
+    stride_ss, stride_sh, stride_sk, stride_ns, stride_nh, stride_nk,
     HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KP: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     L2NORM: tl.constexpr, HAS_INIT: tl.constexpr,
@@ -129,18 +129,18 @@ def _gdn_chunk_kernel(
         S = S * tl.exp(g_last) + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
 
     if out_slot >= 0:
-        tl.store(state_ptr + out_slot * stride_ss + hv * stride_sh
-                 + offs_k[:, None] * stride_sk + offs_v[None, :], S, mask=mask_kv)
+        tl.store(new_state_ptr + out_slot * stride_ns + hv * stride_nh
+                 + offs_k[:, None] * stride_nk + offs_v[None, :], S, mask=mask_kv)
 
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, state_ptr, new_state_ptr,
     cu_ptr, in_slot_ptr, out_slot_ptr, init_ptr,
     scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk, stride_outn,
+    stride_ss, stride_sh, stride_sk, stride_ns, stride_nh, stride_nk, stride_outn,
     HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KP: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, PER_TOKEN: tl.constexpr,
@@ -159,6 +159,7 @@ def _gdn_recurrent_kernel(
     mask_v = offs_v < V
     mask_kv = mask_k[:, None] & mask_v[None, :]
     tile = hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    new_tile = hv * stride_nh + offs_k[:, None] * stride_nk + offs_v[None, :]
 
     use_init = in_slot >= 0
     if HAS_INIT:
@@ -191,12 +192,12 @@ def _gdn_recurrent_kernel(
         if PER_TOKEN:
             slot_t = tl.load(out_slot_ptr + n * stride_outn + t).to(tl.int64)
             if slot_t >= 0:
-                tl.store(state_ptr + slot_t * stride_ss + tile, S, mask=mask_kv)
+                tl.store(new_state_ptr + slot_t * stride_ns + new_tile, S, mask=mask_kv)
 
     if not PER_TOKEN:
         out_slot = tl.load(out_slot_ptr + n).to(tl.int64)
         if out_slot >= 0:
-            tl.store(state_ptr + out_slot * stride_ss + tile, S, mask=mask_kv)
+            tl.store(new_state_ptr + out_slot * stride_ns + new_tile, S, mask=mask_kv)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> None:
@@ -224,9 +225,11 @@ def gdn_chunked_prefill_varlen(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
     *,
+    new_state: torch.Tensor | None = None,
     out_state_slots: torch.Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    chunk_size: int = CHUNK,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over a varlen batch; the state pool is read and written in place.
@@ -237,14 +240,18 @@ def gdn_chunked_prefill_varlen(
         cu_seqlens: ``[N+1]`` int32 offsets.
         state_slots: ``[N]`` slot read as the initial state (-1: none).
         has_initial_state: ``[N]`` bool; False starts from zeros (None: every slot >= 0 has one).
-        out_state_slots: ``[N]`` slot the final state is written to (default ``state_slots``;
-            -1: not written).
+        new_state: pool the final states are written to (default: ``state``, in place).
+        out_state_slots: ``[N]`` slot in ``new_state`` the final state is written to (default
+            ``state_slots``; -1: not written).
+        chunk_size: a power of two >= 16 (64 in transformers and here by default).
         scale: query scale, default ``K ** -0.5`` (HF).
         use_qk_l2norm: L2-normalise q and k in fp32 first (Flash-Next: True).
     Returns:
         ``[T, HV, V]`` in ``q.dtype``.
     """
     _check(q, k, v, state)
+    if new_state is not None:
+        _check(q, k, v, new_state)
     T, HK, K = k.shape
     HV, V = v.shape[1:]
     if out is None:
@@ -252,18 +259,22 @@ def gdn_chunked_prefill_varlen(
     N = cu_seqlens.numel() - 1
     if N == 0:
         return out
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     cfg = config_for("gdn_chunk", q.device)
     BV = min(cfg["BV"], max(16, triton.next_power_of_2(V)))
     outs = out_state_slots if out_state_slots is not None else state_slots
+    dst = state if new_state is None else new_state
     _gdn_chunk_kernel[(N, HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, out, state,
+        q, k, v, g, beta, out, state, dst,
         cu_seqlens, state_slots, outs,
         has_initial_state if has_initial_state is not None else state_slots,
         K ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        HV=HV, HK=HK, K=K, V=V, KP=max(16, triton.next_power_of_2(K)), BV=BV, BT=CHUNK,
+        dst.stride(0), dst.stride(1), dst.stride(2),
+        HV=HV, HK=HK, K=K, V=V, KP=max(16, triton.next_power_of_2(K)), BV=BV, BT=chunk_size,
         L2NORM=use_qk_l2norm, HAS_INIT=has_initial_state is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -281,6 +292,7 @@ def gdn_recurrent_varlen(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
     *,
+    new_state: torch.Tensor | None = None,
     out_state_slots: torch.Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
@@ -294,6 +306,8 @@ def gdn_recurrent_varlen(
     accepted draft token. 1-D (or None) writes only the final state.
     """
     _check(q, k, v, state)
+    if new_state is not None:
+        _check(q, k, v, new_state)
     T, HK, K = k.shape
     HV, V = v.shape[1:]
     if out is None:
@@ -305,14 +319,16 @@ def gdn_recurrent_varlen(
     BV = min(cfg["BV"], triton.next_power_of_2(V))
     outs = out_state_slots if out_state_slots is not None else state_slots
     per_token = outs.dim() == 2
+    dst = state if new_state is None else new_state
     _gdn_recurrent_kernel[(N, HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, out, state,
+        q, k, v, g, beta, out, state, dst,
         cu_seqlens, state_slots, outs,
         has_initial_state if has_initial_state is not None else state_slots,
         K ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
+        dst.stride(0), dst.stride(1), dst.stride(2),
         outs.stride(0) if per_token else 0,
         HV=HV, HK=HK, K=K, V=V, KP=triton.next_power_of_2(K), BV=BV,
         L2NORM=use_qk_l2norm, HAS_INIT=has_initial_state is not None, PER_TOKEN=per_token,
