@@ -1,0 +1,199 @@
+"""Gated DeltaNet layer (transformers' `Qwen4ExpTextGatedDeltaNet`) as a vLLM state layer.
+
+Its per-sequence state is a fixed-size section described by one vLLM `MambaSpec`:
+(conv tail [conv_dim, K - 1] in the model dtype, recurrent state [Hv, Dk, Dv] in float32),
+and, when the decoder layer has PLE, the PLE sections too: (n-gram context ids [ngram - 1]
+int64, PLE conv inputs [hc * H, (K_ple - 1) * ngram] in the model dtype). vLLM allocates one
+state block per request (`mamba_cache_mode="none"`) and hands us its index; the layer gathers
+the states of the batch, runs the ops and scatters the new states back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from vllm_hybridcache.flash_next.common import SectionBatch, section_batch
+from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
+from vllm_hybridcache.flash_next.ple import PLE
+
+
+def gdn_state_shapes(config) -> list[tuple[int, ...]]:
+    key_dim = config.linear_key_head_dim * config.linear_num_key_heads
+    value_dim = config.linear_value_head_dim * config.linear_num_value_heads
+    conv_dim = 2 * key_dim + value_dim
+    return [(conv_dim, config.linear_conv_kernel_dim - 1),
+            (config.linear_num_value_heads, config.linear_key_head_dim,
+             config.linear_value_head_dim)]
+
+
+def ple_state_shapes(config) -> list[tuple[int, ...]]:
+    hc_hidden = config.hidden_size * config.hc_count
+    return [(config.ngram_size - 1,),
+            (hc_hidden, (config.ple_conv_kernel_size - 1) * config.ngram_size)]
+
+
+def section_dtypes(model_dtype: torch.dtype, with_ple: bool) -> tuple[torch.dtype, ...]:
+    """Conv tails keep the activation dtype (as transformers' cache does); the recurrent
+    state is always float32; n-gram context ids are int64."""
+    base = (model_dtype, torch.float32)
+    return (*base, torch.int64, model_dtype) if with_ple else base
+
+
+class GatedNormSigmoidOrSilu(nn.Module):
+    """transformers' `Qwen4ExpTextRMSNormGated` (weight * norm(x), times act(gate) in fp32)."""
+
+    def __init__(self, dim: int, eps: float, activation: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        act = torch.sigmoid if self.activation == "sigmoid" else F.silu
+        return (out * act(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module, MambaBase):
+    """One GDN mixer; owns the state sections of its decoder layer (GDN, and PLE if any)."""
+
+    def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
+                 ops: FlashNextOps, ple: PLE | None) -> None:
+        super().__init__()
+        self.ops = ops
+        self.prefix = prefix
+        self.layer_idx = layer_idx
+        self.model_dtype = vllm_config.model_config.dtype
+        self.cache_config = vllm_config.cache_config
+        self.num_v_heads = config.linear_num_value_heads
+        self.num_k_heads = config.linear_num_key_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        self.conv_kernel = config.linear_conv_kernel_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(conv_dim, self.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedNormSigmoidOrSilu(self.head_v_dim, config.rms_norm_eps,
+                                           config.output_gate_type or config.hidden_act)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        # PLE runs before the mixer in the decoder layer, but its state lives here.
+        self.ple_state_owner = ple is not None
+        self._shapes = gdn_state_shapes(config) + (ple_state_shapes(config) if ple else [])
+        self.kv_cache = (torch.tensor([]),)
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    # ------------------------------------------------------------------ MambaBase
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        # The short-conv metadata (state slot, initial-state flag, query offsets per request)
+        # is all a section layer needs; the arithmetic is ours.
+        return MambaAttentionBackendEnum.SHORT_CONV
+
+    def get_state_shape(self) -> list[tuple[int, ...]]:
+        return self._shapes
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return section_dtypes(self.model_dtype, self.ple_state_owner)
+
+    # ------------------------------------------------------------------ batch/state helpers
+    def batch(self, num_tokens: int) -> SectionBatch:
+        meta = None
+        try:
+            attn = get_forward_context().attn_metadata
+            if isinstance(attn, dict):
+                meta = attn.get(self.prefix)
+        except AssertionError:
+            meta = None
+        b = section_batch(meta, num_tokens)
+        if b is None:  # profiling / dummy run: one stateless sequence
+            return SectionBatch(cu_seqlens=torch.tensor([0, num_tokens]),
+                                slots=torch.zeros(1, dtype=torch.long),
+                                has_state=torch.zeros(1, dtype=torch.bool),
+                                num_decodes=0, num_tokens=num_tokens)
+        return b
+
+    def has_cache(self) -> bool:
+        return len(self.kv_cache) >= 2 and self.kv_cache[0].numel() > 0
+
+    def load_states(self, b: SectionBatch, idx: int) -> torch.Tensor | None:
+        """Gather state `idx` of the batch's requests; zeros where a request starts fresh."""
+        if not self.has_cache() or b.slots.numel() == 0:
+            return None
+        st = self.kv_cache[idx][b.slots].clone()
+        fresh = ~b.has_state.to(st.device)
+        if bool(fresh.any()):
+            st[fresh] = 0
+        return st
+
+    def store_states(self, b: SectionBatch, idx: int, value: torch.Tensor) -> None:
+        if self.has_cache() and b.slots.numel():
+            self.kv_cache[idx][b.slots] = value.to(self.kv_cache[idx].dtype)
+
+    def ple_contexts(self, b: SectionBatch, ctx_len: int, eos: int, device) -> torch.Tensor:
+        st = self.load_states(b, 2)
+        n = b.cu_seqlens.numel() - 1
+        fresh = torch.full((n, ctx_len), eos, dtype=torch.long, device=device)
+        if st is None:
+            return fresh
+        return torch.where(b.has_state.to(device)[:, None], st.long(), fresh)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, b: SectionBatch) -> torch.Tensor:
+        t = b.num_tokens
+        mixed = self.in_proj_qkv(x[:t])
+        z = self.in_proj_z(x[:t])
+        beta = self.in_proj_b(x[:t]).sigmoid()
+        a = self.in_proj_a(x[:t])
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        nd = b.num_decodes
+        conv_state = self.load_states(b, 0)
+        ssm_state = self.load_states(b, 1)
+        if conv_state is None:
+            n = b.cu_seqlens.numel() - 1
+            ssm_state = torch.zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                    dtype=torch.float32, device=x.device)
+        mixed, new_conv = self.ops.causal_conv1d_prefill(
+            mixed, self.conv_weight, b.cu_seqlens, conv_state, "silu")
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        rep = self.num_v_heads // self.num_k_heads
+        if rep > 1:
+            q = q.repeat_interleave(rep, dim=1)
+            k = k.repeat_interleave(rep, dim=1)
+        out = torch.empty_like(v)
+        new_ssm = torch.empty_like(ssm_state)
+        if nd:
+            o, s = self.ops.gdn_recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
+                                               ssm_state[:nd])
+            out[:nd], new_ssm[:nd] = o, s
+        if b.cu_seqlens.numel() - 1 > nd:
+            cu = b.cu_seqlens[nd:] - nd
+            o, s = self.ops.gdn_chunked_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cu,
+                                                ssm_state[nd:])
+            out[nd:], new_ssm[nd:] = o, s
+        self.store_states(b, 0, new_conv)
+        self.store_states(b, 1, new_ssm)
+        core = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(t, self.value_dim))

@@ -1,0 +1,296 @@
+"""Flash-Next (HF `qwen4_exp`) for vLLM: decoder, model, causal-LM head and weight loading.
+
+Module and parameter names mirror transformers' `Qwen4ExpForCausalLM`, so the HF checkpoint
+loads by name; the few layout differences (fused experts, the split n-gram embedding shards,
+conv weights without the channel axis, the multimodal prefix) are handled in `load_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.sequence import IntermediateTensors
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from vllm_hybridcache.flash_next.common import RopeTable
+from vllm_hybridcache.flash_next.gdn import (
+    GatedDeltaNet,
+    gdn_state_shapes,
+    ple_state_shapes,
+    section_dtypes,
+)
+from vllm_hybridcache.flash_next.hyper import GatedResidual
+from vllm_hybridcache.flash_next.moe import SparseMoE
+from vllm_hybridcache.flash_next.ops import get_backend
+from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
+from vllm_hybridcache.flash_next.ple import PLE
+from vllm_hybridcache.flash_next.qsa import QSAAttention
+
+# Skip switches for the negative control test (a dropped component must fail the tolerance).
+# Read once at model construction from VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP (comma list of
+# "ple", "indexer"); never set in production.
+SKIP_ENV = "VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP"
+
+
+def _skips() -> set[str]:
+    import os
+
+    return {s for s in os.environ.get(SKIP_ENV, "").split(",") if s}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, ops: FlashNextOps,
+                 rope: RopeTable, prefix: str) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        ple_ids = config.ple_layer_ids or []
+        self.ple = (PLE(config, ple_ids.index(layer_idx + 1), ops)
+                    if layer_idx + 1 in ple_ids else None)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer_idx, vllm_config,
+                                             f"{prefix}.linear_attn", ops, self.ple)
+        else:
+            if self.ple is not None:
+                raise ValueError("Flash-Next PLE is only defined on linear_attention layers")
+            self.self_attn = QSAAttention(config, layer_idx, vllm_config, f"{prefix}.self_attn",
+                                          ops, rope)
+        self.mlp = SparseMoE(config)
+        self.attn_hyper_connection = GatedResidual(config, ops)
+        self.mlp_hyper_connection = GatedResidual(config, ops)
+        self.ops = ops
+        self.eos = int(config.eos_token_id[0] if isinstance(config.eos_token_id, list)
+                       else config.eos_token_id)
+        self.skip_ple = "ple" in _skips()
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                input_ids: torch.Tensor | None) -> torch.Tensor:
+        batch = None
+        if self.layer_type == "linear_attention":
+            batch = self.linear_attn.batch(h.shape[0])
+        if self.ple is not None and not self.skip_ple:
+            if input_ids is None:
+                raise ValueError("Flash-Next PLE needs token ids (inputs_embeds-only "
+                                 "requests are not supported)")
+            gdn = self.linear_attn
+            t = batch.num_tokens
+            ctx = gdn.ple_contexts(batch, self.ple.ple_embedding.context_len, self.eos,
+                                   h.device)
+            conv = gdn.load_states(batch, 3)
+            out, new_ctx, new_conv = self.ple(h[:t], input_ids[:t], batch.cu_seqlens, ctx, conv)
+            gdn.store_states(batch, 2, new_ctx)
+            gdn.store_states(batch, 3, new_conv)
+            h = torch.cat([h[:t] + out, h[t:]]) if t < h.shape[0] else h + out
+        mixed, inject = self.attn_hyper_connection(h)
+        if self.layer_type == "linear_attention":
+            t = batch.num_tokens
+            out = self.linear_attn(mixed, batch)
+            if t < h.shape[0]:
+                out = torch.cat([out, out.new_zeros(h.shape[0] - t, out.shape[1])])
+        else:
+            out = self.self_attn(mixed, positions)
+        h = self.ops.hc_inject(h, out, inject)
+        mixed, inject = self.mlp_hyper_connection(h)
+        return self.ops.hc_inject(h, self.mlp(mixed), inject)
+
+
+class FlashNextModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "model",
+                 ops: FlashNextOps) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.hc_count = config.hc_count
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rope = RopeTable(config.head_dim, config.rope_parameters)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, vllm_config, ops, self.rope, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        self.hyper_connection_mixer = GatedResidual(config, ops, use_combine=False)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None,
+                return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor,
+                                                                     torch.Tensor]:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = h.repeat(1, self.hc_count)
+        for layer in self.layers:
+            h = layer(h, positions, input_ids)
+        mixed, _ = self.hyper_connection_mixer(h)
+        return (mixed, h) if return_streams else mixed
+
+
+_EXPERT_RE = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SHARD_RE = re.compile(r"(.*\.ngram_embedding)\.shard_(\d+)\.weight$")
+
+
+def load_flash_next_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                            *, split_parts: int, strip_prefixes: tuple[str, ...] = (),
+                            rename: dict[str, str] | None = None,
+                            skip_prefixes: tuple[str, ...] = ()) -> set[str]:
+    """Load HF-layout tensors into `module` by name (see module docstring)."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    rename = rename or {}
+    for name, tensor in weights:
+        if any(name.startswith(p) for p in skip_prefixes):
+            continue
+        for old, new in rename.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        for p in strip_prefixes:
+            if name.startswith(p):
+                name = name[len(p):]
+        if name.endswith(("layer_multipliers", "ngram_heads_vocab_sizes",
+                          "ngram_heads_offsets")):
+            buf = module.get_buffer(name)
+            if not torch.equal(buf.cpu(), tensor.cpu().to(buf.dtype)):
+                raise ValueError(f"{name} in the checkpoint differs from the config's hashing")
+            continue
+        if m := _EXPERT_RE.match(name):
+            base, e, which = m.group(1), int(m.group(2)), m.group(3)
+            if which == "down_proj":
+                target, rows = params[f"{base}.w2"], None
+            else:
+                target = params[f"{base}.w13"]
+                inter = target.shape[1] // 2
+                rows = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
+            with torch.no_grad():
+                dst = target[e] if rows is None else target[e, rows]
+                dst.copy_(tensor)
+            loaded.add(f"{base}.w2" if rows is None else f"{base}.w13")
+            continue
+        if m := _SHARD_RE.match(name):
+            target = params[f"{m.group(1)}.weight"]
+            per = math.ceil(target.shape[0] / split_parts)
+            start = int(m.group(2)) * per
+            with torch.no_grad():
+                target[start:start + tensor.shape[0]].copy_(tensor)
+            loaded.add(f"{m.group(1)}.weight")
+            continue
+        name = name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv_weight")
+        name = name.replace(".ple.conv1d.weight", ".ple.conv_weight")
+        if name not in params:
+            raise KeyError(f"unexpected Flash-Next checkpoint tensor {name}")
+        p = params[name]
+        if tensor.dim() == 3 and p.dim() == 2:  # conv [C, 1, K] -> [C, K]
+            tensor = tensor[:, 0]
+        with torch.no_grad():
+            p.copy_(tensor)
+        loaded.add(name)
+    return loaded
+
+
+class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """vLLM model for `Qwen4ExpForCausalLM` (and the text path of the multimodal class)."""
+
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        if vllm_config.cache_config.mamba_cache_mode not in ("none", None):
+            raise ValueError(
+                "Flash-Next (vllm-hybridcache) keeps one recurrent state block per request; "
+                "run with --no-enable-prefix-caching (the hybridcache connector is the prefix "
+                f"cache), got mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode!r}")
+        self.config = config
+        self.vllm_config = vllm_config
+        self.ops = get_backend(None)
+        self.model = FlashNextModel(vllm_config=vllm_config, prefix="model", ops=self.ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.skips = _skips()
+        if "indexer" in self.skips:
+            self.ops = _DenseSelectionOps(self.ops)
+            for layer in self.model.modules():
+                if hasattr(layer, "ops"):
+                    layer.ops = self.ops
+        self._last_streams: torch.Tensor | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        mixed, streams = self.model(input_ids, positions, inputs_embeds, return_streams=True)
+        self._last_streams = streams
+        return mixed
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_flash_next_weights(
+            self, weights, split_parts=int(getattr(self.config, "split_ngram_parts", 1) or 1),
+            rename={"model.language_model.": "model.", "language_model.": "model."},
+            skip_prefixes=("mtp.", "model.visual.", "visual.", "model.mtp."))
+
+    # ------------------------------------------------------------------ IsHybrid
+    @classmethod
+    def _sections(cls, vllm_config: VllmConfig) -> list[tuple[tuple, tuple]]:
+        config = vllm_config.model_config.hf_text_config
+        dtype = vllm_config.model_config.dtype
+        out = [(tuple(gdn_state_shapes(config)), section_dtypes(dtype, False))]
+        if config.ple_layer_ids:
+            out.append((tuple(gdn_state_shapes(config) + ple_state_shapes(config)),
+                        section_dtypes(dtype, True)))
+        return out
+
+    @classmethod
+    def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> tuple[MambaSpec, ...]:
+        """Every section layout of the model (vLLM sizes the shared page from the largest)."""
+        return tuple(MambaSpec(shapes=s, dtypes=d, block_size=-1)
+                     for s, d in cls._sections(vllm_config))
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return max(cls._sections(vllm_config),
+                   key=lambda sd: MambaSpec(shapes=sd[0], dtypes=sd[1],
+                                            block_size=-1).page_size_bytes)[0]
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return max(cls._sections(vllm_config),
+                   key=lambda sd: MambaSpec(shapes=sd[0], dtypes=sd[1],
+                                            block_size=-1).page_size_bytes)[1]
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+class FlashNextForConditionalGeneration(FlashNextForCausalLM):
+    """`Qwen4ExpForConditionalGeneration`, text path only: the vision tower is not built and
+    a request carrying images is rejected with a clear error."""
+
+    def embed_multimodal(self, **kwargs):
+        raise NotImplementedError(
+            "Flash-Next in vllm-hybridcache supports text only for now; this request carries "
+            "images/video. Use vLLM's in-tree Qwen4Exp on a supported GPU for vision.")
+
+
+class _DenseSelectionOps:
+    """Negative control only: the indexer keeps every visible token (selection dropped)."""
+
+    def __init__(self, inner: FlashNextOps) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def indexer_topk(self, q, raw_keys, key_cu_seqlens, query_seq_idx, query_pos, *args,
+                     budget, compress_ratio, **kw):
+        n = int(query_pos.max()) + 1 if query_pos.numel() else 1
+        idx = torch.arange(n, dtype=torch.int32).expand(q.shape[0], n).clone()
+        idx[idx > query_pos[:, None].to(torch.int32)] = -1
+        return idx

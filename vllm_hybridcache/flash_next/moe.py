@@ -1,0 +1,62 @@
+"""Sparse MoE with a gated shared expert (transformers' `Qwen4ExpTextSparseMoeBlock`).
+
+Written in torch (per-expert gather/scatter) so it runs in float32 as well as bf16; routing
+arithmetic (fp32 softmax, renormalised top-k, cast back) follows the reference exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SharedExpertMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+
+class SparseMoE(nn.Module):
+    """Experts are stored fused: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate = Router(config)
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        self.shared_expert = SharedExpertMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x)
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(top_i == e)
+            if tok.numel() == 0:
+                continue
+            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[e]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
