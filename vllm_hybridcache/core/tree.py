@@ -500,6 +500,7 @@ class SnapshotTree:
             stuck = self._bytes_pending + self._bytes_pinned
             if cfg.budget_bytes - stuck < nbytes or not self._make_room(nbytes, parent):
                 return self._refuse(key, parent_id, start, p, SkipReason.BUDGET, nbytes)
+        root = self._roots.get(domain)  # eviction above may have removed an emptied root
         if root is None:
             root = self._roots[domain] = _Root(domain)
         pnode: _Node = parent if parent is not None else root

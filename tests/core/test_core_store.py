@@ -1,0 +1,145 @@
+"""LinkStore: the worker-side payload store (reqs. 1 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_hybridcache.core import LinkStore, MissingLinkError, make_domain
+
+D = make_domain(model="m")
+
+
+def fill(store, res, tokens):
+    """Fill a reserved link: sections = its cut, views = f(token, position)."""
+    rows = res.end - res.start
+    bufs = store.allocate(res.link_id, rows)
+    for t in bufs.sections.values():
+        t.fill_(res.end)
+    pos = torch.arange(res.start, res.end, dtype=torch.float32)
+    tok = torch.tensor(tokens[res.start : res.end], dtype=torch.float32)
+    for v in bufs.views.values():
+        v.copy_((tok * 1000 + pos).view(rows, *([1] * (v.dim() - 1))).expand_as(v))
+    store.seal(res.link_id)
+    return bufs
+
+
+def expected_rows(tokens, n, view):
+    val = torch.tensor(tokens[:n], dtype=torch.float32) * 1000 + torch.arange(n)
+    return val.view(n, *([1] * len(view.row_shape))).expand(n, *view.row_shape)
+
+
+def test_allocate_gives_typed_host_tensors(layout):
+    store = LinkStore(layout, pin_memory=False)
+    bufs = store.allocate(7, rows=5)
+    assert bufs.sections["gdn"].shape == (2, 4) and bufs.sections["gdn"].dtype == torch.float32
+    assert bufs.sections["conv"].dtype == torch.bfloat16
+    assert bufs.views["kv"].shape == (5, 2, 2) and bufs.views["idx"].shape == (5, 1)
+    assert bufs.views["kv"].device.type == "cpu"
+    assert store.bytes_held >= layout.link_bytes(5)
+    assert store.bytes_held - layout.link_bytes(5) == store.padding_bytes(5) < 64 * 4
+    # parts do not overlap
+    for t in (*bufs.sections.values(), *bufs.views.values()):
+        t.fill_(0)
+    bufs.sections["gdn"].fill_(1)
+    assert bufs.views["kv"].abs().sum() == 0 and bufs.sections["conv"].abs().sum() == 0
+    with pytest.raises(ValueError):
+        store.allocate(7, rows=1)
+    assert not store.has(7)  # allocated, not sealed
+
+
+def test_pin_memory_defaults_to_device_presence(layout):
+    assert LinkStore(layout).pin_memory == torch.cuda.is_available()
+
+
+def test_restore_chain_concatenates_rows(make_tree, layout):
+    tree, store = make_tree(), LinkStore(layout, pin_memory=False)
+    tokens = list(range(500, 800))
+    for p in (64, 128, 200):
+        fill(store, tree.reserve(tokens, p, D), tokens)
+        tree.commit(tree.link_ids()[-1])
+    res = tree.lookup(tokens, D, 299)
+    got: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    sec = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in layout.sections}
+    moved = store.restore(res.plan, sec, lambda n, start, rows: got.setdefault(n, []).append(
+        (start, rows)))
+    assert moved == res.plan.total_bytes
+    assert all(bool((t == 200).all()) for t in sec.values())
+    for v in layout.views:
+        starts = [s for s, _ in got[v.name]]
+        assert starts == [0, 64, 128]
+        cat = torch.cat([r for _, r in got[v.name]])
+        assert torch.equal(cat, expected_rows(tokens, 200, v).to(cat.dtype))
+    dst = {v.name: torch.zeros(200, *v.row_shape, dtype=getattr(torch, v.dtype))
+           for v in layout.views}
+    assert store.restore_views_into(res.plan, dst) == res.plan.total_bytes - layout.section_bytes
+    for v in layout.views:
+        assert torch.equal(dst[v.name], expected_rows(tokens, 200, v).to(dst[v.name].dtype))
+
+
+def test_view_sink_gets_views_not_copies(make_tree, layout):
+    tree, store = make_tree(), LinkStore(layout, pin_memory=False)
+    tokens = list(range(100))
+    r = tree.reserve(tokens, 64, D)
+    bufs = fill(store, r, tokens)
+    tree.commit(r.link_id)
+    res = tree.lookup(tokens, D)
+    seen = []
+    store.restore(res.plan, {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype))
+                             for s in layout.sections},
+                  lambda n, s, rows: seen.append(rows.data_ptr()))
+    assert seen == [bufs.views["kv"].data_ptr(), bufs.views["idx"].data_ptr()]
+
+
+def test_missing_link_raises_and_leaves_destination_untouched(make_tree, layout):
+    tree, store = make_tree(), LinkStore(layout, pin_memory=False)
+    tokens = list(range(300))
+    for p in (64, 128):
+        fill(store, tree.reserve(tokens, p, D), tokens)
+    for lid in tree.link_ids():
+        tree.commit(lid)
+    res = tree.lookup(tokens, D)
+    store.drop([res.plan.chain[0].link_id])
+    sec = {s.name: torch.full(s.shape, -1.0).to(getattr(torch, s.dtype)) for s in layout.sections}
+    calls = []
+    with pytest.raises(MissingLinkError):
+        store.restore(res.plan, sec, lambda *a: calls.append(a))
+    assert calls == [] and all(bool((t == -1).all()) for t in sec.values())
+    with pytest.raises(MissingLinkError):
+        store.restore_views_into(res.plan, {})
+
+
+def test_unsealed_link_is_not_restorable(make_tree, layout):
+    tree, store = make_tree(), LinkStore(layout, pin_memory=False)
+    tokens = list(range(100))
+    r = tree.reserve(tokens, 64, D)
+    store.allocate(r.link_id, 64)
+    tree.commit(r.link_id)
+    with pytest.raises(MissingLinkError):
+        store.restore_views_into(tree.lookup(tokens, D).plan, {})
+    store.discard(r.link_id)
+    assert len(store) == 0 and store.bytes_held == 0
+
+
+def test_drop_and_clear_free_bytes(layout):
+    store = LinkStore(layout, pin_memory=False)
+    for i in range(4):
+        store.allocate(i, rows=10)
+        store.seal(i)
+    per = store.bytes_held // 4
+    assert store.drop([0, 1, 99]) == 2 * per
+    assert store.bytes_held == 2 * per and store.has(2) and not store.has(0)
+    assert store.clear() == 2 and store.bytes_held == 0
+
+
+def test_zero_row_link_restores_sections(make_tree, layout):
+    store = LinkStore(layout, pin_memory=False)
+    bufs = store.allocate(1, rows=0)
+    bufs.sections["gdn"].fill_(3)
+    store.seal(1)
+    from vllm_hybridcache.core import LinkRef, RestorePlan
+
+    plan = RestorePlan((LinkRef(1, 64, 64),), 64, {}, layout.section_bytes)
+    sec = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in layout.sections}
+    store.restore(plan, sec, lambda *a: pytest.fail("no rows to hand over"))
+    assert bool((sec["gdn"] == 3).all())
