@@ -109,12 +109,14 @@ _TABLE: dict[str, dict[str, dict[str, int]]] = {
         "cdna": {"BB": 16, "num_warps": 4, "num_stages": 1},
         "nvidia": {"BB": 16, "num_warps": 4, "num_stages": 1},
     },
-    # Indexer top-k: blocks scanned per step of the threshold search.
+    # Indexer top-k: groups scanned per step of the radix search. Each step compares BN scores
+    # against 16 candidate digits, a [16, BN] tile: BN=256 is 32 registers per lane at 128
+    # lanes (wave32 x 4), BN=512 at 256 lanes (wave64 x 4).
     "indexer_topk": {
         "interpreter": {"BN": 64, "num_warps": 1, "num_stages": 1},
-        "rdna": {"BN": 512, "num_warps": 4, "num_stages": 1},
-        "cdna": {"BN": 1024, "num_warps": 4, "num_stages": 1},
-        "nvidia": {"BN": 1024, "num_warps": 4, "num_stages": 1},
+        "rdna": {"BN": 256, "num_warps": 4, "num_stages": 1},
+        "cdna": {"BN": 512, "num_warps": 4, "num_stages": 1},
+        "nvidia": {"BN": 256, "num_warps": 4, "num_stages": 1},
     },
     # Sparse attention over the selection: BN selected tokens gathered per step.
     "sparse_attn": {

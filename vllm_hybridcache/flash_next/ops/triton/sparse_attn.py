@@ -1,0 +1,158 @@
+"""Sparse attention of each query over the positions its QSA indexer selected.
+
+One program per (query token, kv head) computes all ``G = H / Hkv`` query heads that share the
+kv head, so every gathered K/V row is used G times (GQA); the selected positions are walked in
+tiles of ``BN`` with an online (flash) softmax in fp32. The same kernel serves prefill and
+decode: each query brings its own index row, so there is no causal mask to build (the indexer
+only selects visible positions).
+
+K/V addressing has two modes, chosen at compile time:
+
+* packed: ``k, v: [S, Hkv, D]``, sequence ``n`` occupies rows ``key_cu[n] ..`` (the interface
+  ``FlashNextOps.sparse_attention``);
+* paged: ``k, v: [num_blocks, block_size, Hkv, D]`` (any strides, e.g. views into one row of
+  a combined K|V|index-key page) and position ``p`` of sequence ``n`` lives at
+  ``block_table[n, p // block_size]``, row ``p % block_size``: vLLM's KV cache, read in place
+  without gathering each sequence's history first.
+
+A query with no valid index (padding rows) gets zeros instead of the NaN of a softmax over an
+empty set.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import config_for
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, seq_ptr, kcu_ptr, bt_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_it,
+    stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_btn,
+    L, block_size,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    PAGED: tl.constexpr, BN: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hk = tl.program_id(1)
+    n = tl.load(seq_ptr + t).to(tl.int64)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    heads = hk * G + offs_g
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    if not PAGED:
+        key0 = tl.load(kcu_ptr + n).to(tl.int64)
+
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, DP], dtype=tl.float32)
+    offs_n = tl.arange(0, BN)
+    for j0 in range(0, L, BN):
+        jm = (j0 + offs_n) < L
+        pos = tl.load(idx_ptr + t * stride_it + j0 + offs_n, mask=jm, other=-1).to(tl.int64)
+        valid = pos >= 0
+        p = tl.maximum(pos, 0)
+        if PAGED:
+            blk = tl.load(bt_ptr + n * stride_btn + p // block_size, mask=valid, other=0)
+            blk = blk.to(tl.int64)
+            koff = blk * stride_kb + (p % block_size) * stride_kr
+            voff = blk * stride_vb + (p % block_size) * stride_vr
+        else:
+            koff = (key0 + p) * stride_kb
+            voff = (key0 + p) * stride_vb
+        kv_mask = valid[:, None] & mask_d[None, :]
+        kt = tl.load(k_ptr + koff[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask,
+                     other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + voff[:, None] + hk * stride_vh + offs_d[None, :], mask=kv_mask,
+                     other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [GP, BN]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows that have seen no valid key yet keep m = -inf; shift by 0 there to avoid NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        pexp = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pexp, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pexp, vt, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+def _launch(q, k4, v4, indices, query_seq_idx, key_cu, block_table, block_size, scale,
+            paged: bool) -> torch.Tensor:
+    T, H, D = q.shape
+    hkv = k4.shape[2]
+    if H % hkv:
+        raise ValueError(f"{H} query heads do not divide into {hkv} kv heads")
+    if q.stride(-1) != 1 or k4.stride(-1) != 1 or v4.stride(-1) != 1:
+        raise ValueError("q, k, v need a contiguous last dimension")
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    G = H // hkv
+    cfg = config_for("sparse_attn", q.device)
+    L = indices.shape[1]
+    _sparse_attn_kernel[(T, hkv)](
+        q, k4, v4, out, indices, query_seq_idx,
+        key_cu if key_cu is not None else query_seq_idx,
+        block_table if block_table is not None else query_seq_idx,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), indices.stride(0),
+        k4.stride(0), k4.stride(1), k4.stride(2), v4.stride(0), v4.stride(1), v4.stride(2),
+        block_table.stride(0) if block_table is not None else 0,
+        L, block_size,
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
+        DP=max(16, triton.next_power_of_2(D)), PAGED=paged, BN=cfg["BN"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def sparse_attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cu_seqlens: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``FlashNextOps.sparse_attention``: q ``[T, H, D]``, k/v ``[S, Hkv, D]`` packed by
+    ``key_cu_seqlens``, indices ``[T, L]`` (positions in the query's sequence, -1 = none)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # A packed row is a page of one token: block stride = row stride.
+    k4 = k.unsqueeze(1)
+    v4 = v.unsqueeze(1)
+    return _launch(q, k4, v4, indices, query_seq_idx, key_cu_seqlens, None, 1, scale,
+                   paged=False)
+
+
+def sparse_attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_seq_idx: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Sparse attention reading vLLM's paged cache in place.
+
+    k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (views with any strides);
+    block_table: ``[N, max_blocks]`` int32; query_seq_idx: ``[T]`` row of ``block_table``.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _launch(q, k_cache, v_cache, indices, query_seq_idx, None, block_table,
+                   k_cache.shape[1], scale, paged=True)
