@@ -75,6 +75,9 @@ def build_checkpoint(spec: ModelSpec, out: Path) -> None:
     torch.manual_seed(spec.seed)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.adjust_weights is not None:
+        with torch.no_grad():
+            spec.adjust_weights(model, spec.seed)
     model = model.to(torch.bfloat16).eval()
     if spec.extra_weights is not None:
         extra = spec.extra_weights(config, spec.seed)
@@ -114,7 +117,11 @@ def _merge_index(out: Path, extra: dict[str, torch.Tensor]) -> None:
 
 
 def model_dir(name: str) -> Path:
-    return cache_root() / f"{name}-{versions_key()}"
+    # A spec revision is part of the folder name, so a changed catalog entry is rebuilt
+    # instead of silently reusing a checkpoint written from the old definition.
+    revision = spec_for(name).revision
+    suffix = f"-r{revision}" if revision else ""
+    return cache_root() / f"{name}{suffix}-{versions_key()}"
 
 
 def ensure_model(name: str) -> Path:

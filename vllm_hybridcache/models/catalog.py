@@ -25,6 +25,11 @@ class ModelSpec:
     seed: int = 0
     # Tensors transformers' class does not create but the real checkpoint has (the MTP layer).
     extra_weights: Callable[[PreTrainedConfig, int], dict] | None = None
+    # In-place changes to transformers' random init before saving (seeded), for weights its
+    # init leaves at a value that would hide a component (e.g. zero-initialised convs).
+    adjust_weights: Callable[[object, int], None] | None = None
+    # Bump when an entry's definition changes: it is part of the checkpoint folder name.
+    revision: int = 0
 
 
 def _qwen3_next(special: dict[str, int], *, hidden: int, layers: int, heads: int,
@@ -119,6 +124,8 @@ def _flash_next(special: dict[str, int], *, hidden: int, layers: int, heads: int
         indexer_budget=budget,
         indexer_compress_ratio=ratio,
         output_gate_type="sigmoid",
+        # vLLM reads the number of MTP layers from this key (Qwen4Exp MTP config convertor).
+        mtp_num_hidden_layers=1,
         bos_token_id=special["<|endoftext|>"],
         eos_token_id=special["<|im_end|>"],
         pad_token_id=special["<|endoftext|>"],
@@ -126,10 +133,85 @@ def _flash_next(special: dict[str, int], *, hidden: int, layers: int, heads: int
     )
 
 
+def _flash_next_adjust(model, seed: int) -> None:
+    """Make every Flash-Next component visible in the outputs of a random checkpoint.
+
+    transformers initialises the PLE conv to zero (its output would vanish and its state would
+    never matter) and every RMSNorm weight to zero (identity under the `1 + w` convention, so a
+    wrong convention would go unnoticed). Give them seeded random values instead.
+    """
+    import torch
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
+        if isinstance(module, hf.Qwen4ExpTextPLELayer):
+            w = module.conv1d.weight
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+        elif isinstance(module, hf.Qwen4ExpTextRMSNorm):
+            w = module.weight
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.1)
+        elif isinstance(module, hf.Qwen4ExpTextRMSNormGated):
+            w = module.weight
+            w.copy_(1.0 + torch.randn(w.shape, generator=gen) * 0.1)
+
+
+def _flash_next_mtp_weights(config: PreTrainedConfig, seed: int) -> dict:
+    """The MTP draft layer in the layout of Qwen4Exp checkpoints (vLLM's in-tree `Qwen4ExpMTP`
+    reads these names): `mtp.fc_embedding`, `mtp.fc_hidden`, `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden` (over all hc streams), `mtp.layers.0.*` (one QSA decoder layer,
+    experts stored per expert like the main layers), `mtp.hyper_connection_mixer.*`.
+    The lm_head and embeddings are shared with the main model."""
+    import copy
+
+    import torch
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    std = config.initializer_range
+    layer_cfg = copy.deepcopy(config)
+    layer_cfg.num_hidden_layers = 1
+    layer_cfg.layer_types = ["indexed_attention"]
+    layer_cfg.ple_layer_ids = []
+    layer = hf.Qwen4ExpTextDecoderLayer(layer_cfg, 0)
+    mixer = hf.Qwen4ExpTextGatedResidual(layer_cfg, use_combine=False)
+    hidden, hc = config.hidden_size, config.hc_count
+    out: dict[str, torch.Tensor] = {}
+
+    def rand(shape, scale=std):
+        return torch.randn(shape, generator=gen) * scale
+
+    for prefix, module in (("mtp.layers.0.", layer), ("mtp.hyper_connection_mixer.", mixer)):
+        for name, param in sorted(module.named_parameters()):
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                value = rand(param.shape, 0.1)
+            elif name.endswith("experts.gate_up_proj"):
+                value = rand(param.shape)
+                inter = param.shape[1] // 2
+                for e in range(param.shape[0]):
+                    base = f"{prefix}{name.rsplit('.', 1)[0]}.{e}."
+                    out[base + "gate_proj.weight"] = value[e, :inter]
+                    out[base + "up_proj.weight"] = value[e, inter:]
+                continue
+            elif name.endswith("experts.down_proj"):
+                value = rand(param.shape)
+                for e in range(param.shape[0]):
+                    out[f"{prefix}{name.rsplit('.', 1)[0]}.{e}.down_proj.weight"] = value[e]
+                continue
+            else:
+                value = rand(param.shape)
+            out[prefix + name] = value
+    out["mtp.fc_embedding.weight"] = rand((hidden, hidden))
+    out["mtp.fc_hidden.weight"] = rand((hidden, hidden))
+    out["mtp.pre_fc_norm_embedding.weight"] = rand((hidden,), 0.1)
+    out["mtp.pre_fc_norm_hidden.weight"] = rand((hc * hidden,), 0.1)
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(out.items())}
+
+
 def _flash_next_tiny(special: dict[str, int]) -> PreTrainedConfig:
     return _flash_next(special, hidden=256, layers=4, heads=4, gdn_k_heads=2, gdn_v_heads=4,
                        gdn_dim=64, head_dim=64, experts=4, moe_inter=256, idx_heads=2,
-                       idx_dim=64, budget=64, ratio=4, hc_lowrank=32)
+                       idx_dim=64, budget=60, ratio=4, hc_lowrank=32)
 
 
 def _flash_next_small(special: dict[str, int]) -> PreTrainedConfig:
@@ -146,8 +228,10 @@ CATALOG: dict[str, ModelSpec] = {
         ModelSpec("qwen3-next-small", "Qwen3-Next, 8 layers, hidden 1024 (benchmarks)",
                   _qwen3_next_small, seed=2),
         ModelSpec("flash-next-tiny", "Flash-Next (qwen4_exp), 4 layers, GDN + QSA + PLE + HC + MoE",
-                  _flash_next_tiny, seed=3),
+                  _flash_next_tiny, seed=3, extra_weights=_flash_next_mtp_weights,
+                  adjust_weights=_flash_next_adjust, revision=1),
         ModelSpec("flash-next-small", "Flash-Next (qwen4_exp), 8 layers, hidden 1024 (benchmarks)",
-                  _flash_next_small, seed=4),
+                  _flash_next_small, seed=4, extra_weights=_flash_next_mtp_weights,
+                  adjust_weights=_flash_next_adjust, revision=1),
     )
 }
