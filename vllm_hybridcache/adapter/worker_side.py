@@ -1,0 +1,126 @@
+"""Worker side of the connector: moves bytes between vLLM's KV-cache tensors and the store.
+
+Runs in each worker process on the model runner's thread. It decides nothing: it executes the
+scheduler's plan (loads before the forward needs them, captures after the step's forward,
+drops last) and reports what succeeded. Any exception in a copy is contained: a failed load is
+reported so vLLM recomputes the request from scratch (kv_load_failure_policy=recompute), a
+failed capture is discarded and its link aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
+from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
+from vllm_hybridcache.core import LinkStore
+
+logger = logging.getLogger("vllm_hybridcache")
+
+
+class WorkerSide:
+    def __init__(self, vllm_config, kv_cache_config) -> None:
+        self.vllm_config = vllm_config
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.parts: PartMap | None = None
+        try:
+            self.parts = part_map(kv_cache_config)
+        except UnsupportedModel:
+            self.parts = None
+        self.store = LinkStore(self.parts.layout) if self.parts is not None else None
+        self._sections: dict[str, tuple[int, torch.Tensor]] = {}   # name -> (gid, [blocks,...])
+        self._rows: dict[str, tuple[int, PagedBlocks]] = {}        # name -> (gid, accessor)
+        self._report = StepReport(workers=1)
+        self._recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self.fault_injector = None  # tests: callable(kind, job) raising to simulate failures
+
+    @property
+    def active(self) -> bool:
+        return self.store is not None and bool(self._sections)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.parts is None:
+            return
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        specs = {s.name: s for s in self.parts.layout.sections}
+        for name, gid, layer, idx in self.parts.sections:
+            t = ctx[layer].kv_cache[idx]
+            spec = specs[name]
+            dtype = str(t.dtype).removeprefix("torch.")
+            if tuple(t.shape[1:]) != spec.shape or dtype != spec.dtype:
+                raise UnsupportedModel(
+                    f"state tensor {name} is {tuple(t.shape[1:])}/{t.dtype}, spec says "
+                    f"{spec.shape}/{spec.dtype}"
+                )
+            self._sections[name] = (gid, t)
+        for name, gid, layer in self.parts.views:
+            self._rows[name] = (gid, PagedBlocks(kv_caches[layer], self.num_blocks,
+                                                 self.parts.block_bytes[name]))
+
+    # ------------------------------------------------------------------ loads
+    def _load(self, job: LoadJob) -> None:
+        if self.fault_injector is not None:
+            self.fault_injector("load", job)
+        dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
+
+        def sink(name: str, start: int, rows: torch.Tensor) -> None:
+            gid, acc = self._rows[name]
+            acc.scatter(job.block_ids[gid], start, rows)
+
+        self.store.restore(job.plan, dst, sink)
+
+    def start_load(self, plan: StepPlan) -> None:
+        for job in plan.loads:
+            t0 = time.perf_counter()
+            try:
+                self._load(job)
+                self._report.loaded[job.req_id] = time.perf_counter() - t0
+            except Exception as e:
+                logger.warning("hybridcache: restore of %s failed, recomputing: %s", job.req_id, e)
+                self._report.failed_loads.add(job.req_id)
+                self._failed_recving.add(job.req_id)
+            self._recving.add(job.req_id)
+
+    # --------------------------------------------------------------- captures
+    def _capture(self, job: CaptureJob) -> None:
+        if self.fault_injector is not None:
+            self.fault_injector("capture", job)
+        layout = self.parts.layout
+        bufs = self.store.allocate(job.link_id, layout.view_rows(job.row_start, job.row_end))
+        for name, (gid, t) in self._sections.items():
+            bufs.sections[name].copy_(t[job.block_ids[gid][0]])
+        first = job.row_start // layout.view_block_tokens
+        for name, (gid, acc) in self._rows.items():
+            acc.gather(job.block_ids[gid], first, bufs.views[name])
+        self.store.seal(job.link_id)
+
+    def save(self, plan: StepPlan) -> None:
+        for job in plan.captures:
+            t0 = time.perf_counter()
+            try:
+                self._capture(job)
+                self._report.saved[job.link_id] = time.perf_counter() - t0
+                self._report.saved_count[job.link_id] = 1
+            except Exception as e:
+                logger.warning("hybridcache: capture of link %d failed: %s", job.link_id, e)
+                self.store.discard(job.link_id)
+                self._report.failed_saves.add(job.link_id)
+        if plan.drops:
+            self.store.drop(plan.drops)
+
+    # ---------------------------------------------------------------- results
+    def take_report(self) -> StepReport | None:
+        r = self._report
+        if not (r.saved or r.failed_saves or r.loaded or r.failed_loads):
+            return None
+        self._report = StepReport(workers=1)
+        return r
+
+    def take_finished_recving(self) -> tuple[set[str], set[str]]:
+        done, failed = self._recving, self._failed_recving
+        self._recving, self._failed_recving = set(), set()
+        return done, failed

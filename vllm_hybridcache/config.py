@@ -1,0 +1,119 @@
+"""Plugin settings: one typed struct, each field a config key and an environment variable.
+
+Sources, strongest first: keys given in `--kv-transfer-config`'s `kv_connector_extra_config`
+(or `vllm.LLM(kv_transfer_config=...)`), then `VLLM_HYBRIDCACHE_<KEY>` environment variables,
+then the defaults below. Invalid values raise `SettingsError` at engine start, with the key and
+the reason, so a typo never silently runs with a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from vllm_hybridcache.core import TreeConfig
+
+GiB = 1 << 30
+_TREE = TreeConfig()
+ENV_PREFIX = "VLLM_HYBRIDCACHE_"
+
+
+class SettingsError(ValueError):
+    """A setting is unknown or invalid."""
+
+
+class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Snapshot-cache settings (see docs/configuration.md for the reasoning behind defaults).
+
+    enabled: master switch; off = the connector passes every request through.
+    budget_bytes: host memory for links; 0 turns the cache off (outputs then equal vLLM's).
+    grid: prefill cut every `grid` tokens (multiple of 64). 512 measured cheapest-with-reuse on
+        the CPU benchmarks (docs/benchmarks/connector.md).
+    max_link_bytes: cap on one link (0 = no cap); larger links are skipped (`too_large`).
+    memory_floor_bytes: skip a capture when host available memory would fall below this.
+    (budget, cap, floor and policy default to the cache core's TreeConfig: docs/cache-core.md)
+    message_end_ids: token ids that end a chat message (cuts after them); empty = model default
+        (`<|im_end|>` when the tokenizer has it), [-1] = off.
+    message_end_min: a message-end cut needs at least this many tokens since the previous cut.
+    policy: eviction policy, "cost" (recompute-cost aware) or "lru".
+    """
+
+    enabled: bool = True
+    budget_bytes: int = _TREE.budget_bytes
+    grid: int = 512
+    max_link_bytes: int = _TREE.max_link_bytes
+    memory_floor_bytes: int = _TREE.memory_floor_bytes
+    message_end_ids: tuple[int, ...] = ()
+    message_end_min: int = 256
+    policy: str = _TREE.policy
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 0:
+            raise SettingsError(f"budget_bytes must be >= 0 (0 = off), got {self.budget_bytes}")
+        if self.grid <= 0 or self.grid % 64:
+            raise SettingsError(f"grid must be a positive multiple of 64, got {self.grid}")
+        if self.max_link_bytes < 0:
+            raise SettingsError(f"max_link_bytes must be >= 0, got {self.max_link_bytes}")
+        if self.memory_floor_bytes < 0:
+            raise SettingsError(f"memory_floor_bytes must be >= 0, got {self.memory_floor_bytes}")
+        if self.message_end_min < 1:
+            raise SettingsError(f"message_end_min must be >= 1, got {self.message_end_min}")
+        if self.policy not in ("cost", "lru"):
+            raise SettingsError(f"policy must be 'cost' or 'lru', got {self.policy!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.budget_bytes > 0
+
+    def tree_config(self) -> TreeConfig:
+        return TreeConfig(budget_bytes=self.budget_bytes, max_link_bytes=self.max_link_bytes,
+                          memory_floor_bytes=self.memory_floor_bytes, policy=self.policy)
+
+
+FIELDS: tuple[str, ...] = CacheSettings.__struct_fields__
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    if name == "enabled":
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{ENV_PREFIX}ENABLED must be a boolean, got {raw!r}")
+    if name == "message_end_ids":
+        try:
+            return tuple(int(x) for x in raw.replace(",", " ").split())
+        except ValueError:
+            raise SettingsError(
+                f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
+    if name == "policy":
+        return raw.strip()
+    try:
+        return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)
+    except ValueError:
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be an integer, got {raw!r}") from None
+
+
+def load_settings(extra: Mapping[str, Any] | None = None,
+                  environ: Mapping[str, str] | None = None) -> CacheSettings:
+    """Merge config keys, environment variables and defaults into validated settings."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in FIELDS:
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            values[name] = _parse_env(name, raw)
+    for key, value in (extra or {}).items():
+        if key not in FIELDS:
+            raise SettingsError(
+                f"unknown hybridcache setting {key!r}; known: {', '.join(FIELDS)}"
+            )
+        values[key] = value
+    try:
+        return msgspec.convert(values, CacheSettings)
+    except msgspec.ValidationError as e:
+        raise SettingsError(f"invalid hybridcache setting: {e}") from None

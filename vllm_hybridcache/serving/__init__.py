@@ -1,0 +1,1 @@
+"""The serving surface: `--plugin hybridcache` flags, the /v1/cache routes, metrics export."""

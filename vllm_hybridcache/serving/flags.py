@@ -1,0 +1,115 @@
+"""What `--plugin hybridcache` means in stock vLLM flags.
+
+For a hybrid model: the connector (`--kv-transfer-config`), the segmentation scheduler
+(`--scheduler-cls`), vLLM's own recurrent prefix caching off (`--no-enable-prefix-caching`:
+the connector is the prefix cache), prompt-token details on so clients see `cached_tokens`,
+and the HTTP routes plugin enabled through `VLLM_PLUGINS`. A non-hybrid model is left exactly as
+the user asked, with a log line saying so. Flags the user gave win: we only add what is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from importlib import metadata
+from pathlib import Path
+
+logger = logging.getLogger("vllm_hybridcache")
+
+CONNECTOR_CONFIG = {
+    "kv_connector": "HybridSnapshotConnector",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "vllm_hybridcache.adapter.connector",
+    "kv_load_failure_policy": "recompute",
+}
+SCHEDULER_CLS = "vllm_hybridcache.adapter.scheduler.SegmentedScheduler"
+HTTP_PLUGIN = "hybridcache_http"
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _has(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def model_arg(args: list[str]) -> str | None:
+    """The model of `serve MODEL ...` (positional or --model)."""
+    if "serve" in args:
+        i = args.index("serve")
+        if i + 1 < len(args) and not args[i + 1].startswith("-"):
+            return args[i + 1]
+    return _flag_value(args, "--model")
+
+
+def is_hybrid_model(model: str, trust_remote_code: bool = False) -> bool:
+    """True when the model's config has recurrent (linear-attention / mamba) layers."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    text = getattr(cfg, "text_config", None) or cfg
+    layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
+    if layer_types:
+        kinds = {str(t) for t in layer_types}
+        return bool(kinds & {"linear_attention", "mamba", "mamba2", "gdn"})
+    return any(k in (cfg.model_type or "") for k in ("mamba", "qwen3_next", "qwen4_exp"))
+
+
+def _enable_http_plugin() -> None:
+    """Name our endpoint plugin in VLLM_PLUGINS without hiding the other installed plugins.
+
+    VLLM_PLUGINS filters every plugin group once set, so list every installed general and
+    stat-logger plugin too (when it was unset, all of them were loading).
+    """
+    current = os.environ.get("VLLM_PLUGINS")
+    if current is None:
+        names = set()
+        for group in ("vllm.general_plugins", "vllm.stat_logger_plugins"):
+            names |= {ep.name for ep in metadata.entry_points(group=group)}
+    else:
+        names = {n.strip() for n in current.split(",") if n.strip()}
+    names |= {"hybridcache", HTTP_PLUGIN}
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted(names))
+
+
+def apply_plugin(plugins: list[str], args: list[str]) -> list[str]:
+    """Return `args` with the flags that `--plugin hybridcache` stands for."""
+    if "hybridcache" not in plugins or "serve" not in args:
+        return args
+    model = model_arg(args)
+    trust = _has(args, "--trust-remote-code")
+    try:
+        hybrid = model is not None and is_hybrid_model(model, trust)
+    except Exception as e:  # unreadable config: let vLLM report it in its own words
+        logger.warning("hybridcache: cannot read the config of %s (%s); passing through", model, e)
+        return args
+    if not hybrid:
+        logger.warning("hybridcache: %s is not a hybrid model; serving it untouched "
+                       "(vLLM's own prefix caching stays as configured)", model)
+        print(f"hybridcache: {model} is not a hybrid model; the snapshot cache stays off",
+              flush=True)
+        return args
+    out = list(args)
+    if not _has(out, "--kv-transfer-config"):
+        out += ["--kv-transfer-config", json.dumps(CONNECTOR_CONFIG)]
+    else:
+        cfg = json.loads(_flag_value(out, "--kv-transfer-config") or "{}")
+        if cfg.get("kv_connector") != CONNECTOR_CONFIG["kv_connector"]:
+            raise SystemExit("vllm: error: --plugin hybridcache provides the KV connector; "
+                             "it cannot be combined with another --kv-transfer-config")
+    if not _has(out, "--scheduler-cls"):
+        out += ["--scheduler-cls", SCHEDULER_CLS]
+    if not _has(out, "--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out += ["--no-enable-prefix-caching"]
+    if not _has(out, "--enable-prompt-tokens-details"):
+        out += ["--enable-prompt-tokens-details"]
+    _enable_http_plugin()
+    print(f"hybridcache: snapshot cache on for {Path(model).name if model else model}", flush=True)
+    return out
