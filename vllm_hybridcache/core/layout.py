@@ -71,11 +71,25 @@ class StateLayout(msgspec.Struct, frozen=True):
 
     sections: tuple[SectionSpec, ...] = ()
     views: tuple[ViewSpec, ...] = ()
+    # Tokens per stored view row. 1: one row per token. B > 1: a view row is a whole block of
+    # B tokens (paged KV caches whose in-block layout is backend-packed, e.g. vLLM's CPU AMX
+    # layout, can only be copied block by block); a link then holds every block overlapping
+    # its token range, and a later link's copy of a shared boundary block supersedes it.
+    view_block_tokens: int = 1
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.sections] + [v.name for v in self.views]
         if len(set(names)) != len(names):
             raise ValueError(f"state part names must be unique, got {names}")
+        if self.view_block_tokens < 1:
+            raise ValueError("view_block_tokens must be >= 1")
+
+    def view_rows(self, start: int, end: int) -> int:
+        """Stored view rows for the token range [start, end): tokens, or overlapping blocks."""
+        if end <= start:
+            return 0
+        b = self.view_block_tokens
+        return -(-end // b) - start // b
 
     @property
     def part_names(self) -> tuple[str, ...]:

@@ -136,9 +136,10 @@ class LinkStore:
             e = self._entries.get(ref.link_id)
             if e is None or not e.sealed:
                 raise MissingLinkError(ref.link_id)
-            if e.rows != ref.end - ref.start:
+            want = self.layout.view_rows(ref.start, ref.end)
+            if e.rows != want:
                 raise MissingLinkError(f"link {ref.link_id} holds {e.rows} rows, plan wants "
-                                       f"{ref.end - ref.start}")
+                                       f"{want}")
             entries.append(e)
         return entries
 
@@ -166,7 +167,7 @@ class LinkStore:
                 continue
             tv = self._typed(e.buf, e.rows).views
             for name, rows in tv.items():
-                view_sink(name, ref.start, rows)
+                view_sink(name, ref.start // self.layout.view_block_tokens, rows)
                 moved += rows.numel() * rows.element_size()
         return moved
 
@@ -183,7 +184,8 @@ class LinkStore:
             offs, _ = self._view_offsets(e.rows)
             for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
                 src = e.buf[o : o + n].view(dt).view(e.rows, *row_shape)
-                dst[name][ref.start : ref.end].copy_(src, non_blocking=non_blocking)
+                lo = ref.start // self.layout.view_block_tokens
+                dst[name][lo : lo + e.rows].copy_(src, non_blocking=non_blocking)
                 moved += n
         return moved
 

@@ -333,8 +333,9 @@ class SnapshotTree:
         chain.reverse()
         parts = {s.name: s.nbytes for s in self.layout.sections}
         for v in self.layout.views:
-            parts[v.name] = v.bytes_per_row * link.p
-        return RestorePlan(tuple(chain), link.p, parts, self.layout.link_bytes(link.p))
+            parts[v.name] = v.bytes_per_row * sum(
+                self.layout.view_rows(r.start, r.end) for r in chain)
+        return RestorePlan(tuple(chain), link.p, parts, sum(parts.values()))
 
     def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None) -> LookupResult:
         """Deepest committed link whose tokens are a prefix of tokens[:limit], and its plan.
@@ -485,7 +486,7 @@ class SnapshotTree:
             pid = parent.parent.id if isinstance(parent.parent, _Link) else None
             return Reservation(None, pid, parent.start, p, None, parent.id, parent.nbytes)
         key: Key = (domain, p, keys.digest(p))
-        nbytes = self.layout.link_bytes(p - start)
+        nbytes = self.layout.link_bytes(self.layout.view_rows(start, p))
         cfg = self.config
         if self._tombs.match(keys, domain, start, p - 1):
             return self._refuse(key, parent_id, start, p, SkipReason.PARENT_REFUSED, nbytes)
