@@ -1,0 +1,226 @@
+"""Start and stop the compared servers with identical model and settings.
+
+The three systems differ only in their cache flags; everything else (model, context length,
+seed, `--enable-prompt-tokens-details`, KV space, extra flags) is one `ServerSettings` shared by
+all, so a difference in the report is the cache's doing:
+
+- `native`:  stock vLLM with its own prefix caching (`--enable-prefix-caching`; for hybrid models
+  vLLM 0.32 then runs `mamba_cache_mode=align`).
+- `nocache`: stock vLLM with prefix caching off (`--no-enable-prefix-caching`): the floor.
+- `ours`:    `vllm serve MODEL --plugin hybridcache`, started by the same `vllm` command, exactly
+  as a user types it.
+
+Each server runs in its own process group so that stopping it (SIGTERM, then SIGKILL after a
+grace period) also stops vLLM's engine-core and worker processes, and nothing else. Its output
+goes to a log file that the report names; a server that dies during start-up is reported with
+the tail of that log.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+import requests
+
+
+class SystemSpec(msgspec.Struct, frozen=True):
+    """One compared system: the flags that select its cache, and what they mean."""
+
+    name: str
+    flags: list[str]
+    description: str
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    s.name: s
+    for s in (
+        SystemSpec("native", ["--enable-prefix-caching"],
+                   "vLLM 0.32, native prefix caching on (hybrid: mamba_cache_mode=align)"),
+        SystemSpec("nocache", ["--no-enable-prefix-caching"],
+                   "vLLM 0.32, prefix caching off"),
+        SystemSpec("ours", ["--plugin", "hybridcache"],
+                   "vLLM 0.32 + vllm-hybridcache (`--plugin hybridcache`)"),
+    )
+}
+
+
+class ServerSettings(msgspec.Struct, frozen=True):
+    """Everything the systems share; the report records it."""
+
+    model_path: str
+    served_name: str
+    max_model_len: int
+    host: str = "127.0.0.1"
+    port: int = 8100
+    seed: int = 0
+    kv_cache_space_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE (CPU builds only; ignored by GPU builds)."""
+    extra_args: list[str] = msgspec.field(default_factory=list)
+    startup_timeout_s: float = 600.0
+    vllm: str = ""
+    """The `vllm` command; empty = the one next to this Python, else the one on PATH."""
+
+
+class ServerError(RuntimeError):
+    """A server did not come up; the message carries the tail of its log."""
+
+
+def vllm_command(settings: ServerSettings) -> str:
+    if settings.vllm:
+        return settings.vllm
+    beside = Path(sys.executable).with_name("vllm")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("vllm")
+    if found is None:
+        raise ServerError("no `vllm` command found; install vllm-hybridcache or pass --vllm")
+    return found
+
+
+def server_argv(spec: SystemSpec, settings: ServerSettings, port: int) -> list[str]:
+    """The exact command line of one system (also written to the report)."""
+    return [
+        vllm_command(settings), "serve", settings.model_path,
+        *spec.flags,
+        "--served-model-name", settings.served_name,
+        "--host", settings.host, "--port", str(port),
+        "--max-model-len", str(settings.max_model_len),
+        "--enable-prompt-tokens-details",
+        "--seed", str(settings.seed),
+        *settings.extra_args,
+    ]
+
+
+def server_env(settings: ServerSettings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Exposes POST /reset_prefix_cache, so one server can replay several traces from a clean
+    # cache instead of paying a start-up per trace. It adds only development routes.
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    return env
+
+
+def reset_cache(base_url: str, headers: dict[str, str] | None = None) -> bool:
+    """Empty the server's prefix cache, the connector's (our plugin's) included.
+
+    True only if the server says it worked; a server without the route (not in dev mode, or
+    not vLLM) answers 404 and this returns False.
+    """
+    try:
+        r = requests.post(base_url.rstrip("/") + "/reset_prefix_cache",
+                          params={"reset_external": "true"}, headers=headers or {}, timeout=60)
+    except requests.RequestException:
+        return False
+    if r.status_code != 200:
+        return False
+    try:
+        return bool(r.json().get("success"))
+    except ValueError:
+        return False
+
+
+def free_port(host: str, first: int, span: int = 100) -> int:
+    """The first port in [first, first+span) nobody listens on (others share this machine)."""
+    for port in range(first, first + span):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ServerError(f"no free port in {first}..{first + span - 1}")
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, then SIGKILL what is left after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        proc.wait(timeout=grace_s)
+    # The group may outlive its leader for a moment (engine core, workers): make sure it is gone.
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+class RunningServer(msgspec.Struct):
+    """A started server: where it listens, how it was started, how long start-up took."""
+
+    name: str
+    base_url: str
+    argv: list[str]
+    log_path: str
+    startup_s: float
+
+
+@contextmanager
+def running_server(spec: SystemSpec, settings: ServerSettings,
+                   log_path: Path) -> Iterator[RunningServer]:
+    """Start one system, wait until /health answers, yield it, always stop it."""
+    port = free_port(settings.host, settings.port)
+    argv = server_argv(spec, settings, port)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    base_url = f"http://{settings.host}:{port}"
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(argv) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=server_env(settings),
+                                start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise ServerError(f"{spec.name}: server exited with {proc.returncode} during "
+                                  f"start-up; log {log_path}:\n{_tail(log_path)}")
+            if time.monotonic() - start > settings.startup_timeout_s:
+                raise ServerError(f"{spec.name}: not healthy after "
+                                  f"{settings.startup_timeout_s:.0f} s; log {log_path}:\n"
+                                  f"{_tail(log_path)}")
+            try:
+                if requests.get(base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        yield RunningServer(name=spec.name, base_url=base_url, argv=argv,
+                            log_path=str(log_path), startup_s=time.monotonic() - start)
+    finally:
+        _stop(proc)

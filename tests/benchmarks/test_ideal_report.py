@@ -1,0 +1,149 @@
+"""The ideal-prefix computation, the report's arithmetic and files, the runner's CLI parsing."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from benchmarks import report as rep
+from benchmarks.ideal import common_prefix, ideal_cached, to_template
+from benchmarks.replay import RequestResult, headline_bytes, server_root, snapshot_bytes
+from benchmarks.run import main as run_main
+from benchmarks.run import parse_base_urls
+
+
+def test_common_prefix() -> None:
+    a = np.array([1, 2, 3, 4])
+    assert common_prefix(a, np.array([1, 2, 3, 4, 5])) == 4
+    assert common_prefix(a, np.array([1, 2, 9])) == 2
+    assert common_prefix(a, np.array([], dtype=np.int64)) == 0
+    assert common_prefix(a, np.array([7])) == 0
+
+
+def _naive(waves, prompts, seen):
+    out = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for j, s in enumerate(seen):
+            if waves[j] < waves[i]:
+                k = 0
+                while k < min(len(p), len(s)) and p[k] == s[k]:
+                    k += 1
+                best = max(best, k)
+        out.append(min(best, max(0, len(p) - 1)))
+    return out
+
+
+def test_ideal_matches_brute_force_on_random_families_of_prompts() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        base = [rng.randint(0, 3) for _ in range(12)]
+        prompts = [base[: rng.randint(0, 12)] + [rng.randint(0, 3)
+                                                 for _ in range(rng.randint(0, 6))]
+                   for _ in range(n)]
+        seen = [p + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))] for p in prompts]
+        waves = sorted(rng.randint(0, 4) for _ in range(n))
+        assert ideal_cached(waves, prompts, seen) == _naive(waves, prompts, seen)
+
+
+def test_ideal_rules() -> None:
+    head = [5, 6, 7, 8]
+    # same wave: no credit; earlier wave: credit; identical prompt: capped at len - 1
+    assert ideal_cached([0, 0], [head, head], [head, head]) == [0, 0]
+    assert ideal_cached([0, 1], [head, head], [head, head]) == [0, 3]
+    # the answer counts: the next prompt continues what the server generated
+    assert ideal_cached([0, 1], [[1, 2], [1, 2, 3, 4, 9]], [[1, 2, 3, 4], [1, 2, 3, 4, 9]]) \
+        == [0, 4]
+    with pytest.raises(ValueError):
+        ideal_cached([0], [[1]], [])
+
+
+def test_to_template_matches_what_vllm_hands_the_template() -> None:
+    msgs = [{"role": "assistant", "content": "", "reasoning": "why",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "grep", "arguments": '{"pattern": "x"}'}}]}]
+    out = to_template(msgs)
+    assert out[0]["reasoning_content"] == "why" and "reasoning" not in out[0]
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"pattern": "x"}
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"pattern": "x"}', "no mutation"
+
+
+def test_snapshot_bytes_from_the_plugin_stats() -> None:
+    stats = {"tiers": {"ram": {"bytes_held": 1000, "links": 3}, "disk": {"bytes_held": 50}},
+             "engines": 1}
+    assert snapshot_bytes(stats) == {"ram": 1000, "disk": 50}
+    assert headline_bytes(snapshot_bytes(stats)) == 1000
+    assert snapshot_bytes({"bytes_held": 7}) == {"total": 7}
+    assert headline_bytes(snapshot_bytes({"error": "x"})) is None
+    assert server_root("http://h:1/v1/") == "http://h:1"
+
+
+def _result(i: int, prompt: int, cached: int | None, ideal: int, ttft: float,
+            error: str | None = None) -> RequestResult:
+    return RequestResult(index=i, session="s", turn=i, wave=i, prompt_tokens=prompt,
+                         local_prompt_tokens=prompt, cached_tokens=cached, ideal_tokens=ideal,
+                         completion_tokens=4, ttft_s=ttft, e2e_s=ttft + 0.1,
+                         prompt_ids_match=True, error=error)
+
+
+def test_summary_is_token_weighted_and_ignores_failed_requests() -> None:
+    results = [_result(0, 100, 0, 0, 0.2), _result(1, 300, 200, 250, 0.1),
+               _result(2, 999, None, 0, 9.0, error="HTTP 500")]
+    m = rep.summarize(results, wall_s=1.5, peak_bytes=None)
+    assert (m.requests, m.errors, m.prompt_tokens, m.cached_tokens) == (3, 1, 400, 200)
+    assert m.cached_fraction == pytest.approx(0.5)
+    assert m.ideal_fraction == pytest.approx(250 / 400)
+    assert m.cached_of_ideal == pytest.approx(200 / 250)
+    assert m.ttft_p50_ms == pytest.approx(150.0)
+    assert m.cached_above_ideal == 0 and m.prompt_mismatches == 0
+    assert rep.summarize([_result(0, 10, 9, 5, 0.1)], 1.0, None).cached_above_ideal == 1
+
+
+def _report(systems: list[rep.SystemRun]) -> rep.Report:
+    return rep.Report(schema=rep.SCHEMA_VERSION, command="python -m benchmarks.run",
+                      started_utc="a", finished_utc="b", git_commit=None, vllm_version=None,
+                      host={"summary": "h"},
+                      model={"name": "m", "path": "/m", "served_name": "m"},
+                      trace={"family": "chat-ui", "size": "ci", "seed": 0, "description": "d",
+                             "digest": "x", "requests": 2, "waves": 2, "sessions": 1,
+                             "prompt_tokens": 400, "max_prompt_tokens": 300},
+                      settings={"history": "scripted", "max_tokens": 4, "tool_choice": "none",
+                                "max_model_len": 8192},
+                      systems=systems)
+
+
+def test_report_files_and_index(tmp_path) -> None:
+    results = [_result(0, 100, 0, 0, 0.2), _result(1, 300, 200, 250, 0.1)]
+    ok = rep.SystemRun(name="native", description="d", requests=results,
+                       summary=rep.summarize(results, 1.0, None))
+    failed = rep.SystemRun(name="ours", description="d", error="ServerError: exited\nlog")
+    report = _report([ok, failed])
+    paths = rep.write(report, tmp_path)
+    for p in paths.values():
+        assert p.exists() and p.stat().st_size > 0
+    assert rep.load(paths["json"]) == report
+    md = paths["markdown"].read_text()
+    assert "| native | 2 | 0 | 400 | 200 | 50.0% | 62.5% |" in md
+    assert "| ours |" in md and "ServerError: exited" in md
+    index = rep.write_index(tmp_path).read_text()
+    assert index.count("m-chat-ui-ci.md") == 2
+
+
+def test_base_url_parsing() -> None:
+    assert parse_base_urls(["http://h:8000"], ["ours"]) == {"ours": "http://h:8000"}
+    assert parse_base_urls(["native=http://a", "ours=http://b"], ["native", "ours"]) == {
+        "native": "http://a", "ours": "http://b"}
+    with pytest.raises(SystemExit):
+        parse_base_urls(["http://h:8000"], ["native", "ours"])
+    with pytest.raises(SystemExit):
+        parse_base_urls(["nocache=http://h"], ["ours"])
+
+
+def test_absent_microbenchmark_fails_clearly(capsys) -> None:
+    assert run_main(["--micro", "nonexistent"]) == 2
+    assert "unknown microbenchmark" in capsys.readouterr().err
+    assert run_main(["--list"]) == 0
+    assert "coding-agent" in capsys.readouterr().out
