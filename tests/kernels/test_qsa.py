@@ -83,11 +83,12 @@ def _assert_same_selection(got: torch.Tensor, ref: torch.Tensor, args) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_prefill_ragged_matches_reference(dtype: torch.dtype) -> None:
-    """Positions of a ragged batch query their own prefix (a prefill): every position in fp32,
-    every third in bf16 (the interpreter is slow)."""
+    """Positions of a ragged batch query their own prefix (a prefill): every second position in
+    fp32, every fifth in bf16, and each sequence's last (the interpreter is slow)."""
     lens = RAGGED
-    step = 1 if dtype == torch.float32 else 3
-    queries = [(n, p) for n, ln in enumerate(lens) for p in range(0, ln, step)]
+    step = 2 if dtype == torch.float32 else 5
+    queries = [(n, p) for n, ln in enumerate(lens)
+               for p in sorted({*range(0, ln, step), ln - 1})]
     args = _case(lens, queries, dtype, seed=0)
     kw = {"budget": BUDGET, "compress_ratio": RATIO, "eps": 1e-6}
     got = indexer_topk_varlen(*args, **kw)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import config_for
+from .rounding import round_to
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _conv_kernel(
     stride_ns, stride_nd, stride_nk,
     stride_wd, stride_wk,
     W: tl.constexpr, DIL: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INIT: tl.constexpr, CAST_X: tl.constexpr,
     BD: tl.constexpr, BT: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -79,16 +80,18 @@ def _conv_kernel(
                 other=0.0,
             )
             # Inputs are cast to the weight dtype first, as transformers runs the conv in it.
-            xs = tl.where(from_x[:, None], xv.to(w_ptr.dtype.element_ty),
-                          sv.to(w_ptr.dtype.element_ty))
-            acc += wi.to(tl.float32)[None, :] * xs.to(tl.float32)
+            xs = tl.where(from_x[:, None], xv.to(tl.float32), sv.to(tl.float32))
+            if CAST_X:
+                xs = round_to(xs, w_ptr.dtype.element_ty)
+            acc += wi.to(tl.float32)[None, :] * xs
         # transformers rounds the conv result to the weight dtype before the activation.
-        acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+        acc = round_to(acc, w_ptr.dtype.element_ty)
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(
             out_ptr + (start + offs_t)[:, None] * stride_ot + offs_d[None, :] * stride_od,
-            acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :],
+            round_to(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+            mask=mask_t[:, None] & mask_d[None, :],
         )
 
     if out_slot >= 0:
@@ -185,6 +188,7 @@ def causal_conv1d_varlen(
         W=W, DIL=dilation, S=S, SP=triton.next_power_of_2(max(S, 1)),
         HAS_BIAS=bias is not None, SILU=activation is not None,
         HAS_INIT=has_initial_state is not None,
+        CAST_X=weight.element_size() < max(x.element_size(), conv_state.element_size()),
         BD=BD, BT=cfg["BT"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

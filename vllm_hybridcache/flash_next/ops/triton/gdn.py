@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .launch import config_for
+from .rounding import round_to
 
 CHUNK = 64
 
@@ -122,7 +123,8 @@ def _gdn_chunk_kernel(
         o = tl.dot(q * egc[:, None], S, input_precision="ieee") + tl.dot(
             Aqk, v_new, input_precision="ieee")
         tl.store(o_ptr + tok[:, None] * stride_ot + hv * stride_oh + offs_v[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
+                 round_to(o, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_v[None, :])
 
         g_last = tl.sum(tl.where(rows == BT - 1, gc, 0.0), axis=0)
         kd = k * tl.exp(g_last - gc)[:, None]
@@ -188,7 +190,7 @@ def _gdn_recurrent_kernel(
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(o_ptr + tok * stride_ot + hv * stride_oh + offs_v,
-                 o.to(o_ptr.dtype.element_ty), mask=mask_v)
+                 round_to(o, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty), mask=mask_v)
         if PER_TOKEN:
             slot_t = tl.load(out_slot_ptr + n * stride_outn + t).to(tl.int64)
             if slot_t >= 0:

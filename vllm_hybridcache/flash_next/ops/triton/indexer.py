@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .launch import config_for, indexer_score_autotune_configs
+from .rounding import round_to
 
 
 @triton.jit
@@ -58,15 +59,16 @@ def _pool_kernel(
         rows = key_start + offs_b * RATIO + r
         acc += tl.load(keys_ptr + rows[:, None] * stride_kt + offs_d[None, :], mask=m2,
                        other=0.0).to(tl.float32)
-    pooled = (acc / RATIO).to(dt).to(tl.float32)
+    pooled = round_to(acc / RATIO, dt)
 
     var = tl.sum(pooled * pooled, axis=1) / DI
     w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     normed = (pooled * (1.0 / tl.sqrt(var + eps))[:, None] * (1.0 + w)[None, :])
-    normed = normed.to(dt).to(tl.float32)
+    normed = round_to(normed, dt)
 
     # Partial RoPE at the group's first position: dims [0, R) rotate, the rest pass through.
-    # rotate_half pairs dim i with i + R/2; the partner is re-read from the normed tile.
+    # rotate_half pairs dim i with i + R/2; the partner's normed value is recomputed below
+    # (a register tile cannot be permuted cheaply), by the same arithmetic, so it is equal.
     HALF: tl.constexpr = R // 2
     pos = offs_b * RATIO
     in_rope = offs_d < R
@@ -75,22 +77,21 @@ def _pool_kernel(
     mr = mask_b[:, None] & in_rope[None, :]
     cos = tl.load(cos_ptr + pos[:, None] * stride_ct + offs_d[None, :], mask=mr, other=0.0)
     sin = tl.load(sin_ptr + pos[:, None] * stride_st + offs_d[None, :], mask=mr, other=0.0)
-    # Recompute the partner's normed value (same arithmetic, so the same rounded value).
     acc_p = tl.zeros([BB, DP], dtype=tl.float32)
     for r in tl.static_range(RATIO):
         rows = key_start + offs_b * RATIO + r
         acc_p += tl.load(keys_ptr + rows[:, None] * stride_kt + partner[None, :], mask=mr,
                          other=0.0).to(tl.float32)
-    pooled_p = (acc_p / RATIO).to(dt).to(tl.float32)
+    pooled_p = round_to(acc_p / RATIO, dt)
     w_p = tl.load(w_ptr + partner, mask=in_rope, other=0.0).to(tl.float32)
     normed_p = (pooled_p * (1.0 / tl.sqrt(var + eps))[:, None] * (1.0 + w_p)[None, :])
-    normed_p = normed_p.to(dt).to(tl.float32)
-    rot = (sign[None, :] * normed_p).to(dt).to(tl.float32)
-    t1 = (normed * cos.to(tl.float32)).to(dt).to(tl.float32)
-    t2 = (rot * sin.to(tl.float32)).to(dt).to(tl.float32)
+    normed_p = round_to(normed_p, dt)
+    rot = sign[None, :] * normed_p  # rotate_half: exact (a sign flip)
+    t1 = round_to(normed * cos.to(tl.float32), dt)
+    t2 = round_to(rot * sin.to(tl.float32), dt)
     roped = tl.where(in_rope[None, :], t1 + t2, normed)
     tl.store(out_ptr + (b0 + offs_b)[:, None] * stride_ot + offs_d[None, :],
-             roped.to(out_ptr.dtype.element_ty), mask=m2)
+             round_to(roped, dt).to(out_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.autotune(configs=indexer_score_autotune_configs(), key=["NB_MAX", "DI", "HI"])

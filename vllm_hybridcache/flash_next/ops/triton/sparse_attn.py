@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .launch import config_for
+from .rounding import round_to
 
 
 @triton.jit
@@ -87,7 +88,8 @@ def _sparse_attn_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+             round_to(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty),
+             mask=mask_g[:, None] & mask_d[None, :])
 
 
 def _launch(q, k4, v4, indices, query_seq_idx, key_cu, block_table, block_size, scale,
