@@ -7,12 +7,13 @@ goes first. Both policies order candidates by a key that does not change with th
 time, so a binary heap with lazy invalidation gives O(log n) per event:
 
 - LRU: key = last access time.
-- Cost: score = value * 2 ** (-(now - last_access) / half_life) with
-  value = saved_tokens * (1 + hits) / nbytes, the recompute work a link saves per byte it holds,
-  weighted by how often it has served. Evicting a leaf loses only its own rows (a later hit
-  lands on its parent), so saved_tokens = p - parent.p. Because every candidate decays at the
-  same rate, log(score) = log(value) + last_access * ln2 / half_life - now * ln2 / half_life,
-  and the order is fixed by the first two terms alone.
+- Cost: score = saved_tokens / nbytes * sum over uses i of 2 ** (-(now - t_i) / half_life):
+  the recompute work a link saves per byte it holds, weighted by a decayed count of its uses
+  (its capture and every restore through it). Evicting a leaf loses only its own rows (a later
+  hit lands on its parent), so saved_tokens = p - parent.p. The sum is kept incrementally as
+  freq = sum_i 2 ** ((t_i - last_access) / half_life), and because every candidate decays at the
+  same rate, log(score) = log(saved / nbytes) + log(freq) + last_access * ln2 / half_life
+  - now * ln2 / half_life, whose order is fixed by the first three terms alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class PolicyLink(Protocol):
     nbytes: int
     hits: int
     last_access: float
+    freq: float
 
 
 class EvictionPolicy(Protocol):
@@ -44,8 +46,9 @@ class EvictionPolicy(Protocol):
     def discard(self, link: PolicyLink) -> None:
         """`link` is no longer a candidate (no-op when it was not one)."""
 
-    def touch(self, link: PolicyLink) -> None:
-        """`link` was used (last_access / hits updated); reorders it if it is a candidate."""
+    def accessed(self, link: PolicyLink, now: float) -> None:
+        """`link` was captured or used at `now` (any link, candidate or not): update its
+        recency fields and reorder it if it is a candidate."""
 
     def victim(self, exclude: object | None = None) -> PolicyLink | None:
         """The candidate to evict next, other than `exclude`; not removed."""
@@ -80,7 +83,8 @@ class _HeapPolicy:
     def discard(self, link: PolicyLink) -> None:
         self._cand.pop(link.id, None)
 
-    def touch(self, link: PolicyLink) -> None:
+    def accessed(self, link: PolicyLink, now: float) -> None:
+        link.last_access = now
         if link.id in self._cand:
             self.add(link)
 
@@ -128,13 +132,23 @@ class CostPolicy(_HeapPolicy):
         super().__init__()
         self._rate = math.log(2.0) / half_life_s
 
-    @staticmethod
-    def value(link: PolicyLink) -> float:
+    def accessed(self, link: PolicyLink, now: float) -> None:
+        age = max(now - link.last_access, 0.0)
+        link.freq = link.freq * math.exp(-age * self._rate) + 1.0
+        super().accessed(link, now)
+
+    def score(self, link: PolicyLink, now: float) -> float:
+        """Decayed recompute tokens saved per byte held, at time `now`."""
         saved = max(link.p - link.start, 1)
-        return saved * (1 + link.hits) / max(link.nbytes, 1)
+        age = max(now - link.last_access, 0.0)
+        return saved / max(link.nbytes, 1) * link.freq * math.exp(-age * self._rate)
 
     def key(self, link: PolicyLink) -> float:
-        return math.log(self.value(link)) + link.last_access * self._rate
+        saved = max(link.p - link.start, 1)
+        return (
+            math.log(saved / max(link.nbytes, 1)) + math.log(link.freq)
+            + link.last_access * self._rate
+        )
 
 
 def make_policy(name: str, half_life_s: float = 600.0) -> EvictionPolicy:

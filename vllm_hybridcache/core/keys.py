@@ -12,6 +12,7 @@ deliberately weak hasher injected by a test) can only cost a miss, never a wrong
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +41,10 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         if arr is tokens and arr.flags.writeable:
             arr = arr.copy()  # never alias a caller's writable buffer
     else:
-        arr = np.array(tokens, dtype=TOKEN_DTYPE)
+        try:  # array.array parses a list of ints several times faster than np.array
+            arr = np.frombuffer(array.array("q", tokens), dtype=TOKEN_DTYPE)
+        except TypeError:
+            arr = np.array(tokens, dtype=TOKEN_DTYPE)
     if arr.ndim != 1:
         raise ValueError("tokens must be one-dimensional")
     arr.flags.writeable = False

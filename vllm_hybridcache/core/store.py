@@ -178,14 +178,25 @@ class LinkStore:
         *row_shape]). Sections are not touched. Returns the bytes copied."""
         entries = self._check(plan)
         moved = 0
+        # Contiguous destinations are written as raw bytes: one slice + one copy per link and
+        # view, no typed views to build (this keeps assembly close to a plain copy).
+        flat: dict[str, torch.Tensor | None] = {}
+        for name, _, _, _ in self._views:
+            d = dst[name]
+            flat[name] = d.reshape(-1).view(torch.uint8) if d.is_contiguous() else None
         for ref, e in zip(plan.chain, entries, strict=True):
             if e.rows == 0:
                 continue
             offs, _ = self._view_offsets(e.rows)
-            for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
-                src = e.buf[o : o + n].view(dt).view(e.rows, *row_shape)
-                lo = ref.start // self.layout.view_block_tokens
-                dst[name][lo : lo + e.rows].copy_(src, non_blocking=non_blocking)
+            for (name, o, n), (_, bpr, dt, row_shape) in zip(offs, self._views, strict=True):
+                f = flat[name]
+                if f is not None:
+                    f[ref.start * bpr : ref.end * bpr].copy_(
+                        e.buf[o : o + n], non_blocking=non_blocking
+                    )
+                else:
+                    src = e.buf[o : o + n].view(dt).view(e.rows, *row_shape)
+                    dst[name][ref.start : ref.end].copy_(src, non_blocking=non_blocking)
                 moved += n
         return moved
 

@@ -135,8 +135,8 @@ class _Root(_Node):
 
 class _Link(_Node):
     __slots__ = (
-        "digest", "domain", "doomed", "hits", "id", "last_access", "nbytes", "parent", "pins",
-        "start", "state", "tokens",
+        "digest", "domain", "doomed", "freq", "hits", "id", "last_access", "nbytes", "parent",
+        "pins", "start", "state", "tokens",
     )
 
     def __init__(
@@ -155,6 +155,7 @@ class _Link(_Node):
         self.pins = 0
         self.hits = 0
         self.last_access = now
+        self.freq = 0.0  # decayed use count, kept by the eviction policy
         self.doomed = False
 
     @property
@@ -408,8 +409,7 @@ class SnapshotTree:
         for link in links:
             self._pin(link)
             link.hits += 1
-            link.last_access = now
-            self.policy.touch(link)
+            self.policy.accessed(link, now)
         self._active[res.plan.link_ids] += 1
         return True
 
@@ -552,7 +552,7 @@ class SnapshotTree:
         link.state = COMMITTED
         self._n_pending -= 1
         self._bytes_pending -= link.nbytes
-        link.last_access = self._clock()
+        self.policy.accessed(link, self._clock())
         s = self._rec.s
         s.captures += 1
         s.capture_bytes += link.nbytes
