@@ -143,3 +143,40 @@ def test_zero_row_link_restores_sections(make_tree, layout):
     sec = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in layout.sections}
     store.restore(plan, sec, lambda *a: pytest.fail("no rows to hand over"))
     assert bool((sec["gdn"] == 3).all())
+
+
+def test_block_granular_views_restore_in_chain_order(make_tree, layout):
+    """view_block_tokens = B: a link stores every block overlapping its token range; the later
+    link's copy of a shared boundary block is restored after (and over) the earlier one."""
+    import msgspec
+
+    from vllm_hybridcache.core import SnapshotTree, TreeConfig
+
+    blayout = msgspec.structs.replace(layout, view_block_tokens=16)
+    assert blayout.view_rows(0, 100) == 7 and blayout.view_rows(100, 200) == 7
+    assert blayout.view_rows(96, 112) == 1 and blayout.view_rows(5, 5) == 0
+    tree = SnapshotTree(blayout, TreeConfig(budget_bytes=1 << 20, memory_floor_bytes=0))
+    store = LinkStore(blayout, pin_memory=False)
+    tokens = list(range(300))
+    for p, mark in ((100, 1.0), (200, 2.0)):
+        r = tree.reserve(tokens, p, D)
+        assert r.nbytes == blayout.link_bytes(blayout.view_rows(r.start, p))
+        bufs = store.allocate(r.link_id, blayout.view_rows(r.start, p))
+        for v in bufs.views.values():
+            v.fill_(mark)
+        for t in bufs.sections.values():
+            t.fill_(p)
+        store.seal(r.link_id)
+        tree.commit(r.link_id)
+    plan = tree.lookup(tokens, D).plan
+    assert plan.part_bytes["kv"] == 8 * 14 and plan.total_bytes == sum(plan.part_bytes.values())
+    dst = {v.name: torch.zeros(13, *v.row_shape, dtype=getattr(torch, v.dtype))
+           for v in blayout.views}
+    assert store.restore_views_into(plan, dst) == plan.total_bytes - blayout.section_bytes
+    kv = dst["kv"][:, 0, 0].tolist()
+    assert kv == [1.0] * 6 + [2.0] * 7  # block 6 is shared: the later link's copy wins
+    calls = []
+    store.restore(plan, {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
+                         for s in blayout.sections},
+                  lambda n, start, rows: calls.append((n, start, rows.shape[0])))
+    assert calls == [("kv", 0, 7), ("idx", 0, 7), ("kv", 6, 7), ("idx", 6, 7)]

@@ -152,8 +152,10 @@ class LinkStore:
     ) -> int:
         """Copy the deepest link's sections into section_dst[name] and hand every link's view
         rows to view_sink(name, start_row, rows) (a view of the stored rows, no copy), in chain
-        order. Every link is checked before the first byte moves, so a MissingLinkError leaves
-        the destinations untouched. Returns the bytes handed over.
+        order; start_row is ref.start // layout.view_block_tokens (a token, or a block index
+        when rows are blocks; a later link's copy of a shared boundary block comes later and
+        supersedes the earlier one). Every link is checked before the first byte moves, so a
+        MissingLinkError leaves the destinations untouched. Returns the bytes handed over.
         """
         entries = self._check(plan)
         last = entries[-1]
@@ -165,17 +167,19 @@ class LinkStore:
         for ref, e in zip(plan.chain, entries, strict=True):
             if e.rows == 0:
                 continue
-            tv = self._typed(e.buf, e.rows).views
-            for name, rows in tv.items():
-                view_sink(name, ref.start // self.layout.view_block_tokens, rows)
-                moved += rows.numel() * rows.element_size()
+            lo = ref.start // self.layout.view_block_tokens
+            offs, _ = self._view_offsets(e.rows)
+            for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
+                view_sink(name, lo, e.buf[o : o + n].view(dt).view(e.rows, *row_shape))
+                moved += n
         return moved
 
     def restore_views_into(
         self, plan: RestorePlan, dst: Mapping[str, torch.Tensor], non_blocking: bool = False
     ) -> int:
-        """Copy every view's rows of the chain into dst[name][start:end] (dst: [n >= tokens,
-        *row_shape]). Sections are not touched. Returns the bytes copied."""
+        """Copy every view's rows of the chain into dst[name] at row ref.start //
+        view_block_tokens (dst: [n >= rows of the prefix, *row_shape]), in chain order.
+        Sections are not touched. Returns the bytes copied."""
         entries = self._check(plan)
         moved = 0
         # Contiguous destinations are written as raw bytes: one slice + one copy per link and
@@ -187,16 +191,15 @@ class LinkStore:
         for ref, e in zip(plan.chain, entries, strict=True):
             if e.rows == 0:
                 continue
+            lo = ref.start // self.layout.view_block_tokens  # first stored row (token/block)
             offs, _ = self._view_offsets(e.rows)
             for (name, o, n), (_, bpr, dt, row_shape) in zip(offs, self._views, strict=True):
                 f = flat[name]
                 if f is not None:
-                    f[ref.start * bpr : ref.end * bpr].copy_(
-                        e.buf[o : o + n], non_blocking=non_blocking
-                    )
+                    f[lo * bpr : lo * bpr + n].copy_(e.buf[o : o + n], non_blocking=non_blocking)
                 else:
                     src = e.buf[o : o + n].view(dt).view(e.rows, *row_shape)
-                    dst[name][ref.start : ref.end].copy_(src, non_blocking=non_blocking)
+                    dst[name][lo : lo + e.rows].copy_(src, non_blocking=non_blocking)
                 moved += n
         return moved
 
