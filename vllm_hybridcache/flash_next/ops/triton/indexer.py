@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import config_for, indexer_score_autotune_configs
+from .launch import config_for, indexer_score_autotune_configs, interpreting
 from .rounding import round_to
 
 
@@ -94,16 +94,18 @@ def _pool_kernel(
              round_to(roped, dt).to(out_ptr.dtype.element_ty), mask=m2)
 
 
-@triton.autotune(configs=indexer_score_autotune_configs(), key=["NB_MAX", "DI", "HI"])
+# Keyed on the power-of-two bucket of the group count, not the count itself: a new sequence
+# length must not trigger a new tuning run while serving.
+@triton.autotune(configs=indexer_score_autotune_configs(), key=["NB_BUCKET", "DI", "HI"])
 @triton.jit
 def _score_kernel(
     q_ptr, bk_ptr, score_ptr,
     seq_ptr, pos_ptr, block_cu_ptr,
     sqrt_d,
     stride_qt, stride_qh, stride_bt, stride_st,
-    NB_MAX,
+    NB_MAX, NB_BUCKET,
     HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
-    RATIO: tl.constexpr, BB: tl.constexpr,
+    RATIO: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid = tl.program_id(1)
@@ -116,11 +118,16 @@ def _score_kernel(
     offs_h = tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     mask_d = offs_d < DI
+    # bf16 operands go to the matrix units as stored: their products are exact in the fp32
+    # accumulator, i.e. the reference's q.float() @ k.float() up to summation order.
     q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_h < HI)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=(offs_h < HI)[:, None] & mask_d[None, :], other=0.0)
     bk = tl.load(bk_ptr + (b0 + offs_b)[:, None] * stride_bt + offs_d[None, :],
-                 mask=mask_b[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(bk), input_precision="ieee")  # [HP, BB]; padded heads give 0
+                 mask=mask_b[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:  # the interpreter gets bf16 dots wrong; the fp32 products are the same
+        s = tl.dot(q.to(tl.float32), tl.trans(bk.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(bk.to(q.dtype)), input_precision="ieee")  # [HP, BB]
     s = tl.sum(tl.maximum(s, 0.0), axis=0) / sqrt_d
     s = tl.where(mask_b, s, float("-inf"))
     tl.store(score_ptr + t * stride_st + offs_b, s, mask=offs_b < NB_MAX)
@@ -276,9 +283,9 @@ def indexer_topk_varlen(
             q, block_keys, scores, query_seq_idx, query_pos, block_cu,
             math.sqrt(DI),
             q.stride(0), q.stride(1), block_keys.stride(0), scores.stride(0),
-            nb_cols,
+            nb_cols, triton.next_power_of_2(nb_cols),
             HI=HI, HP=max(16, triton.next_power_of_2(HI)), DI=DI,
-            DP=max(16, triton.next_power_of_2(DI)), RATIO=ratio,
+            DP=max(16, triton.next_power_of_2(DI)), RATIO=ratio, UPCAST=interpreting(),
         )
     cfg = config_for("indexer_topk", q.device)
     _topk_kernel[(T,)](

@@ -2,9 +2,13 @@
 
 One program per (query token, kv head) computes all ``G = H / Hkv`` query heads that share the
 kv head, so every gathered K/V row is used G times (GQA); the selected positions are walked in
-tiles of ``BN`` with an online (flash) softmax in fp32. The same kernel serves prefill and
-decode: each query brings its own index row, so there is no causal mask to build (the indexer
-only selects visible positions).
+tiles of ``BN`` with an online (flash) softmax in fp32. Matrix products take bf16/fp16 operands
+as stored (fp32 accumulation) and fp32 operands at full ``ieee`` precision (never TF32).
+Under the interpreter (``UPCAST``) operands are widened to fp32 first, because Triton 3.9's
+interpreter computes bf16 ``tl.dot`` incorrectly; bf16 x bf16 products are exact in fp32, so
+both paths compute the same products.
+The same kernel serves prefill and decode: each query brings its own index row, so there is no
+causal mask to build (the indexer only selects visible positions).
 
 K/V addressing has two modes, chosen at compile time:
 
@@ -27,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import config_for
+from .launch import config_for, interpreting
 from .rounding import round_to
 
 
@@ -39,7 +43,7 @@ def _sparse_attn_kernel(
     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_btn,
     L, block_size,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    PAGED: tl.constexpr, BN: tl.constexpr,
+    PAGED: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr,
 ):
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -49,8 +53,10 @@ def _sparse_attn_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < D
     heads = hk * G + offs_g
+    # Operands stay in their storage dtype: bf16 x bf16 products are exact in the fp32
+    # accumulator, so the matrix units give the reference's fp32 scores up to summation order.
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if not PAGED:
         key0 = tl.load(kcu_ptr + n).to(tl.int64)
 
@@ -73,10 +79,14 @@ def _sparse_attn_kernel(
             voff = (key0 + p) * stride_vb
         kv_mask = valid[:, None] & mask_d[None, :]
         kt = tl.load(k_ptr + koff[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask,
-                     other=0.0).to(tl.float32)
+                     other=0.0)
         vt = tl.load(v_ptr + voff[:, None] + hk * stride_vh + offs_d[None, :], mask=kv_mask,
-                     other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [GP, BN]
+                     other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        s = s * scale  # [GP, BN]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have seen no valid key yet keep m = -inf; shift by 0 there to avoid NaN.
@@ -84,7 +94,12 @@ def _sparse_attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         pexp = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(pexp, vt, input_precision="ieee")
+        # Probabilities enter the PV product in V's dtype, as the reference casts them to it.
+        if UPCAST:
+            pv = tl.dot(round_to(pexp, vt.dtype), vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pexp.to(vt.dtype), vt, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -116,7 +131,7 @@ def _launch(q, k4, v4, indices, query_seq_idx, key_cu, block_table, block_size, 
         block_table.stride(0) if block_table is not None else 0,
         L, block_size,
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
-        DP=max(16, triton.next_power_of_2(D)), PAGED=paged, BN=cfg["BN"],
+        DP=max(16, triton.next_power_of_2(D)), PAGED=paged, UPCAST=interpreting(), BN=cfg["BN"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
