@@ -214,8 +214,24 @@ def markdown(report: Report, plots: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+COLORS = {"native": "tab:blue", "nocache": "tab:orange", "ours": "tab:green"}
+
+
+def _session_starts(ax: Any, results: list[RequestResult]) -> None:
+    """Thin vertical lines where a session sends its first request (a new conversation)."""
+    seen: set[str] = set()
+    for r in results:
+        if r.session not in seen:
+            seen.add(r.session)
+            if r.index:
+                ax.axvline(r.index - 0.5, color="grey", linewidth=0.6, alpha=0.5)
+
+
 def plot(report: Report, out_dir: Path, name_stem: str) -> dict[str, str]:
-    """cached fraction per request (with the ideal) and TTFT per request, one line per system."""
+    """cached fraction per request (with the ideal) and TTFT per request, one line per system.
+
+    Colours are fixed per system so figures of different runs read the same way; grey vertical
+    lines mark the first request of each session."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,8 +249,10 @@ def plot(report: Report, out_dir: Path, name_stem: str) -> dict[str, str]:
         xs = [r.index for r in run.requests if r.error is None and r.cached_tokens is not None]
         ys = [r.cached_tokens / r.prompt_tokens for r in run.requests
               if r.error is None and r.cached_tokens is not None and r.prompt_tokens]
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=run.name)
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=run.name,
+                color=COLORS.get(run.name))
     base = runs[0].requests
+    _session_starts(ax, base)
     ax.plot([r.index for r in base],
             [r.ideal_tokens / max(1, r.local_prompt_tokens) for r in base],
             color="black", linestyle="--", linewidth=1, label="ideal")
@@ -256,7 +274,8 @@ def plot(report: Report, out_dir: Path, name_stem: str) -> dict[str, str]:
                if r.error is None and r.ttft_s is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, linewidth=1.2,
-                    label=run.name)
+                    label=run.name, color=COLORS.get(run.name))
+    _session_starts(ax, runs[0].requests)
     ax.set_yscale("log")
     ax.set_xlabel("request (trace order)")
     ax.set_ylabel("time to first token (ms, log)")
@@ -330,3 +349,24 @@ def write_index(out_dir: Path) -> Path:
     index = out_dir / "README.md"
     index.write_text(text, encoding="utf-8")
     return index
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.report FILE.json ...`: redraw the markdown and PNGs of saved runs
+    (after a change to the plots, or on another machine) without replaying anything."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
+    p.add_argument("reports", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    for path in args.reports:
+        write(load(path), path.parent)
+    for folder in {path.parent for path in args.reports}:
+        write_index(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
