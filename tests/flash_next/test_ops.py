@@ -106,8 +106,9 @@ def _tiny_text_config(**kw):
     return Qwen4ExpTextConfig(**base)
 
 
+@pytest.mark.parametrize("seq", [45, 300])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_indexer_topk_matches_transformers_indexer(backend):
+def test_indexer_topk_matches_transformers_indexer(backend, seq):
     torch.manual_seed(4)
     ops = get_backend(backend)
     cfg = _tiny_text_config()
@@ -115,7 +116,6 @@ def test_indexer_topk_matches_transformers_indexer(backend):
     for p in idx.parameters():
         p.data.normal_(0, 0.3)
     rope = hf.Qwen4ExpTextRotaryEmbedding(cfg)
-    seq = 45
     x = torch.randn(1, seq, cfg.hidden_size)
     pos = torch.arange(seq)[None, None].expand(3, 1, -1)
     cos, sin = rope(x, pos)
@@ -181,3 +181,21 @@ def test_hc_mix_matches_transformers(backend):
         torch.testing.assert_close(ops.hc_inject(x, block, i2), ref)
     torch.testing.assert_close(m2, mixed)
     torch.testing.assert_close(i2, inj)
+
+
+def test_cpu_backend_bf16_gdn_prefill_close_to_reference():
+    """bf16 GDN prefill runs vLLM's C++ CPU kernel; it must agree with the reference."""
+    g = _gen(7)
+    lens = [3, 150]
+    t, h, dk, dv = sum(lens), 4, 64, 64
+    q, k = (torch.randn(t, h, dk, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(t, h, dv, generator=g).bfloat16()
+    gg = -torch.rand(t, h, generator=g) * 0.5
+    beta = torch.rand(t, h, generator=g).bfloat16()
+    init = torch.randn(len(lens), h, dk, dv, generator=g) * 0.1
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    ro, rs = get_backend("reference").gdn_chunked_prefill(q, k, v, gg, beta, cu, init)
+    co, cs = get_backend("cpu").gdn_chunked_prefill(q, k, v, gg, beta, cu, init)
+    torch.testing.assert_close(co.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cs, rs, atol=2e-2, rtol=2e-2)
+    assert torch.equal(init, init.clone())  # inputs untouched

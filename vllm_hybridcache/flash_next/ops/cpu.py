@@ -1,10 +1,11 @@
 """CPU backend: the torch reference, with vLLM's CPU kernels where they fit.
 
-vLLM's CPU GDN kernels (`chunk_gated_delta_rule_cpu`, `causal_conv1d_*_cpu`) assert bf16
-activations and keep their own state layouts, and the float32 path (the one the correctness
-tests use) must be exact, so the CPU backend keeps the reference arithmetic for every op and only
-swaps in faster torch formulations that give the same result: a decode-only batch of the
-conv ops is one batched call instead of a per-sequence loop.
+- GDN chunked prefill in bf16 runs vLLM's C++ `chunk_gated_delta_rule_cpu` (the kernel vLLM's
+  own Qwen3-Next uses on CPU; ~15x the torch reference). It asserts bf16 activations, so
+  float32 (the exact path the correctness tests use) keeps the reference. Its recurrent state
+  layout is [N, H, Dk, Dv] float32, like ours, updated in place on a copy we own.
+- The conv ops keep the reference arithmetic (cheap), batched for decode-only steps.
+- Everything else is the reference.
 """
 
 from __future__ import annotations
@@ -14,10 +15,37 @@ import torch
 from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
 
 
+def _has_vllm_cpu_gdn() -> bool:
+    try:
+        return hasattr(torch.ops._C, "chunk_gated_delta_rule_cpu")
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class CpuOps(ReferenceOps):
     """Reference semantics, tuned for the CPU (see module docstring)."""
 
     name = "cpu"
+
+    def gdn_chunked_prefill(self, q, k, v, g, beta, cu_seqlens, initial_state, *,
+                            use_qk_l2norm=True, chunk_size=64):
+        if q.dtype != torch.bfloat16 or not use_qk_l2norm or not _has_vllm_cpu_gdn():
+            return super().gdn_chunked_prefill(q, k, v, g, beta, cu_seqlens, initial_state,
+                                               use_qk_l2norm=use_qk_l2norm,
+                                               chunk_size=chunk_size)
+        from vllm import _custom_ops as vllm_ops
+
+        n = cu_seqlens.numel() - 1
+        if initial_state is None:
+            state = torch.zeros(n, q.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32)
+        else:
+            state = initial_state.to(torch.float32).contiguous().clone()
+        out, _ = vllm_ops.chunk_gated_delta_rule_cpu(
+            q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
+            g.to(torch.float32).contiguous()[None], beta.to(q.dtype).contiguous()[None],
+            state, True, cu_seqlens.to(torch.int32), False, True,
+            torch.arange(n, dtype=torch.int32), 1e-6)
+        return out[0], state
 
     def causal_conv1d_prefill(self, x, weight, cu_seqlens, conv_state, activation="silu"):
         n = cu_seqlens.numel() - 1

@@ -184,60 +184,97 @@ class ReferenceOps(FlashNextOps):
         width = budget + ratio - 1
         num_q, _, d = q.shape
         out = torch.full((num_q, width), -1, dtype=torch.int32, device=q.device)
-        key_cu = key_cu_seqlens.tolist()
-        seq_idx = query_seq_idx.tolist()
-        pos_list = query_pos.tolist()
-        # Pooled, normed, rotated block keys are a function of the sequence only.
-        block_keys: dict[int, torch.Tensor] = {}
-        for n in sorted(set(seq_idx)):
+        key_cu = key_cu_seqlens.to(torch.long).tolist()
+        seq_of = query_seq_idx.to(torch.long)
+        pos_all = query_pos.to(torch.long)
+        arange_r = torch.arange(ratio, device=q.device)
+        for n in sorted(set(seq_of.tolist())):
             keys = raw_keys[key_cu[n]:key_cu[n + 1]]
             nb = keys.shape[0] // ratio
-            if nb == 0:
-                block_keys[n] = keys.new_zeros(0, d)
-                continue
-            groups = keys[: nb * ratio].view(nb, ratio, d)
-            pooled = groups.float().mean(dim=1).to(keys.dtype)
-            pooled = rms_norm(pooled, k_norm_weight, eps)
-            starts = torch.arange(nb, device=keys.device) * ratio
-            block_keys[n] = apply_partial_rope(pooled, cos[starts], sin[starts])
-        for t in range(num_q):
-            n, pos = seq_idx[t], pos_list[t]
-            visible = pos + 1
-            ncomplete = visible // ratio
-            parts = []
-            if ncomplete > 0:
-                bk = block_keys[n][:ncomplete]
-                scores = torch.matmul(q[t].float(), bk.float().transpose(-1, -2)).transpose(-1, -2)
-                scores = torch.relu(scores).sum(dim=-1) / math.sqrt(d)
-                sel = scores.topk(min(block_topk, ncomplete), dim=0).indices
-                tok = (sel.unsqueeze(-1) * ratio
-                       + torch.arange(ratio, device=q.device)).flatten()
-                parts.append(tok)
-            parts.append(torch.arange(ncomplete * ratio, visible, device=q.device))
-            chosen = torch.sort(torch.cat(parts)).values.to(torch.int32)
-            out[t, : chosen.numel()] = chosen
+            rows_q = torch.nonzero(seq_of == n).flatten()
+            if nb:
+                # pooled, normed, rotated block keys: a function of the sequence only
+                groups = keys[: nb * ratio].view(nb, ratio, d)
+                pooled = rms_norm(groups.float().mean(dim=1).to(keys.dtype), k_norm_weight, eps)
+                starts = torch.arange(nb, device=keys.device) * ratio
+                bk = apply_partial_rope(pooled, cos[starts], sin[starts]).float()
+            step = max(1, min(1024, (1 << 24) // max(1, q.shape[1] * max(nb, 1))))
+            for s in range(0, rows_q.numel(), step):
+                qi = rows_q[s:s + step]
+                pos = pos_all[qi]
+                ncomplete = (pos + 1) // ratio
+                tail_len = (pos + 1) - ncomplete * ratio
+                t = qi.numel()
+                chosen = torch.full((t, width), -1, dtype=torch.long, device=q.device)
+                if nb:
+                    # transformers scores each query separately: q.float() @ keys.float().T,
+                    # relu, sum over heads, / sqrt(d); a batched matmul gives the same values
+                    scores = torch.relu(torch.matmul(q[qi].float(), bk.transpose(0, 1)))
+                    scores = scores.sum(dim=1) / math.sqrt(d)  # [t, nb]
+                    valid = torch.arange(nb, device=q.device)[None] < ncomplete[:, None]
+                    masked = scores.masked_fill(~valid, float("-inf"))
+                    kk = min(block_topk + 1, nb)
+                    top_v, top_i = masked.topk(kk, dim=-1)
+                    take = torch.clamp(ncomplete, max=block_topk)
+                    # a tie at the cut makes the selected set depend on topk's tie order:
+                    # redo those rows exactly as transformers does (1-D topk of the prefix)
+                    tie = (ncomplete > block_topk) & (kk > block_topk)
+                    if bool(tie.any()):
+                        tie &= top_v[:, block_topk - 1] == top_v[:, min(block_topk, kk - 1)]
+                    blk = torch.full((t, block_topk), -1, dtype=torch.long, device=q.device)
+                    keep = torch.arange(min(block_topk, kk), device=q.device)[None] < take[:, None]
+                    blk[:, : min(block_topk, kk)] = torch.where(
+                        keep, top_i[:, :block_topk], -1)
+                    for r in torch.nonzero(tie).flatten().tolist():
+                        sel = scores[r, : int(ncomplete[r])].topk(block_topk, dim=0).indices
+                        blk[r] = sel
+                    toks = (blk.unsqueeze(-1) * ratio + arange_r).flatten(1)
+                    toks = torch.where(blk.unsqueeze(-1).expand(-1, -1, ratio).flatten(1) >= 0,
+                                       toks, -1)
+                    chosen[:, : toks.shape[1]] = toks
+                # the incomplete tail, after the selected blocks
+                tail = (ncomplete * ratio).unsqueeze(-1) + arange_r[: ratio - 1]
+                tail = torch.where(arange_r[: ratio - 1][None] < tail_len[:, None], tail, -1)
+                merged = torch.cat([chosen[:, : block_topk * ratio], tail], dim=1)
+                merged = torch.where(merged >= 0, merged, torch.iinfo(torch.long).max)
+                merged = torch.sort(merged, dim=-1).values
+                merged = torch.where(merged == torch.iinfo(torch.long).max, -1, merged)
+                out[qi] = merged[:, :width].to(torch.int32)
         return out
 
     def sparse_attention(self, q, k, v, key_cu_seqlens, query_seq_idx, indices, scale):
-        num_q, h, _d = q.shape
+        # Dense-masked formulation: per sequence and block of queries, scores against every
+        # key up to the block's furthest selected position, -inf outside the selection.
+        # Same arithmetic as gathering the selected rows (the masked terms are exact zeros
+        # after softmax) but big GEMMs instead of a gather of budget-sized rows per query,
+        # which on CPU is several times faster for large budgets.
+        _, h, d = q.shape
         hkv = k.shape[1]
         rep = h // hkv
         out = torch.empty_like(q)
-        key_cu = key_cu_seqlens.to(torch.long)
-        valid = indices >= 0
-        rows = indices.clamp_min(0).to(torch.long) + key_cu[query_seq_idx.long()].unsqueeze(-1)
-        step = 256
-        for s in range(0, num_q, step):
-            e = min(num_q, s + step)
-            kk = k[rows[s:e]]  # [t, L, Hkv, D]
-            vv = v[rows[s:e]]
-            if rep > 1:
-                kk = kk.repeat_interleave(rep, dim=2)
-                vv = vv.repeat_interleave(rep, dim=2)
-            scores = torch.einsum("thd,tlhd->thl", q[s:e], kk) * scale
-            scores = scores.masked_fill(~valid[s:e, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[s:e] = torch.einsum("thl,tlhd->thd", probs, vv)
+        key_cu = key_cu_seqlens.to(torch.long).tolist()
+        seq_of = query_seq_idx.to(torch.long)
+        for n in sorted(set(seq_of.tolist())):
+            rows_q = torch.nonzero(seq_of == n).flatten()
+            base = key_cu[n]
+            seq_len = key_cu[n + 1] - base
+            step = max(1, min(512, (1 << 26) // max(1, h * seq_len)))
+            for s in range(0, rows_q.numel(), step):
+                qi = rows_q[s:s + step]
+                sel = indices[qi].to(torch.long)
+                span = int(sel.max()) + 1 if sel.numel() else 1
+                t = qi.numel()
+                mask = torch.zeros(t, span + 1, dtype=torch.bool, device=q.device)
+                mask.scatter_(1, torch.where(sel >= 0, sel, span), True)
+                mask = mask[:, :span]
+                kk = k[base:base + span].transpose(0, 1)  # [Hkv, S, D]
+                vv = v[base:base + span].transpose(0, 1)
+                qq = q[qi].view(t, hkv, rep, d).permute(1, 0, 2, 3).reshape(hkv, t * rep, d)
+                scores = torch.matmul(qq, kk.transpose(1, 2)).view(hkv, t, rep, span) * scale
+                scores = scores.float().masked_fill(~mask[None, :, None, :], float("-inf"))
+                probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, t * rep, span)
+                o = torch.matmul(probs, vv).view(hkv, t, rep, d).permute(1, 0, 2, 3)
+                out[qi] = o.reshape(t, h, d)
         return out
 
     # ---------------------------------------------------------------- PLE
