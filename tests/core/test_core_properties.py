@@ -167,6 +167,10 @@ class TreeMachine(RuleBasedStateMachine):
         assert torch.equal(dst["idx"][:, 0], want)
         assert torch.equal(dst["kv"].double(), want.view(-1, 1).expand(-1, 2))
         assert bool((sec["state"] == res.tokens + dom * 100_000).all())
+        into = {v.name: torch.full((res.tokens, *v.row_shape), -1.0, dtype=getattr(torch, v.dtype))
+                for v in LAYOUT.views}
+        self.store.restore_views_into(plan, into)
+        assert all(torch.equal(into[k], dst[k]) for k in into)
         assert self.tree.begin_restore(res)
         if pin:
             self.active.append(res)

@@ -180,3 +180,21 @@ def test_block_granular_views_restore_in_chain_order(make_tree, layout):
                          for s in blayout.sections},
                   lambda n, start, rows: calls.append((n, start, rows.shape[0])))
     assert calls == [("kv", 0, 7), ("idx", 0, 7), ("kv", 6, 7), ("idx", 6, 7)]
+
+
+def test_restore_views_into_non_contiguous_destination(make_tree, layout):
+    tree, store = make_tree(), LinkStore(layout, pin_memory=False)
+    tokens = list(range(40, 240))
+    for p in (64, 150):
+        fill(store, tree.reserve(tokens, p, D), tokens)
+        tree.commit(tree.link_ids()[-1])
+    plan = tree.lookup(tokens, D).plan
+    # every other row of a larger tensor: not contiguous, takes the typed path
+    big = {v.name: torch.zeros(2 * 150, *v.row_shape, dtype=getattr(torch, v.dtype))
+           for v in layout.views}
+    dst = {k: t[::2] for k, t in big.items()}
+    assert not dst["kv"].is_contiguous()
+    store.restore_views_into(plan, dst)
+    for v in layout.views:
+        assert torch.equal(dst[v.name], expected_rows(tokens, 150, v).to(dst[v.name].dtype))
+        assert big[v.name][1::2].abs().sum() == 0

@@ -355,3 +355,63 @@ def test_stats_count_every_event(make_tree, layout):
     # snapshots are independent of later events
     tree.record_lookup(tree.lookup([9] * 10, D))
     assert s.misses == {"no_prefix": 1}
+
+
+def test_cost_policy_frecency_and_heap_order():
+    import math
+
+    from vllm_hybridcache.core import CostPolicy, LRUPolicy, make_policy
+
+    class L:
+        def __init__(self, i, start, p, nbytes, t):
+            self.id, self.start, self.p, self.nbytes = i, start, p, nbytes
+            self.hits, self.last_access, self.freq = 0, t, 0.0
+
+    pol = make_policy("cost", half_life_s=10.0)
+    assert isinstance(pol, CostPolicy) and isinstance(make_policy("lru"), LRUPolicy)
+    a, b = L(1, 0, 100, 1000, 0.0), L(2, 0, 100, 1000, 0.0)
+    pol.accessed(a, 0.0)
+    pol.accessed(b, 0.0)
+    pol.accessed(a, 10.0)  # one half-life later: freq = 1 * 1/2 + 1
+    assert a.freq == pytest.approx(1.5) and a.last_access == 10.0
+    assert pol.score(a, 10.0) == pytest.approx(0.1 * 1.5)
+    assert pol.score(b, 10.0) == pytest.approx(0.1 * 0.5)
+    pol.add(a)
+    pol.add(b)
+    assert pol.victim() is b and pol.victim(exclude=b) is a
+    # the heap order equals the score order at any later time
+    c = L(3, 0, 400, 1000, 0.0)
+    pol.accessed(c, 5.0)
+    pol.add(c)
+    order = sorted((a, b, c), key=lambda x: pol.score(x, 1000.0))
+    got = []
+    while (v := pol.victim()) is not None:
+        got.append(v)
+        pol.discard(v)
+    assert got == order
+    assert math.isclose(pol.score(c, 15.0), 0.4 * 0.5)
+    with pytest.raises(ValueError):
+        make_policy("mru")
+
+
+def test_reserve_rejects_bad_arguments(make_tree):
+    tree = make_tree()
+    with pytest.raises(ValueError):
+        tree.reserve(PROMPT, 0, D)
+    with pytest.raises(ValueError):
+        tree.reserve(PROMPT, len(PROMPT) + 1, D)
+    with pytest.raises(TypeError):
+        tree.reserve(PROMPT, 64, "domain")
+
+
+def test_prompt_keys_are_shared_between_calls(make_tree):
+    tree = make_tree()
+    keys = tree.keys(PROMPT)
+    r = tree.reserve(keys, 64, D)
+    tree.commit(r.link_id)
+    assert tree.lookup(keys, D).plan.link_ids == (r.link_id,)
+    # keys made with another hasher are rehashed, not trusted
+    from vllm_hybridcache.core import PromptKeys
+
+    foreign = PromptKeys(PROMPT, hasher=lambda b: b"\x01")
+    assert tree.lookup(foreign, D).plan.link_ids == (r.link_id,)

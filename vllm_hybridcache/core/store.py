@@ -188,6 +188,24 @@ class LinkStore:
         for name, _, _, _ in self._views:
             d = dst[name]
             flat[name] = d.reshape(-1).view(torch.uint8) if d.is_contiguous() else None
+        if self.layout.view_block_tokens == 1 and all(f is not None for f in flat.values()):
+            # Rows of consecutive links are adjacent: one torch.cat per view does every copy
+            # in a single call (no per-link Python dispatch).
+            srcs: dict[str, list[torch.Tensor]] = {name: [] for name, _, _, _ in self._views}
+            for e in entries:
+                if e.rows == 0:
+                    continue
+                offs, _ = self._view_offsets(e.rows)
+                for name, o, n in offs:
+                    srcs[name].append(e.buf[o : o + n])
+                    moved += n
+            start = plan.chain[0].start
+            for name, bpr, _, _ in self._views:
+                if srcs[name]:
+                    out = flat[name]
+                    assert out is not None
+                    torch.cat(srcs[name], out=out[start * bpr : plan.tokens * bpr])
+            return moved
         for ref, e in zip(plan.chain, entries, strict=True):
             if e.rows == 0:
                 continue
