@@ -228,10 +228,12 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_flash_next_weights(
+        loaded = load_flash_next_weights(
             self, weights, split_parts=int(getattr(self.config, "split_ngram_parts", 1) or 1),
             rename={"model.language_model.": "model.", "language_model.": "model."},
             skip_prefixes=("mtp.", "model.visual.", "visual.", "model.mtp."))
+        self.ops.prepare_model(self)
+        return loaded
 
     # ------------------------------------------------------------------ IsHybrid
     @classmethod

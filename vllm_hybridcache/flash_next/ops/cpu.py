@@ -5,6 +5,8 @@
   float32 (the exact path the correctness tests use) keeps the reference. Its recurrent state
   layout is [N, H, Dk, Dv] float32, like ours, updated in place on a copy we own.
 - The conv ops keep the reference arithmetic (cheap), batched for decode-only steps.
+- bf16 `nn.Linear` layers run through vLLM's CPU GEMM dispatch (oneDNN / packed kernels,
+  the path vLLM's own linear layers take on CPU); float32 keeps torch's linear.
 - Everything else is the reference.
 """
 
@@ -13,6 +15,13 @@ from __future__ import annotations
 import torch
 
 from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
+
+
+def _packed_forward(module: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return module.cpu_linear(x, module.weight, module.bias)
+
+    return forward
 
 
 def _has_vllm_cpu_gdn() -> bool:
@@ -26,6 +35,14 @@ class CpuOps(ReferenceOps):
     """Reference semantics, tuned for the CPU (see module docstring)."""
 
     name = "cpu"
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                module.forward = _packed_forward(module)
 
     def gdn_chunked_prefill(self, q, k, v, g, beta, cu_seqlens, initial_state, *,
                             use_qk_l2norm=True, chunk_size=64):

@@ -29,6 +29,11 @@ class FlashNextOps(ABC):
 
     name: str = "abstract"
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Called once after the weights are loaded. A backend may repack weights or swap
+        module implementations (e.g. a faster GEMM); the default does nothing."""
+        del model
+
     # ---------------------------------------------------------------- GDN (linear attention)
     @abstractmethod
     def gdn_chunked_prefill(
