@@ -57,25 +57,36 @@ def row_value(token: int, pos: int, dom: int) -> float:
     return float(dom * 1_000_000 + token * 1000 + pos)
 
 
+BLOCK_LAYOUT = StateLayout(
+    sections=(SectionSpec("state", (2,), "float32"),),
+    views=(ViewSpec("kv", (4,), "float64"),),
+    view_block_tokens=4,
+)
+
+
 class TreeMachine(RuleBasedStateMachine):
+    """Token-granular views (one row per token)."""
+
     hasher = None
+    layout = LAYOUT
 
     @initialize(policy=st.sampled_from(["lru", "cost"]))
     def setup(self, policy: str) -> None:
         self.now = 0.0
         self.tree = SnapshotTree(
-            LAYOUT,
+            self.layout,
             TreeConfig(budget_bytes=BUDGET, memory_floor_bytes=0, policy=policy,
                        cost_half_life_s=5.0),
             hasher=type(self).hasher,
             available_memory=lambda: 1 << 40,
             clock=lambda: self.now,
         )
-        self.store = LinkStore(LAYOUT, pin_memory=False)
+        self.store = LinkStore(self.layout, pin_memory=False)
         # model: link id -> (domain index, tokens[:p], start, p, parent id)
         self.model: dict[int, tuple[int, tuple[int, ...], int, int, int | None]] = {}
         self.pending: list[int] = []
         self.active: list = []
+        self.seen: list[tuple[tuple[int, ...], int]] = []  # (prompt, domain) reserved before
 
     # ------------------------------------------------------------------ helpers
     def sync(self) -> None:
@@ -86,6 +97,29 @@ class TreeMachine(RuleBasedStateMachine):
                 del self.model[lid]
         self.pending = [i for i in self.pending if self.tree.has(i)]
 
+    def fill_views(self, views, prompt, start: int, p: int, dom: int) -> None:
+        vals = torch.tensor(
+            [row_value(prompt[i], i, dom) for i in range(start, p)], dtype=torch.float64
+        )
+        views["kv"].copy_(vals.view(-1, 1).expand(-1, 2))
+        views["idx"].copy_(vals.view(-1, 1))
+
+    def check_views(self, plan, prompt, n: int, dom: int) -> None:
+        """Restore through both paths; the rows must be those of the whole prefix."""
+        dst = {v.name: torch.zeros(n, *v.row_shape, dtype=getattr(torch, v.dtype))
+               for v in LAYOUT.views}
+        sec = {"state": torch.zeros(2)}
+        self.store.restore(plan, sec, lambda k, s, rows: dst[k][s : s + rows.shape[0]].copy_(rows))
+        assert bool((sec["state"] == n + dom * 100_000).all())
+        want = torch.tensor([row_value(prompt[i], i, dom) for i in range(n)],
+                            dtype=torch.float64)
+        assert torch.equal(dst["idx"][:, 0], want)
+        assert torch.equal(dst["kv"].double(), want.view(-1, 1).expand(-1, 2))
+        into = {v.name: torch.full((n, *v.row_shape), -1.0, dtype=getattr(torch, v.dtype))
+                for v in LAYOUT.views}
+        self.store.restore_views_into(plan, into)
+        assert all(torch.equal(into[k], dst[k]) for k in into)
+
     def visible(self, lid: int) -> bool:
         while lid is not None:
             if not self.tree.is_committed(lid):
@@ -94,8 +128,22 @@ class TreeMachine(RuleBasedStateMachine):
         return True
 
     # ------------------------------------------------------------------ rules
-    @rule(prompt=prompts, frac=fractions, dom=st.integers(0, 1))
-    def reserve(self, prompt, frac, dom) -> None:
+    @rule(prompt=prompts, frac=fractions, dom=st.integers(0, 1), now=st.booleans())
+    def reserve(self, prompt, frac, dom, now) -> None:
+        self._reserve(prompt, frac, dom, now)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), frac=fractions, now=st.booleans())
+    def reserve_again(self, data, frac, now) -> None:
+        """Capture another cut of a prompt seen before: chains grow as in a real prefill."""
+        prompt, dom = data.draw(st.sampled_from(self.seen))
+        self._reserve(prompt, frac, dom, now)
+
+    def _reserve(self, prompt, frac, dom, commit_now) -> None:
+        """Reserve a cut and fill its buffers; with commit_now, seal and commit at once (the
+        step succeeded before anything else happened)."""
+        if (prompt, dom) not in self.seen:
+            self.seen.append((prompt, dom))
         p = max(1, round(frac * len(prompt)))
         r = self.tree.reserve(list(prompt), p, DOMAINS[dom])
         if r.existing_id is not None:
@@ -109,14 +157,14 @@ class TreeMachine(RuleBasedStateMachine):
             else:
                 assert r.start == 0
             self.model[r.link_id] = (dom, prompt[:p], r.start, p, r.parent_id)
-            bufs = self.store.allocate(r.link_id, p - r.start)
+            bufs = self.store.allocate(r.link_id, self.layout.view_rows(r.start, p))
             bufs.sections["state"].fill_(float(p + dom * 100_000))
-            vals = torch.tensor(
-                [row_value(prompt[i], i, dom) for i in range(r.start, p)], dtype=torch.float64
-            )
-            bufs.views["kv"].copy_(vals.view(-1, 1).expand(-1, 2))
-            bufs.views["idx"].copy_(vals.view(-1, 1))
-            self.pending.append(r.link_id)
+            self.fill_views(bufs.views, prompt, r.start, p, dom)
+            if commit_now:
+                assert self.tree.commit(r.link_id)
+                self.store.seal(r.link_id)
+            else:
+                self.pending.append(r.link_id)
         self.sync()
 
     @precondition(lambda self: self.pending)
@@ -138,6 +186,16 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(prompt=prompts, frac=fractions, dom=st.integers(0, 1), pin=st.booleans())
     def lookup(self, prompt, frac, dom, pin) -> None:
+        self._lookup(prompt, frac, dom, pin)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), frac=fractions, other_domain=st.booleans(), pin=st.booleans())
+    def lookup_again(self, data, frac, other_domain, pin) -> None:
+        """Look up a prompt seen before (in its own domain, or in the other one)."""
+        prompt, dom = data.draw(st.sampled_from(self.seen))
+        self._lookup(prompt, frac, 1 - dom if other_domain else dom, pin)
+
+    def _lookup(self, prompt, frac, dom, pin) -> None:
         limit = round(frac * len(prompt))
         res = self.tree.lookup(list(prompt), DOMAINS[dom], limit)
         best = 0
@@ -158,19 +216,7 @@ class TreeMachine(RuleBasedStateMachine):
             assert ref.start == pos
             pos = ref.end
         assert pos == res.tokens
-        dst = {v.name: torch.zeros(res.tokens, *v.row_shape, dtype=getattr(torch, v.dtype))
-               for v in LAYOUT.views}
-        sec = {"state": torch.zeros(2)}
-        self.store.restore(plan, sec, lambda n, s, rows: dst[n][s : s + rows.shape[0]].copy_(rows))
-        want = torch.tensor([row_value(prompt[i], i, dom) for i in range(res.tokens)],
-                            dtype=torch.float64)
-        assert torch.equal(dst["idx"][:, 0], want)
-        assert torch.equal(dst["kv"].double(), want.view(-1, 1).expand(-1, 2))
-        assert bool((sec["state"] == res.tokens + dom * 100_000).all())
-        into = {v.name: torch.full((res.tokens, *v.row_shape), -1.0, dtype=getattr(torch, v.dtype))
-                for v in LAYOUT.views}
-        self.store.restore_views_into(plan, into)
-        assert all(torch.equal(into[k], dst[k]) for k in into)
+        self.check_views(plan, prompt, res.tokens, dom)
         assert self.tree.begin_restore(res)
         if pin:
             self.active.append(res)
@@ -202,8 +248,9 @@ class TreeMachine(RuleBasedStateMachine):
     @invariant()
     def budget_never_exceeded(self) -> None:
         assert self.tree.bytes_held <= BUDGET
+        lay = self.layout
         assert self.tree.bytes_held == sum(
-            LAYOUT.link_bytes(p - s) for _, _, s, p, _ in self.model.values()
+            lay.link_bytes(lay.view_rows(s, p)) for _, _, s, p, _ in self.model.values()
         )
 
     @invariant()
@@ -236,6 +283,37 @@ SETTINGS = settings(
 )
 
 
+class BlockRows(TreeMachine):
+    """Block-granular views (view_block_tokens = 4): a link stores every block overlapping its
+    range, slots past its cut hold garbage (-1), and the later link's copy of a shared boundary
+    block must win on restore."""
+
+    layout = BLOCK_LAYOUT
+
+    def fill_views(self, views, prompt, start: int, p: int, dom: int) -> None:
+        b = self.layout.view_block_tokens
+        first = start // b
+        kv = views["kv"]
+        for r in range(kv.shape[0]):
+            for slot in range(b):
+                pos = (first + r) * b + slot
+                kv[r, slot] = row_value(prompt[pos], pos, dom) if pos < p else -1.0
+
+    def check_views(self, plan, prompt, n: int, dom: int) -> None:
+        b = self.layout.view_block_tokens
+        blocks = -(-n // b)
+        dst = torch.full((blocks, b), -2.0, dtype=torch.float64)
+        sec = {"state": torch.zeros(2)}
+        self.store.restore(plan, sec, lambda k, s, rows: dst[s : s + rows.shape[0]].copy_(rows))
+        assert bool((sec["state"] == n + dom * 100_000).all())
+        want = torch.tensor([row_value(prompt[i], i, dom) for i in range(n)],
+                            dtype=torch.float64)
+        assert torch.equal(dst.view(-1)[:n], want)
+        into = {"kv": torch.full((blocks, b), -2.0, dtype=torch.float64)}
+        self.store.restore_views_into(plan, into)
+        assert torch.equal(into["kv"].view(-1)[:n], want)
+
+
 class StrongHash(TreeMachine):
     hasher = None
 
@@ -254,3 +332,5 @@ TestOneByteHash = OneByteHash.TestCase
 TestOneByteHash.settings = SETTINGS
 TestAlwaysCollides = AlwaysCollides.TestCase
 TestAlwaysCollides.settings = SETTINGS
+TestBlockRows = BlockRows.TestCase
+TestBlockRows.settings = SETTINGS
