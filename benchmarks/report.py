@@ -62,6 +62,9 @@ class SystemRun(msgspec.Struct):
     peak_snapshot_bytes_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
     cache_state: str = ""
     """How the cache started: 'fresh server', 'reset' (POST /reset_prefix_cache) or 'not reset'."""
+    server_cpu_s: float | None = None
+    """CPU seconds the server's processes used during the replay (started servers only): its
+    own work, robust to other load on the machine, unlike wall-clock times."""
     load_avg: list[float] = msgspec.field(default_factory=list)
     """1-minute load average before and after the replay (shared machines make TTFT noisy)."""
     summary: SystemSummary | None = None
@@ -165,13 +168,14 @@ def markdown(report: Report, plots: dict[str, str]) -> str:
            if s.get("extra_server_args") else ""),
         "",
         "| system | requests | errors | prompt tokens | cached tokens | cached | ideal "
-        "| cached / ideal | TTFT p50 (ms) | TTFT p95 (ms) | end-to-end (s) | peak snapshot |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cached / ideal | TTFT p50 (ms) | TTFT p95 (ms) | end-to-end (s) | server CPU (s) "
+        "| peak snapshot |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in report.systems:
         m = run.summary
         if m is None:
-            lines.append(f"| {run.name} | | | | | | | | | | | no result: "
+            lines.append(f"| {run.name} | | | | | | | | | | | | no result: "
                          f"{(run.error or 'unknown').splitlines()[0][:120]} |")
             continue
         lines.append(
@@ -179,7 +183,8 @@ def markdown(report: Report, plots: dict[str, str]) -> str:
             f"{_fmt(m.cached_tokens)} | {_fmt(m.cached_fraction, 'pct')} | "
             f"{_fmt(m.ideal_fraction, 'pct')} | {_fmt(m.cached_of_ideal, 'pct')} | "
             f"{_fmt(m.ttft_p50_ms, 'ms')} | {_fmt(m.ttft_p95_ms, 'ms')} | "
-            f"{_fmt(m.e2e_s, 's')} | {_fmt(m.peak_snapshot_bytes, 'bytes')} |")
+            f"{_fmt(m.e2e_s, 's')} | {_fmt(run.server_cpu_s, 's')} | "
+            f"{_fmt(m.peak_snapshot_bytes, 'bytes')} |")
     lines.append("")
     for title, name in plots.items():
         lines += [f"![{title}]({name})", ""]
@@ -326,12 +331,12 @@ def write_index(out_dir: Path) -> Path:
             cells = [r.model["name"], r.trace["family"], r.trace["size"], r.settings["history"],
                      run.name]
             if m is None:
-                cells += ["", "", "", "", "", "", "", "no result"]
+                cells += ["", "", "", "", "", "", "", "", "no result"]
             else:
                 cells += [str(m.requests), str(m.errors), _fmt(m.cached_fraction, "pct"),
                           _fmt(m.ideal_fraction, "pct"), _fmt(m.ttft_p50_ms, "ms"),
                           _fmt(m.ttft_p95_ms, "ms"), _fmt(m.e2e_s, "s"),
-                          _fmt(m.peak_snapshot_bytes, "bytes")]
+                          _fmt(run.server_cpu_s, "s"), _fmt(m.peak_snapshot_bytes, "bytes")]
             cells.append(f"[{path.stem}]({path.stem}.md)")
             rows.append("| " + " | ".join(cells) + " |")
     text = "\n".join([
@@ -341,8 +346,9 @@ def write_index(out_dir: Path) -> Path:
         "them: [../benchmarks.md](../benchmarks.md).",
         "",
         "| model | trace | size | history | system | requests | errors | cached | ideal "
-        "| TTFT p50 (ms) | TTFT p95 (ms) | end-to-end (s) | peak snapshot | report |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| TTFT p50 (ms) | TTFT p95 (ms) | end-to-end (s) | server CPU (s) | peak snapshot "
+        "| report |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         *rows,
         "",
     ])

@@ -39,6 +39,7 @@ from benchmarks.servers import (
     ServerError,
     ServerSettings,
     SystemSpec,
+    process_tree_cpu_s,
     reset_cache,
     running_server,
 )
@@ -166,9 +167,10 @@ def parse_base_urls(values: list[str], systems: list[str]) -> dict[str, str]:
 
 
 def _measure(run: rep.SystemRun, trace: Trace, cfg: ReplayConfig,
-             tokenizer: PromptTokenizer) -> None:
+             tokenizer: PromptTokenizer, pid: int | None = None) -> None:
     """Replay one trace into `run`; a failure is recorded in `run.error`, never raised."""
     before = os.getloadavg()[0]
+    cpu_before = process_tree_cpu_s(pid) if pid is not None else None
     try:
         result = replay(trace, cfg, tokenizer)
     except Exception as e:  # the replay talks to a server: report it, keep the other systems
@@ -176,6 +178,9 @@ def _measure(run: rep.SystemRun, trace: Trace, cfg: ReplayConfig,
         print(f"   {run.name} {trace.family}: FAILED: {run.error.splitlines()[0]}", flush=True)
         return
     run.load_avg = [round(before, 2), round(os.getloadavg()[0], 2)]
+    cpu_after = process_tree_cpu_s(pid) if pid is not None else None
+    if cpu_before is not None and cpu_after is not None:
+        run.server_cpu_s = round(cpu_after - cpu_before, 3)
     run.requests = result.requests
     run.cache_stats_route = result.cache_stats_route
     run.peak_snapshot_bytes_by_tier = result.peak_snapshot_bytes_by_tier
@@ -184,7 +189,8 @@ def _measure(run: rep.SystemRun, trace: Trace, cfg: ReplayConfig,
     print(f"   {run.name} {trace.family}: {m.errors} errors, cached "
           f"{rep._fmt(m.cached_fraction, 'pct')} of {m.prompt_tokens:,} prompt tokens (ideal "
           f"{rep._fmt(m.ideal_fraction, 'pct')}), TTFT p50 {rep._fmt(m.ttft_p50_ms, 'ms')} ms, "
-          f"replay {rep._fmt(m.e2e_s, 's')} s", flush=True)
+          f"replay {rep._fmt(m.e2e_s, 's')} s, server CPU {rep._fmt(run.server_cpu_s, 's')} s",
+          flush=True)
 
 
 def run_system(spec: SystemSpec, traces: list[Trace], settings: ServerSettings,
@@ -227,7 +233,8 @@ def run_system(spec: SystemSpec, traces: list[Trace], settings: ServerSettings,
                     run.started_by_runner = True
                     run.log, run.startup_s = server.log_path, server.startup_s
                     _measure(run, traces[i],
-                             msgspec.structs.replace(cfg, base_url=server.base_url), tokenizer)
+                             msgspec.structs.replace(cfg, base_url=server.base_url), tokenizer,
+                             server.pid)
                     pending.pop(0)
                     fresh = False
         except ServerError as e:

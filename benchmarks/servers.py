@@ -188,6 +188,31 @@ class RunningServer(msgspec.Struct):
     argv: list[str]
     log_path: str
     startup_s: float
+    pid: int
+
+
+def process_tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by a server and all its child processes.
+
+    Why: on a shared machine wall-clock times move with everyone else's load, but the CPU time
+    the server itself burns is its own work (prefill, decode, cache copies), so the difference
+    over a replay is a load-robust cost to compare systems by.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 @contextmanager
@@ -221,6 +246,7 @@ def running_server(spec: SystemSpec, settings: ServerSettings,
                 pass
             time.sleep(1.0)
         yield RunningServer(name=spec.name, base_url=base_url, argv=argv,
-                            log_path=str(log_path), startup_s=time.monotonic() - start)
+                            log_path=str(log_path), startup_s=time.monotonic() - start,
+                            pid=proc.pid)
     finally:
         _stop(proc)
