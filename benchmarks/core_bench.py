@@ -316,9 +316,14 @@ def bench_restore(quick: bool) -> list[str]:
         f"| reference: plain copy in the restore's {len(chunks)} chunks, one buffer to one "
         f"buffer | {_us(mc)} | {gbs(mc):.2f} GB/s | {mp / mc:.2f} | {pc:.2f} |",
         "",
-        "Goal: ratio >= 0.8. Each link's rows of one view are one contiguous copy, so the "
-        "assembly pays one `copy_` call per link and view on top of the bytes; the chunked "
-        "reference row shows what that chunking alone costs on this machine.",
+        "Goal: ratio >= 0.8. The headline is the median of paired ratios: on a CPU shared "
+        "with other jobs, memory bandwidth changes from one second to the next, and pairing "
+        "each restore with the plain copy run just before it cancels most of that; the best "
+        "times are shown too. For token-granular views the assembly is one `torch.cat` per "
+        "view over the chain's stored rows, written straight into the destination; the "
+        "chunked reference row shows what copying in per-link pieces costs by itself. The "
+        "view-sink path hands each link's rows to a Python callback (the adapter's path into "
+        "paged blocks), which adds one call per link and view.",
         "",
     ]
     return lines
@@ -388,7 +393,8 @@ def bench_bookkeeping(quick: bool) -> list[str]:
         f"| tree metadata, total | {per_link_tree:,.0f} |",
         f"| of which the link's own tokens ({GRID} x int64, needed for verification) "
         f"| {tokens_part:,} |",
-        f"| store objects (one uint8 tensor + entry) | {per_link_store:,.0f} |",
+        f"| store objects (one uint8 buffer, one typed tensor per view, entry; this layout has "
+        f"one view) | {per_link_store:,.0f} |",
         f"| store alignment padding (64 B per part, this layout) | {pad} |",
         "",
         "Relative to the payload of the reference layout (27 GDN + 9 attention layers; "
@@ -439,7 +445,7 @@ def make_workloads(quick: bool, seed: int = 7) -> list[Workload]:
     rng = np.random.default_rng(seed)
     pyr = random.Random(seed)
     heads = [rng.integers(0, 150_000, int(n)) for n in (3000, 4500, 6000)]
-    scale = 0.5 if quick else 1.0
+    scale = 0.4 if quick else 0.7
 
     def msg(lo: int, hi: int) -> np.ndarray:
         return rng.integers(0, 150_000, pyr.randint(lo, hi))
@@ -609,7 +615,7 @@ def bench_policies(quick: bool) -> tuple[list[str], str]:
             if f == 0.1:
                 lru10 += a["served"] / ideal["served"]
                 hl_totals[600.0] = hl_totals.get(600.0, 0.0) + b["served"] / ideal["served"]
-                for hl in (60.0, 6000.0):
+                for hl in (60.0,):
                     c = replay(wl, "cost", budget, half_life=hl)
                     hl_totals[hl] = hl_totals.get(hl, 0.0) + c["served"] / ideal["served"]
         lines.append("")
@@ -619,6 +625,10 @@ def bench_policies(quick: bool) -> tuple[list[str], str]:
         f"Mean share of the ideal tokens served over {n} (workload, budget) cells: "
         f"LRU {100 * totals['lru'] / n:.1f} %, cost {100 * totals['cost'] / n:.1f} %. "
         f"**Winner: {winner}** (TreeConfig.policy default).",
+        "",
+        "The winner is chosen on tokens served, the prefill a cache saves, not on the hit "
+        "count: a hit on a shared head and a hit 40K tokens deep count the same as hits but "
+        "differ a hundredfold in work saved.",
         "",
     ]
     if hl_totals:
@@ -652,12 +662,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for name, fn in sections.items():
         if args.only in (None, name):
+            t1 = time.perf_counter()
             out += fn(args.quick)
+            out.append(f"_Section time: {time.perf_counter() - t1:.0f} s._")
+            out.append("")
             print("\n".join(out), flush=True)
             out = []
     if args.only in (None, "policy"):
+        t1 = time.perf_counter()
         lines, _ = bench_policies(args.quick)
         out += lines
+        out.append(f"_Section time: {time.perf_counter() - t1:.0f} s._")
+        out.append("")
     out.append(f"Total benchmark time: {time.perf_counter() - t0:.0f} s.")
     print("\n".join(out), flush=True)
     return 0

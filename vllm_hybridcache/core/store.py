@@ -4,8 +4,8 @@ It executes the commands the scheduler-side SnapshotTree hands out by integer li
 host buffers for a reserved link, let the model runner fill them in place, seal them, restore a
 chain into caller-provided destinations, drop what the tree evicted. Each link is one contiguous
 host allocation (pinned where a CUDA/ROCm device exists, so device copies can be asynchronous)
-carved into typed, 64-byte aligned part tensors; the typed views are rebuilt on demand so a
-stored link costs one tensor object of bookkeeping.
+carved into typed, 64-byte aligned part tensors. A sealed link keeps one typed row tensor per
+view (what restores hand out); section tensors are rebuilt on demand.
 
 Threading: a LinkStore is not thread-safe; it is called from one thread only (the model-runner
 thread of its worker process). See docs/cache-core.md.
@@ -40,12 +40,15 @@ class LinkBuffers(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("buf", "rows", "sealed")
+    __slots__ = ("buf", "rows", "sealed", "views")
 
     def __init__(self, buf: torch.Tensor, rows: int) -> None:
         self.buf = buf
         self.rows = rows
         self.sealed = False
+        # typed row tensors of every view, built at seal: restore hands them out without
+        # building views per call (one tensor object per view and link of bookkeeping)
+        self.views: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 def _align(n: int) -> int:
@@ -88,15 +91,18 @@ class LinkStore:
             off = _align(off + bpr * rows)
         return out, off
 
-    def _typed(self, buf: torch.Tensor, rows: int) -> LinkBuffers:
-        secs = {
-            name: buf[o : o + n].view(dt).view(shape) for name, o, n, dt, shape in self._sec
-        }
+    def _typed_views(self, buf: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
         offs, _ = self._view_offsets(rows)
         views = {}
         for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
             views[name] = buf[o : o + n].view(dt).view(rows, *row_shape)
-        return LinkBuffers(secs, views)
+        return views
+
+    def _typed(self, buf: torch.Tensor, rows: int) -> LinkBuffers:
+        secs = {
+            name: buf[o : o + n].view(dt).view(shape) for name, o, n, dt, shape in self._sec
+        }
+        return LinkBuffers(secs, self._typed_views(buf, rows))
 
     # ------------------------------------------------------------------ capture
     def allocate(self, link_id: int, rows: int) -> LinkBuffers:
@@ -124,6 +130,7 @@ class LinkStore:
         if e is None:
             raise MissingLinkError(link_id)
         e.sealed = True
+        e.views = tuple(self._typed_views(e.buf, e.rows).items()) if e.rows else ()
 
     def discard(self, link_id: int) -> None:
         """Forget a link whose fill failed (same as drop for one id)."""
@@ -168,10 +175,9 @@ class LinkStore:
             if e.rows == 0:
                 continue
             lo = ref.start // self.layout.view_block_tokens
-            offs, _ = self._view_offsets(e.rows)
-            for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
-                view_sink(name, lo, e.buf[o : o + n].view(dt).view(e.rows, *row_shape))
-                moved += n
+            for name, rows in e.views:
+                view_sink(name, lo, rows)
+                moved += rows.numel() * rows.element_size()
         return moved
 
     def restore_views_into(
