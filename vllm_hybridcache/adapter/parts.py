@@ -119,17 +119,17 @@ class PagedBlocks:
             raise UnsupportedModel(
                 f"KV tensor has {per_block} bytes/block, spec says {block_bytes}")
 
-    def _block(self, block_id: int) -> torch.Tensor:
+    def block(self, block_id: int) -> torch.Tensor:
         return self.tensor.select(self.block_dim, block_id)
 
     def gather(self, block_ids: list[int], first: int, out: torch.Tensor) -> None:
         """Copy the request's blocks [first, first + len(out)) into out ([n, block_bytes])."""
         for i in range(out.shape[0]):
-            src = self._block(block_ids[first + i])
+            src = self.block(block_ids[first + i])
             out[i].view(src.dtype).view(src.shape).copy_(src)
 
     def scatter(self, block_ids: list[int], first: int, blocks: torch.Tensor) -> None:
         """Write stored blocks (uint8 [n, block_bytes]) into the request's blocks from `first`."""
         for i in range(blocks.shape[0]):
-            dst = self._block(block_ids[first + i])
+            dst = self.block(block_ids[first + i])
             dst.copy_(blocks[i].view(dst.dtype).view(dst.shape))

@@ -40,6 +40,8 @@ class StepPlan(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     captures: list[CaptureJob] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)
+    # (req_id, tokens) of prefills that end this step, when state probes are on (debug/tests)
+    probes: list[tuple[str, int, list[list[int]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class StepReport(KVConnectorWorkerMetadata):
     failed_saves: set[int] = field(default_factory=set)
     loaded: dict[str, float] = field(default_factory=dict)     # req_id -> seconds (max)
     failed_loads: set[str] = field(default_factory=set)
+    lost_links: set[int] = field(default_factory=set)          # payload missing on a worker
     workers: int = 1
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
@@ -68,4 +71,5 @@ class StepReport(KVConnectorWorkerMetadata):
                 out.loaded[k] = max(out.loaded.get(k, 0.0), v)
             out.failed_saves |= src.failed_saves
             out.failed_loads |= src.failed_loads
+            out.lost_links |= src.lost_links
         return out

@@ -12,6 +12,7 @@ not cold-exact.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
@@ -36,6 +37,7 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)
     resume_at: int = 0          # tokens restored (0 = cold)
     canonical: bool = True      # every step so far followed the segmentation
+    cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
 
 
 def default_message_end_ids(vllm_config) -> tuple[int, ...]:
@@ -83,6 +85,8 @@ class SchedulerSide:
         self._lookups: dict[str, LookupResult] = {}
         self._restoring: dict[str, RestorePlan] = {}
         self._loads: list[LoadJob] = []
+        # Debug aid (tests, incident analysis): digest every state part when a prefill ends.
+        self.probe_states = os.environ.get("VLLM_HYBRIDCACHE_PROBE_STATES", "") == "1"
         if self.reason_inactive:
             logger.info("hybridcache: snapshot cache inactive: %s", self.reason_inactive)
         else:
@@ -118,6 +122,8 @@ class SchedulerSide:
         if request.num_tokens > request.num_prompt_tokens:
             return 0, False  # resumed after preemption with output: recompute, never guess
         tr = self._track(request)
+        if tr.cold_only:
+            return 0, False
         res = self.tree.lookup(tr.keys, tr.domain, request.num_prompt_tokens - 1)
         self._lookups[request.request_id] = res
         return (res.tokens, True) if res.hit else (0, False)
@@ -173,6 +179,8 @@ class SchedulerSide:
     def _plan_step(self, tr: _Tracked, req_id: str, start: int, n: int, plan: StepPlan) -> None:
         prompt_len = len(tr.keys)
         end = start + n
+        if self.probe_states and start < prompt_len <= end:
+            plan.probes.append((req_id, prompt_len, [list(b) for b in tr.block_ids]))
         if start >= prompt_len or not tr.canonical:
             return
         if start != tr.resume_at and start not in tr.cut_set:
@@ -209,6 +217,9 @@ class SchedulerSide:
             tr = self._reqs.get(req_id)
             if tr is not None:
                 tr.resume_at = 0  # vLLM recomputes the request from token 0
+                tr.cold_only = True
+        if report.lost_links:
+            self.tree.invalidate(sorted(report.lost_links))
         for req_id, seconds in report.loaded.items():
             plan = self._restoring.pop(req_id, None)
             if plan is not None:

@@ -9,6 +9,7 @@ failed capture is discarded and its link aborted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -16,9 +17,13 @@ import torch
 
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.core import LinkStore
+from vllm_hybridcache.core import LinkStore, MissingLinkError
 
 logger = logging.getLogger("vllm_hybridcache")
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class WorkerSide:
@@ -37,6 +42,7 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.fault_injector = None  # tests: callable(kind, job) raising to simulate failures
+        self.probe_results: dict[str, dict[str, str]] = {}
 
     @property
     def active(self) -> bool:
@@ -81,6 +87,8 @@ class WorkerSide:
                 self._report.loaded[job.req_id] = time.perf_counter() - t0
             except Exception as e:
                 logger.warning("hybridcache: restore of %s failed, recomputing: %s", job.req_id, e)
+                if isinstance(e, MissingLinkError) and isinstance(e.args[0], int):
+                    self._report.lost_links.add(e.args[0])
                 self._report.failed_loads.add(job.req_id)
                 self._failed_recving.add(job.req_id)
             self._recving.add(job.req_id)
@@ -111,11 +119,30 @@ class WorkerSide:
                 self._report.failed_saves.add(job.link_id)
         if plan.drops:
             self.store.drop(plan.drops)
+        for req_id, tokens, block_ids in plan.probes:
+            self.probe_results[req_id] = self.state_digests(tokens, block_ids)
+
+    def state_digests(self, tokens: int, block_ids: list[list[int]]) -> dict[str, str]:
+        """sha256 of every section and of every complete KV block of a request's state.
+
+        The block holding the last tokens is left out when partial: its tail holds whatever
+        the block held before, which is not state.
+        """
+        out: dict[str, str] = {}
+        for name, (gid, t) in self._sections.items():
+            out[name] = _sha(t[block_ids[gid][0]])
+        full = tokens // self.parts.layout.view_block_tokens
+        for name, (gid, acc) in self._rows.items():
+            h = hashlib.sha256()
+            for b in block_ids[gid][:full]:
+                h.update(_sha(acc.block(b)).encode())
+            out[name] = h.hexdigest()
+        return out
 
     # ---------------------------------------------------------------- results
     def take_report(self) -> StepReport | None:
         r = self._report
-        if not (r.saved or r.failed_saves or r.loaded or r.failed_loads):
+        if not (r.saved or r.failed_saves or r.loaded or r.failed_loads or r.lost_links):
             return None
         self._report = StepReport(workers=1)
         return r

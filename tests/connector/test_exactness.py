@@ -1,0 +1,171 @@
+"""Warm (restored) prefills equal cold prefills of the same prompt, bit for bit.
+
+Prompt A spans 3 grid segments plus a tail; B shares A's first 2 segments; A again. Every warm
+run must report the deepest shared cut as cached, and give the same greedy tokens, the same
+logprobs (float equality) and the same final state parts (sha256 of every section and complete
+KV block) as a cold run of the same prompt in the same engine. A corrupted link must make the
+comparison fail (negative control), and a failed restore must fall back to an exact cold run.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.connector.conftest import engine_parts, make_llm
+from vllm_hybridcache.adapter.domain import request_domain
+
+pytestmark = pytest.mark.slow
+
+GRID = 256
+A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 132)]          # 3 segments + tail
+B = A[: 2 * GRID] + [50 + (i * 13) % 3000 for i in range(300)]     # shares 2 segments
+C = [7 + (i * 11) % 3000 for i in range(GRID + 40)]                # unrelated
+
+
+@pytest.fixture(scope="module")
+def llm(inproc, embedded_model):
+    engine = make_llm(embedded_model("qwen3-next-tiny"), extra={"grid": GRID})
+    yield engine
+    del engine
+
+
+def run(llm, prompt, salt: str | None = None, prompt_logprobs: bool = False):
+    from vllm import SamplingParams
+
+    # vLLM returns no valid prompt logprobs for cached positions, so it skips cache reads for
+    # requests that ask for them (its default); we keep that default.
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=5,
+                        prompt_logprobs=1 if prompt_logprobs else None, detokenize=False)
+    p = {"prompt_token_ids": list(prompt)}
+    if salt is not None:
+        p["cache_salt"] = salt
+    out = llm.generate([p], sp, use_tqdm=False)[0]
+    _sched, worker = engine_parts(llm)
+    return {
+        "tokens": list(out.outputs[0].token_ids),
+        "cached": out.num_cached_tokens,
+        "logprobs": [{k: v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs],
+        "prompt_logprobs": out.prompt_logprobs,
+        "state": _take_probe(worker, out.request_id),
+    }
+
+
+def _take_probe(worker, request_id: str):
+    """The state digests of one finished request (vLLM suffixes internal request ids)."""
+    keys = [k for k in worker.probe_results if k == request_id or k.startswith(request_id + "-")]
+    assert len(keys) <= 1
+    return worker.probe_results.pop(keys[0]) if keys else None
+
+
+def clear(llm):
+    sched, _ = engine_parts(llm)
+    sched.clear()
+
+
+def test_warm_runs_equal_cold_runs(llm):
+    clear(llm)
+    a_cold = run(llm, A)
+    assert a_cold["cached"] == 0 and a_cold["state"]
+    clear(llm)
+    b_cold = run(llm, B)
+    clear(llm)
+
+    run(llm, A)                      # captures links at 256, 512, 768
+    b_warm = run(llm, B)             # resumes at A's 2nd cut
+    a_warm = run(llm, A)             # resumes at the deepest cut: a 3-link chain
+    assert b_warm["cached"] == 2 * GRID
+    assert a_warm["cached"] == 3 * GRID
+    for warm, cold in ((a_warm, a_cold), (b_warm, b_cold)):
+        assert warm["tokens"] == cold["tokens"]
+        assert warm["logprobs"] == cold["logprobs"]
+        assert warm["state"] == cold["state"]
+
+
+def test_chain_and_shared_root(llm):
+    clear(llm)
+    run(llm, A)
+    run(llm, B)                      # B's link at 768 hangs under A's link at 512
+    sched, _ = engine_parts(llm)
+    tree = sched.tree
+    domain = request_domain(sched.base_domain, SimpleNamespace(cache_salt=None, lora_request=None))
+    res_a = tree.lookup(tree.keys(A), domain, len(A) - 1)
+    res_b = tree.lookup(tree.keys(B), domain, len(B) - 1)
+    assert len(res_a.plan.chain) == 3 and len(res_b.plan.chain) == 3
+    assert res_a.plan.chain[:2] == res_b.plan.chain[:2]       # shared root and second link
+    assert res_a.plan.chain[2] != res_b.plan.chain[2]
+
+
+def test_prompt_logprobs_stay_correct(llm):
+    """A request asking for prompt logprobs is served cold (every position computed), even with
+    links available, and its logprobs equal the cold run's."""
+    clear(llm)
+    cold = run(llm, A, prompt_logprobs=True)
+    run(llm, A)                                  # links now exist for A
+    again = run(llm, A, prompt_logprobs=True)
+    assert again["cached"] == 0
+
+    def plain(pl):
+        return [None if d is None else {k: v.logprob for k, v in d.items()} for d in pl]
+
+    assert plain(again["prompt_logprobs"]) == plain(cold["prompt_logprobs"])
+    assert again["tokens"] == cold["tokens"] and again["logprobs"] == cold["logprobs"]
+
+
+def test_corrupted_link_is_caught(llm):
+    """Negative control: the comparison above detects a bad restore."""
+    clear(llm)
+    cold = run(llm, A)
+    _, worker = engine_parts(llm)
+    for link_id in list(worker.store._entries):
+        bufs = worker.store.buffers(link_id)
+        first = next(iter(bufs.sections.values()))
+        first.add_(torch.ones_like(first))
+    warm = run(llm, A)
+    assert warm["cached"] == 3 * GRID
+    assert warm["logprobs"] != cold["logprobs"] or warm["state"] != cold["state"]
+    clear(llm)
+
+
+def test_failed_restore_falls_back_to_cold(llm):
+    clear(llm)
+    cold = run(llm, A)
+    sched, worker = engine_parts(llm)
+    failed_before = sched.tree.stats().restores_failed
+
+    def boom(kind, job):
+        if kind == "load":
+            raise RuntimeError("injected restore failure")
+
+    worker.fault_injector = boom
+    try:
+        again = run(llm, A)
+    finally:
+        worker.fault_injector = None
+    assert sched.tree.stats().restores_failed == failed_before + 1
+    assert again["tokens"] == cold["tokens"] and again["logprobs"] == cold["logprobs"]
+    assert again["state"] == cold["state"]
+
+
+def test_cache_salt_never_shares(llm):
+    clear(llm)
+    run(llm, A, salt="tenant-1")
+    other = run(llm, A, salt="tenant-2")
+    same = run(llm, A, salt="tenant-1")
+    assert other["cached"] == 0
+    assert same["cached"] == 3 * GRID
+    sched, _ = engine_parts(llm)
+    assert sched.tree.stats().misses.get("domain_mismatch", 0) >= 1
+
+
+def test_batched_sessions_get_their_own_state(llm):
+    from vllm import SamplingParams
+
+    clear(llm)
+    solo = {name: run(llm, p)["tokens"] for name, p in (("A", A), ("B", B), ("C", C))}
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in (A, B, C)], sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [solo["A"], solo["B"], solo["C"]]
+    assert outs[0].num_cached_tokens == 3 * GRID and outs[1].num_cached_tokens == 3 * GRID
