@@ -29,7 +29,7 @@ models: $(STAMP)
 	$(VENV)/bin/vllm-hybridcache make-model qwen3-next-tiny
 
 demo: $(STAMP)
-	$(PY) -m vllm_hybridcache.demo --model $(MODEL) --port $(PORT)
+	$(PY) -m demo --model $(MODEL) --port $(PORT)
 
 serve: $(STAMP)
 	$(VENV)/bin/vllm-hybridcache serve-embedded $(MODEL) --port $(PORT)

@@ -1,0 +1,1 @@
+"""`make demo`: an agent conversation against `vllm serve --plugin hybridcache`."""
