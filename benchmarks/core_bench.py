@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 import platform
 import random
 import statistics
@@ -356,28 +357,34 @@ def bench_bookkeeping(quick: bool) -> list[str]:
     # Worker side: per-link objects of the store (payload excluded), measured in a fresh
     # interpreter as RSS growth minus the payload bytes, with tiny links so that the payload
     # does not hide the rest (in this process, freed memory of the earlier sections would be
-    # reused and hide the growth).
-    small = StateLayout(sections=(SectionSpec("s", (16,), "float32"),),
-                        views=(ViewSpec("v", (16,), "bfloat16"),))
-    store = LinkStore(small, pin_memory=False)
+    # reused and hide the growth). Measured with 1 and with 5 views, since a sealed link keeps
+    # one typed tensor per view; the reference layout's cost is extrapolated from the two.
     m = 5_000 if quick else 20_000
-    code = (
-        "import gc, psutil, torch\n"
-        "from vllm_hybridcache.core import LinkStore, SectionSpec, StateLayout, ViewSpec\n"
-        "lay = StateLayout(sections=(SectionSpec('s', (16,), 'float32'),),"
-        " views=(ViewSpec('v', (16,), 'bfloat16'),))\n"
-        "st = LinkStore(lay, pin_memory=False)\n"
-        "st.allocate(-1, 2); st.seal(-1); gc.collect()\n"
-        "p = psutil.Process(); r0 = p.memory_info().rss\n"
-        f"for i in range({m}):\n"
-        "    st.allocate(i, 2); st.seal(i)\n"
-        "r1 = p.memory_info().rss\n"
-        f"print((r1 - r0 - (st.bytes_held - st.padding_bytes(2) - lay.link_bytes(2))) / {m})\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    per_link_store = float(out.stdout.strip().splitlines()[-1])
-    pad = store.padding_bytes(16)
+
+    def store_overhead(n_views: int) -> float:
+        code = (
+            "import gc, psutil, torch\n"
+            "from vllm_hybridcache.core import LinkStore, SectionSpec, StateLayout, ViewSpec\n"
+            "lay = StateLayout(sections=(SectionSpec('s', (16,), 'float32'),),"
+            f" views=tuple(ViewSpec(f'v{{i}}', (16,), 'bfloat16') for i in range({n_views})))\n"
+            "st = LinkStore(lay, pin_memory=False)\n"
+            "st.allocate(-1, 2); st.seal(-1); gc.collect()\n"
+            "p = psutil.Process(); r0 = p.memory_info().rss\n"
+            f"for i in range({m}):\n"
+            "    st.allocate(i, 2); st.seal(i)\n"
+            "r1 = p.memory_info().rss\n"
+            "payload = st.bytes_held - st.padding_bytes(2) - lay.link_bytes(2)\n"
+            f"print((r1 - r0 - payload) / {m})\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    one, five = store_overhead(1), store_overhead(5)
+    per_view = max(0.0, (five - one) / 4)
+    store_base = max(0.0, one - per_view)
+    per_link_store = store_base + per_view * len(REF_LAYOUT.views)
+    pad = LinkStore(REF_LAYOUT, pin_memory=False).padding_bytes(GRID)
     total_overhead = per_link_tree + per_link_store
     lines = [
         "## 3. Bookkeeping memory per link",
@@ -386,16 +393,19 @@ def bench_bookkeeping(quick: bool) -> list[str]:
         "tracemalloc around reserve + commit (PromptKeys belong to the request and are not "
         "counted).",
         f"Store (worker side): {m:,} tiny links allocated in a fresh interpreter, RSS growth "
-        "minus payload bytes (the tensor objects and the allocator's own overhead).",
+        "minus payload bytes (tensor objects, entry, the allocator's own overhead), with 1 and "
+        "with 5 views; extrapolated to the reference layout's "
+        f"{len(REF_LAYOUT.views)} views.",
         "",
         "| item | bytes per link |",
         "|---|---|",
         f"| tree metadata, total | {per_link_tree:,.0f} |",
         f"| of which the link's own tokens ({GRID} x int64, needed for verification) "
         f"| {tokens_part:,} |",
-        f"| store objects (one uint8 buffer, one typed tensor per view, entry; this layout has "
-        f"one view) | {per_link_store:,.0f} |",
-        f"| store alignment padding (64 B per part, this layout) | {pad} |",
+        f"| store, per link (one uint8 buffer + entry) | {store_base:,.0f} |",
+        f"| store, per view of a sealed link (its typed row tensor) | {per_view:,.0f} |",
+        f"| store, reference layout ({len(REF_LAYOUT.views)} views) | {per_link_store:,.0f} |",
+        f"| store alignment padding, reference layout, {GRID}-row link | {pad} |",
         "",
         "Relative to the payload of the reference layout (27 GDN + 9 attention layers; "
         f"sections {_fmt_bytes(REF_LAYOUT.section_bytes)}, "
@@ -654,7 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"Command: `{cmd}` (benchmarks/core_bench.py). Machine: {platform.machine()}, "
         f"{psutil.cpu_count(logical=True)} logical CPUs shared with other jobs, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, 1 torch thread.",
+        f"Python {platform.python_version()}, torch {torch.__version__}, 1 torch thread; "
+        f"load average at start {os.getloadavg()[0]:.1f} (timings are noisy when it exceeds "
+        "the CPU count; the policy tables are deterministic).",
         "",
     ]
     sections: dict[str, Callable[[bool], list[str]]] = {

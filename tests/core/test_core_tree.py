@@ -415,3 +415,13 @@ def test_prompt_keys_are_shared_between_calls(make_tree):
 
     foreign = PromptKeys(PROMPT, hasher=lambda b: b"\x01")
     assert tree.lookup(foreign, D).plan.link_ids == (r.link_id,)
+
+
+def test_default_memory_guard_reads_the_host(layout):
+    from vllm_hybridcache.core import SnapshotTree, TreeConfig
+
+    roomy = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 20, memory_floor_bytes=0))
+    assert roomy.reserve(PROMPT, 64, D).link_id is not None
+    # a floor above any real host's memory: every capture is skipped
+    tight = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 20, memory_floor_bytes=1 << 60))
+    assert tight.reserve(PROMPT, 64, D).skip_reason == SkipReason.MEMORY_GUARD

@@ -17,6 +17,12 @@ API notes beyond the contract (additions only; nothing renamed or removed):
   set_budget(bytes) shrink the tree on demand.
 - LinkStore.restore/restore_views_into take non_blocking and return the bytes moved;
   LinkStore.buffers(id) re-opens an allocated link's tensors.
+- StateLayout.view_block_tokens (default 1) and view_rows(start, end): block-granular views
+  for paged caches whose in-block layout is backend-packed (added for the adapter); the store
+  allocates layout.view_rows(start, end) rows per link and view_sink's start_row is then a
+  block index (ref.start // view_block_tokens).
+- Introspection for tests and the adapter: SnapshotTree.has, is_committed, parent_of,
+  link_info, link_ids; eviction policies expose add/discard/accessed/victim.
 """
 
 from .config import GiB, TreeConfig
