@@ -62,7 +62,10 @@ def test_ragged_batch_matches_hf(kernel: str) -> None:
     cu = cu_seqlens(lengths)
     fn = gdn_chunked_prefill_varlen if kernel == "chunk" else gdn_recurrent_varlen
     ref_fn = torch_chunk_gated_delta_rule if kernel == "chunk" else torch_recurrent_gated_delta_rule
-    out = fn(q, k, v, g, beta, state, cu, slots, has_init)
+    # The chunk kernel steps 64 tokens here (the NVIDIA launch entry); the other tests use the
+    # interpreter entry's 32-token sub-chunks (RDNA's).
+    extra = {"sub_chunk": 64} if kernel == "chunk" else {}
+    out = fn(q, k, v, g, beta, state, cu, slots, has_init, **extra)
     tol = TOL if kernel == "chunk" else {"atol": 1e-5, "rtol": 1e-5}
     for i in range(N):
         a, b = int(cu[i]), int(cu[i + 1])
@@ -75,7 +78,8 @@ def test_ragged_batch_matches_hf(kernel: str) -> None:
 
 
 def test_chunk_two_calls_equal_one_call() -> None:
-    """A prefill split at a multiple of 64 reproduces the single call bit for bit."""
+    """A prefill split at a multiple of 64 reproduces the single call bit for bit (with the
+    32-token sub-chunks of the interpreter's launch entry)."""
     lengths, splits = [65, 130, 64, 200], [64, 128, 64, 64]
     T = sum(lengths)
     q, k, v, g, beta = _inputs(T, seed=1)
@@ -151,3 +155,10 @@ def test_chunk_bf16_inputs_fp32_state() -> None:
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     torch.testing.assert_close(out.float(), ref_o.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(state[0], ref_s, **TOL)
+
+
+def test_sub_chunk_must_divide_chunk() -> None:
+    q, k, v, g, beta = _inputs(4, seed=4)
+    with pytest.raises(ValueError):
+        gdn_chunked_prefill_varlen(q, k, v, g, beta, torch.zeros(1, HV, K, V), cu_seqlens([4]),
+                                   torch.tensor([0], dtype=torch.int32), sub_chunk=48)

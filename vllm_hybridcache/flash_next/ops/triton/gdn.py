@@ -114,9 +114,12 @@ def _gdn_chunk_kernel(
             Tm = tl.where(rows[:, None] == i, eye - new[None, :], Tm)
 
         egc = tl.exp(gc)
-        u = tl.dot(Tm, v * beta[:, None], input_precision="ieee")
-        w = tl.dot(Tm, k * (beta * egc)[:, None], input_precision="ieee")
-        v_new = u - tl.dot(w, S, input_precision="ieee")
+        # v_new = T (v beta) - (T (k beta e^gc)) S, evaluated as T (v beta - (k beta e^gc) S):
+        # the same product re-associated, without the BT x K tile T (k beta e^gc), which is
+        # what made the kernel spill on RDNA (fp32 products run on FMA units, operands live in
+        # registers).
+        kbs = tl.dot(k * (beta * egc)[:, None], S, input_precision="ieee")  # [BT, BV]
+        v_new = tl.dot(Tm, v * beta[:, None] - kbs, input_precision="ieee")
 
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         Aqk = tl.where(causal, qk * decay, 0.0)
@@ -232,6 +235,7 @@ def gdn_chunked_prefill_varlen(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = CHUNK,
+    sub_chunk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over a varlen batch; the state pool is read and written in place.
@@ -246,6 +250,12 @@ def gdn_chunked_prefill_varlen(
         out_state_slots: ``[N]`` slot in ``new_state`` the final state is written to (default
             ``state_slots``; -1: not written).
         chunk_size: a power of two >= 16 (64 in transformers and here by default).
+        sub_chunk: tokens per kernel step, a power of two >= 16 dividing ``chunk_size``
+            (default: the launch table's ``BT`` for this chip, capped at ``chunk_size``).
+            Sub-chunks are counted from each sequence's first token like chunks, so a prefill
+            split at a multiple of ``chunk_size`` still equals a single call bit for bit; the
+            result differs from ``chunk_size``-sized chunks only by rounding. Smaller steps
+            need fewer registers (see docs/kernels.md).
         scale: query scale, default ``K ** -0.5`` (HF).
         use_qk_l2norm: L2-normalise q and k in fp32 first (Flash-Next: True).
     Returns:
@@ -264,6 +274,9 @@ def gdn_chunked_prefill_varlen(
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     cfg = config_for("gdn_chunk", q.device)
+    bt = min(chunk_size, cfg["BT"]) if sub_chunk is None else sub_chunk
+    if bt < 16 or bt & (bt - 1) or chunk_size % bt:
+        raise ValueError(f"sub_chunk {bt} must be a power of two >= 16 dividing {chunk_size}")
     BV = min(cfg["BV"], max(16, triton.next_power_of_2(V)))
     outs = out_state_slots if out_state_slots is not None else state_slots
     dst = state if new_state is None else new_state
@@ -276,7 +289,7 @@ def gdn_chunked_prefill_varlen(
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2),
-        HV=HV, HK=HK, K=K, V=V, KP=max(16, triton.next_power_of_2(K)), BV=BV, BT=chunk_size,
+        HV=HV, HK=HK, K=K, V=V, KP=max(16, triton.next_power_of_2(K)), BV=BV, BT=bt,
         L2NORM=use_qk_l2norm, HAS_INIT=has_initial_state is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

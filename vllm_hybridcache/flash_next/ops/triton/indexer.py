@@ -156,8 +156,7 @@ def _topk_kernel(
     digits = tl.arange(0, 16).to(tl.int64)
     prefix = tl.zeros([], dtype=tl.int64)  # unsigned image: key + 2^31
     for p in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * p
-        cand = prefix + (digits << shift)
+        cand = prefix + (digits << (28 - 4 * p))
         cnt = tl.zeros([16], dtype=tl.int64)
         for b0 in range(0, nblk, BN):
             m = (b0 + offs) < nblk
@@ -167,7 +166,7 @@ def _topk_kernel(
             hit = (u[None, :] >= cand[:, None]) & m[None, :]
             cnt += tl.sum(hit.to(tl.int64), axis=1)
         best = tl.max(tl.where(cnt >= k, digits, 0), axis=0)
-        prefix = prefix + (best << shift)
+        prefix = prefix + (best << (28 - 4 * p))
     thr = prefix - 2147483648
 
     cnt_gt = tl.zeros([], dtype=tl.int64)

@@ -87,13 +87,15 @@ _TABLE: dict[str, dict[str, dict[str, int]]] = {
         "cdna": {"BD": 256, "BT": 16, "num_warps": 4, "num_stages": 1},
         "nvidia": {"BD": 256, "BT": 16, "num_warps": 4, "num_stages": 1},
     },
-    # GDN chunked prefill: chunk length is fixed at 64 (state-exactness across 64-aligned splits
-    # depends on it); BV is the value-column block of the state tile K x BV held in registers.
+    # GDN chunked prefill: BT tokens per step (a divisor of the 64-token chunk, so 64-aligned
+    # splits stay bit-exact), BV the value-column block of the K x BV state tile. fp32 products
+    # run on FMA units with operands in registers; BT/BV/warps are set from the spill counts
+    # of ``python -m benchmarks.kernels_compile`` (docs/kernels.md).
     "gdn_chunk": {
-        "interpreter": {"BV": 32, "num_warps": 1, "num_stages": 1},
-        "rdna": {"BV": 32, "num_warps": 4, "num_stages": 1},
-        "cdna": {"BV": 32, "num_warps": 4, "num_stages": 1},
-        "nvidia": {"BV": 64, "num_warps": 8, "num_stages": 1},
+        "interpreter": {"BT": 32, "BV": 32, "num_warps": 1, "num_stages": 1},
+        "rdna": {"BT": 32, "BV": 32, "num_warps": 4, "num_stages": 1},
+        "cdna": {"BT": 32, "BV": 32, "num_warps": 4, "num_stages": 1},
+        "nvidia": {"BT": 64, "BV": 64, "num_warps": 8, "num_stages": 1},
     },
     # GDN recurrent step (decode / MTP verify): one program per (sequence, head, BV block).
     "gdn_recurrent": {
