@@ -87,6 +87,11 @@ class PromptKeys:
     def hasher(self) -> Hasher:
         return self._hasher
 
+    @property
+    def memo(self) -> dict[int, bytes]:
+        """Digests computed so far, by cut (read-only for callers)."""
+        return self._memo
+
     def digest(self, p: int) -> bytes:
         """Key digest of tokens[:p]; O(BLOCK) once the chain reaches p // BLOCK."""
         memo = self._memo.get(p)

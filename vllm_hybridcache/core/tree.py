@@ -288,6 +288,8 @@ class SnapshotTree:
         dom = root.domain
         index = self._index
         raw = keys.raw
+        memo = keys.memo  # digests already computed for this prompt
+        digest = keys.digest
         stack: list[_Node] = [root]
         while stack:
             node = stack.pop()
@@ -296,7 +298,8 @@ class SnapshotTree:
             for q in node.kids:
                 if q > limit:
                     continue
-                bucket = index.get((dom, q, keys.digest(q)))
+                d = memo.get(q)
+                bucket = index.get((dom, q, d if d is not None else digest(q)))
                 if bucket is None:
                     continue
                 for child in bucket:
