@@ -69,6 +69,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     hasher = None
     layout = LAYOUT
+    slab_bytes = 0  # 0: one allocation per link; > 0: links carved out of slabs (ranges reused)
 
     @initialize(policy=st.sampled_from(["lru", "cost"]))
     def setup(self, policy: str) -> None:
@@ -81,7 +82,7 @@ class TreeMachine(RuleBasedStateMachine):
             available_memory=lambda: 1 << 40,
             clock=lambda: self.now,
         )
-        self.store = LinkStore(self.layout, pin_memory=False)
+        self.store = LinkStore(self.layout, pin_memory=False, slab_bytes=self.slab_bytes)
         # model: link id -> (domain index, tokens[:p], start, p, parent id)
         self.model: dict[int, tuple[int, tuple[int, ...], int, int, int | None]] = {}
         self.pending: list[int] = []
@@ -320,6 +321,7 @@ class StrongHash(TreeMachine):
 
 class OneByteHash(TreeMachine):
     hasher = staticmethod(lambda data: hashlib.blake2b(data, digest_size=1).digest())
+    slab_bytes = 4096
 
 
 class AlwaysCollides(TreeMachine):

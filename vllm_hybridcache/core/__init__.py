@@ -16,7 +16,9 @@ API notes beyond the contract (additions only; nothing renamed or removed):
 - SnapshotTree.invalidate(ids) drops links the worker reported lost; evict(nbytes) and
   set_budget(bytes) shrink the tree on demand.
 - LinkStore.restore/restore_views_into take non_blocking and return the bytes moved;
-  LinkStore.buffers(id) re-opens an allocated link's tensors.
+  LinkStore.buffers(id) re-opens an allocated link's tensors. LinkStore(layout, pin_memory,
+  slab_bytes): pinned stores carve links out of power-of-two slabs (SlabArena) so torch's
+  pinned allocator does not round each link up; bytes_reserved reports the host bytes held.
 - StateLayout.view_block_tokens (default 1) and view_rows(start, end): block-granular views
   for paged caches whose in-block layout is backend-packed (added for the adapter); the store
   allocates layout.view_rows(start, end) rows per link and view_sink's start_row is then a
@@ -29,6 +31,7 @@ from .config import GiB, TreeConfig
 from .eviction import CostPolicy, EvictionPolicy, LRUPolicy, make_policy
 from .keys import BLOCK, Hasher, PromptKeys, blake2b_128, make_domain
 from .layout import SectionSpec, StateLayout, ViewSpec
+from .slabs import SlabArena
 from .stats import CacheStats, Histogram, MissReason, SkipReason
 from .store import LinkBuffers, LinkStore, MissingLinkError
 from .tree import LinkRef, LookupResult, Reservation, RestorePlan, SnapshotTree
@@ -53,6 +56,7 @@ __all__ = [
     "RestorePlan",
     "SectionSpec",
     "SkipReason",
+    "SlabArena",
     "SnapshotTree",
     "StateLayout",
     "TreeConfig",

@@ -19,11 +19,13 @@ from typing import NamedTuple
 import torch
 
 from .layout import StateLayout, torch_dtype
+from .slabs import Block, SlabArena
 from .tree import RestorePlan
 
 __all__ = ["LinkBuffers", "LinkStore", "MissingLinkError"]
 
 ALIGN = 64
+DEFAULT_SLAB_BYTES = 256 << 20  # power of two: torch's pinned allocator holds it exactly
 
 ViewSink = Callable[[str, int, torch.Tensor], None]
 
@@ -40,10 +42,11 @@ class LinkBuffers(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("buf", "rows", "sealed", "views")
+    __slots__ = ("block", "buf", "rows", "sealed", "views")
 
-    def __init__(self, buf: torch.Tensor, rows: int) -> None:
+    def __init__(self, buf: torch.Tensor, rows: int, block: Block | None = None) -> None:
         self.buf = buf
+        self.block = block  # the arena allocation to give back, when slabs are used
         self.rows = rows
         self.sealed = False
         # typed row tensors of every view, built at seal: restore hands them out without
@@ -66,9 +69,18 @@ def default_pin_memory() -> bool:
 class LinkStore:
     """Worker-side payload store keyed by the tree's link ids."""
 
-    def __init__(self, layout: StateLayout, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self, layout: StateLayout, pin_memory: bool | None = None, slab_bytes: int | None = None
+    ) -> None:
+        """pin_memory: None = pin when a CUDA/ROCm device is present. slab_bytes: carve links
+        out of host slabs of this size (see slabs.py); None = DEFAULT_SLAB_BYTES when pinned
+        (torch's pinned allocator would round each link up to a power of two), 0 = one exact
+        allocation per link (the default unpinned: malloc does not round)."""
         self.layout = layout
         self.pin_memory = default_pin_memory() if pin_memory is None else bool(pin_memory)
+        if slab_bytes is None:
+            slab_bytes = DEFAULT_SLAB_BYTES if self.pin_memory else 0
+        self._arena = SlabArena(slab_bytes, self.pin_memory, ALIGN) if slab_bytes else None
         self._entries: dict[int, _Entry] = {}
         self._bytes = 0
         # Fixed offsets of the sections; views follow, sized by the link's row count.
@@ -112,8 +124,13 @@ class LinkStore:
         if rows < 0:
             raise ValueError("rows must be >= 0")
         _, total = self._view_offsets(rows)
-        buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
-        self._entries[link_id] = _Entry(buf, rows)
+        if self._arena is not None:
+            block = self._arena.alloc(total)
+            buf = block.tensor
+            self._entries[link_id] = _Entry(buf, rows, block)
+        else:
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+            self._entries[link_id] = _Entry(buf, rows)
         self._bytes += buf.numel()
         return self._typed(buf, rows)
 
@@ -235,14 +252,23 @@ class LinkStore:
             e = self._entries.pop(lid, None)
             if e is not None:
                 freed += e.buf.numel()
+                if e.block is not None and self._arena is not None:
+                    self._arena.free(e.block)
         self._bytes -= freed
         return freed
 
     def clear(self) -> int:
         n = len(self._entries)
         self._entries.clear()
+        if self._arena is not None:
+            self._arena.clear()
         self._bytes = 0
         return n
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Host bytes held for payloads: slabs plus dedicated allocations (>= bytes_held)."""
+        return self._arena.reserved_bytes if self._arena is not None else self._bytes
 
     def has(self, link_id: int) -> bool:
         """Whether the link is allocated and sealed (restorable)."""
