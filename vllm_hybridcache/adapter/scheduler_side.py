@@ -77,6 +77,10 @@ class SchedulerSide:
             self.reason_inactive = str(e)
         if self.parts is not None and not settings.enabled:
             self.reason_inactive = "disabled by settings (enabled=false)"
+        elif self.parts is not None and settings.budget_bytes == 0:
+            # Off means off: no lookups, no captures, and no segmentation either, so outputs
+            # equal vLLM's without the plugin (design rule 5).
+            self.reason_inactive = "budget_bytes=0"
         layout = self.parts.layout if self.parts is not None else None
         self.segmentation = resolve_segmentation(settings, vllm_config)
         self.tree = SnapshotTree(layout, settings.tree_config()) if layout is not None else None
