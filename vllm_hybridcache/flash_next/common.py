@@ -59,15 +59,23 @@ class RopeTable:
 class SectionBatch:
     """One step's requests as a state (section) layer sees them.
 
-    Requests are ordered decodes first. `cu_seqlens` covers every request's new tokens,
-    `slots` is each request's state block, `has_state` whether it continues earlier tokens.
+    Requests are ordered decodes first. `cu_seqlens` covers every request's new tokens.
+    A request's state is read from `read_slots`. Prefills write their final state back to the
+    same block. Decodes may carry speculative tokens (MTP): their state after their j-th token
+    of this step goes to `dec_cols[:, j]` (vLLM's speculative state blocks) and their initial
+    state is the column of the last accepted token of the previous step.
     """
 
     cu_seqlens: torch.Tensor  # [N + 1] int64 (cpu)
-    slots: torch.Tensor  # [N] int64
+    read_slots: torch.Tensor  # [N] int64
     has_state: torch.Tensor  # [N] bool
-    num_decodes: int  # leading requests with exactly one new token and a state
+    num_decodes: int
+    dec_cols: torch.Tensor  # [num_decodes, 1 + num_spec] int64
     num_tokens: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
 
 
 def section_batch(meta, num_tokens: int) -> SectionBatch | None:
@@ -75,17 +83,25 @@ def section_batch(meta, num_tokens: int) -> SectionBatch | None:
     if meta is None:
         return None
     nd, np_ = meta.num_decodes, meta.num_prefills
-    parts_cu = [torch.arange(nd + 1, dtype=torch.long)]
+    if nd and meta.query_start_loc_d is not None:
+        parts_cu = [meta.query_start_loc_d[: nd + 1].long().cpu()]
+    else:
+        parts_cu = [torch.arange(nd + 1, dtype=torch.long)]
     slots, has = [], []
+    dec_cols = torch.zeros(0, 1, dtype=torch.long)
     if nd:
-        slots.append(meta.state_indices_tensor_d[:, 0].long())
+        dec_cols = meta.state_indices_tensor_d[:nd].long()
+        start = torch.zeros(nd, dtype=torch.long)
+        if meta.num_accepted_tokens is not None:
+            start = meta.num_accepted_tokens[:nd].long().cpu() - 1
+        slots.append(dec_cols.gather(1, start[:, None].to(dec_cols.device))[:, 0])
         has.append(torch.ones(nd, dtype=torch.bool))
     if np_:
         qp = meta.query_start_loc_p.long().cpu()
-        parts_cu.append(qp[1:] + nd)
+        parts_cu.append(qp[1:] + parts_cu[0][-1])
         slots.append(meta.state_indices_tensor_p.long())
         has.append(meta.has_initial_states_p.bool().cpu())
     cu = torch.cat(parts_cu)
-    return SectionBatch(cu_seqlens=cu, slots=torch.cat(slots) if slots else cu[:0],
+    return SectionBatch(cu_seqlens=cu, read_slots=torch.cat(slots) if slots else cu[:0],
                         has_state=torch.cat(has) if has else torch.zeros(0, dtype=torch.bool),
-                        num_decodes=nd, num_tokens=int(cu[-1]))
+                        num_decodes=nd, dec_cols=dec_cols, num_tokens=int(cu[-1]))

@@ -126,9 +126,10 @@ class GatedDeltaNet(nn.Module, MambaBase):
         b = section_batch(meta, num_tokens)
         if b is None:  # profiling / dummy run: one stateless sequence
             return SectionBatch(cu_seqlens=torch.tensor([0, num_tokens]),
-                                slots=torch.zeros(1, dtype=torch.long),
-                                has_state=torch.zeros(1, dtype=torch.bool),
-                                num_decodes=0, num_tokens=num_tokens)
+                                read_slots=torch.zeros(1, dtype=torch.long),
+                                has_state=torch.zeros(1, dtype=torch.bool), num_decodes=0,
+                                dec_cols=torch.zeros(0, 1, dtype=torch.long),
+                                num_tokens=num_tokens)
         return b
 
     def has_cache(self) -> bool:
@@ -136,44 +137,49 @@ class GatedDeltaNet(nn.Module, MambaBase):
 
     def load_states(self, b: SectionBatch, idx: int) -> torch.Tensor | None:
         """Gather state `idx` of the batch's requests; zeros where a request starts fresh."""
-        if not self.has_cache() or b.slots.numel() == 0:
+        if not self.has_cache() or b.read_slots.numel() == 0:
             return None
-        st = self.kv_cache[idx][b.slots].clone()
+        st = self.kv_cache[idx][b.read_slots].clone()
         fresh = ~b.has_state.to(st.device)
         if bool(fresh.any()):
             st[fresh] = 0
         return st
 
-    def store_states(self, b: SectionBatch, idx: int, value: torch.Tensor) -> None:
-        if self.has_cache() and b.slots.numel():
-            self.kv_cache[idx][b.slots] = value.to(self.kv_cache[idx].dtype)
+    def store_prefill_states(self, b: SectionBatch, idx: int, value: torch.Tensor) -> None:
+        """Final states of the prefill requests (rows num_decodes.. of `value`)."""
+        nd = b.num_decodes
+        if self.has_cache() and b.num_reqs > nd:
+            self.kv_cache[idx][b.read_slots[nd:]] = value[nd:].to(self.kv_cache[idx].dtype)
+
+    def store_decode_step(self, b: SectionBatch, idx: int, rows: torch.Tensor, step: int,
+                          value: torch.Tensor) -> None:
+        """State of decode requests `rows` after their `step`-th token of this step."""
+        if self.has_cache() and rows.numel():
+            cache = self.kv_cache[idx]
+            cache[b.dec_cols[rows, step]] = value.to(cache.dtype)
+
+    @staticmethod
+    def decode_steps(b: SectionBatch):
+        """(step j, decode request rows with a j-th token, that token's index) tuples."""
+        nd = b.num_decodes
+        if nd == 0:
+            return
+        cu = b.cu_seqlens[: nd + 1]
+        lens = cu[1:] - cu[:-1]
+        for j in range(int(lens.max())):
+            rows = torch.nonzero(lens > j).flatten()
+            yield j, rows, cu[rows] + j
 
     def ple_contexts(self, b: SectionBatch, ctx_len: int, eos: int, device) -> torch.Tensor:
         st = self.load_states(b, 2)
-        n = b.cu_seqlens.numel() - 1
-        fresh = torch.full((n, ctx_len), eos, dtype=torch.long, device=device)
+        fresh = torch.full((b.num_reqs, ctx_len), eos, dtype=torch.long, device=device)
         if st is None:
             return fresh
         return torch.where(b.has_state.to(device)[:, None], st.long(), fresh)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, b: SectionBatch) -> torch.Tensor:
-        t = b.num_tokens
-        mixed = self.in_proj_qkv(x[:t])
-        z = self.in_proj_z(x[:t])
-        beta = self.in_proj_b(x[:t]).sigmoid()
-        a = self.in_proj_a(x[:t])
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        nd = b.num_decodes
-        conv_state = self.load_states(b, 0)
-        ssm_state = self.load_states(b, 1)
-        if conv_state is None:
-            n = b.cu_seqlens.numel() - 1
-            ssm_state = torch.zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                                    dtype=torch.float32, device=x.device)
-        mixed, new_conv = self.ops.causal_conv1d_prefill(
-            mixed, self.conv_weight, b.cu_seqlens, conv_state, "silu")
+    def _split_heads(self, mixed: torch.Tensor):
+        t = mixed.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
@@ -182,18 +188,45 @@ class GatedDeltaNet(nn.Module, MambaBase):
         if rep > 1:
             q = q.repeat_interleave(rep, dim=1)
             k = k.repeat_interleave(rep, dim=1)
-        out = torch.empty_like(v)
-        new_ssm = torch.empty_like(ssm_state)
-        if nd:
-            o, s = self.ops.gdn_recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
-                                               ssm_state[:nd])
-            out[:nd], new_ssm[:nd] = o, s
-        if b.cu_seqlens.numel() - 1 > nd:
-            cu = b.cu_seqlens[nd:] - nd
-            o, s = self.ops.gdn_chunked_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cu,
-                                                ssm_state[nd:])
-            out[nd:], new_ssm[nd:] = o, s
-        self.store_states(b, 0, new_conv)
-        self.store_states(b, 1, new_ssm)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, b: SectionBatch) -> torch.Tensor:
+        t = b.num_tokens
+        mixed = self.in_proj_qkv(x[:t])
+        z = self.in_proj_z(x[:t])
+        beta = self.in_proj_b(x[:t]).sigmoid()
+        a = self.in_proj_a(x[:t])
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        nd, n = b.num_decodes, b.num_reqs
+        conv_state = self.load_states(b, 0)
+        ssm_state = self.load_states(b, 1)
+        if conv_state is None:
+            conv_state = mixed.new_zeros(n, mixed.shape[1], self.conv_kernel - 1)
+            ssm_state = torch.zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                    dtype=torch.float32, device=x.device)
+        out = mixed.new_empty(t, self.num_v_heads, self.head_v_dim)
+        # decodes (one token, or 1 + drafts with MTP): token by token, states per column
+        for j, rows, tok in self.decode_steps(b):
+            y, cs = self.ops.causal_conv1d_update(mixed[tok], self.conv_weight,
+                                                  conv_state[rows], "silu")
+            q, k, v = self._split_heads(y)
+            o, ss = self.ops.gdn_recurrent_step(q, k, v, g[tok], beta[tok], ssm_state[rows])
+            out[tok] = o
+            conv_state[rows], ssm_state[rows] = cs, ss
+            self.store_decode_step(b, 0, rows, j, cs)
+            self.store_decode_step(b, 1, rows, j, ss)
+        if n > nd:
+            t0 = int(b.cu_seqlens[nd])
+            cu = b.cu_seqlens[nd:] - t0
+            y, cs = self.ops.causal_conv1d_prefill(mixed[t0:], self.conv_weight, cu,
+                                                   conv_state[nd:], "silu")
+            q, k, v = self._split_heads(y)
+            o, ss = self.ops.gdn_chunked_prefill(q, k, v, g[t0:], beta[t0:], cu,
+                                                 ssm_state[nd:])
+            out[t0:] = o
+            conv_state[nd:], ssm_state[nd:] = cs, ss
+            self.store_prefill_states(b, 0, conv_state)
+            self.store_prefill_states(b, 1, ssm_state)
         core = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))

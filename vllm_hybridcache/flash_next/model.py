@@ -77,15 +77,7 @@ class DecoderLayer(nn.Module):
             if input_ids is None:
                 raise ValueError("Flash-Next PLE needs token ids (inputs_embeds-only "
                                  "requests are not supported)")
-            gdn = self.linear_attn
-            t = batch.num_tokens
-            ctx = gdn.ple_contexts(batch, self.ple.ple_embedding.context_len, self.eos,
-                                   h.device)
-            conv = gdn.load_states(batch, 3)
-            out, new_ctx, new_conv = self.ple(h[:t], input_ids[:t], batch.cu_seqlens, ctx, conv)
-            gdn.store_states(batch, 2, new_ctx)
-            gdn.store_states(batch, 3, new_conv)
-            h = torch.cat([h[:t] + out, h[t:]]) if t < h.shape[0] else h + out
+            h = self._ple(h, input_ids, batch)
         mixed, inject = self.attn_hyper_connection(h)
         if self.layer_type == "linear_attention":
             t = batch.num_tokens
@@ -97,6 +89,34 @@ class DecoderLayer(nn.Module):
         h = self.ops.hc_inject(h, out, inject)
         mixed, inject = self.mlp_hyper_connection(h)
         return self.ops.hc_inject(h, self.mlp(mixed), inject)
+
+
+    def _ple(self, h: torch.Tensor, input_ids: torch.Tensor, batch) -> torch.Tensor:
+        """PLE with its sections (n-gram context = state 2, PLE conv = state 3 of the GDN
+        layer): decodes token by token (speculative columns), prefills in one call."""
+        gdn = self.linear_attn
+        t, nd, n = batch.num_tokens, batch.num_decodes, batch.num_reqs
+        ctx = gdn.ple_contexts(batch, self.ple.ple_embedding.context_len, self.eos, h.device)
+        conv = gdn.load_states(batch, 3)
+        if conv is None:
+            conv = h.new_zeros(n, self.ple.hc_hidden, self.ple.state_len)
+        out = h.new_zeros(t, h.shape[1])
+        for j, rows, tok in gdn.decode_steps(batch):
+            one = torch.arange(rows.numel() + 1)
+            o, c2, k2 = self.ple(h[tok], input_ids[tok], one, ctx[rows], conv[rows])
+            out[tok] = o
+            ctx[rows], conv[rows] = c2, k2
+            gdn.store_decode_step(batch, 2, rows, j, c2)
+            gdn.store_decode_step(batch, 3, rows, j, k2)
+        if n > nd:
+            t0 = int(batch.cu_seqlens[nd])
+            cu = batch.cu_seqlens[nd:] - t0
+            o, c2, k2 = self.ple(h[t0:t], input_ids[t0:t], cu, ctx[nd:], conv[nd:])
+            out[t0:] = o
+            ctx[nd:], conv[nd:] = c2, k2
+            gdn.store_prefill_states(batch, 2, ctx)
+            gdn.store_prefill_states(batch, 3, conv)
+        return torch.cat([h[:t] + out, h[t:]]) if t < h.shape[0] else h + out
 
 
 class FlashNextModel(nn.Module):
@@ -212,7 +232,6 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
             for layer in self.model.modules():
                 if hasattr(layer, "ops"):
                     layer.ops = self.ops
-        self._last_streams: torch.Tensor | None = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -220,9 +239,7 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        mixed, streams = self.model(input_ids, positions, inputs_embeds, return_streams=True)
-        self._last_streams = streams
-        return mixed
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

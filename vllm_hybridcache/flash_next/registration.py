@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "Qwen4ExpForCausalLM": "vllm_hybridcache.flash_next.model:FlashNextForCausalLM",
     "Qwen4ExpForConditionalGeneration":
         "vllm_hybridcache.flash_next.model:FlashNextForConditionalGeneration",
+    "Qwen4ExpMTP": "vllm_hybridcache.flash_next.mtp:FlashNextMTP",
 }
 
 
