@@ -78,26 +78,34 @@ def profile(device: torch.device | None = None) -> ArchProfile:
 
 
 # Per kernel, per family: the launch parameters. Keys are documented in docs/kernels.md.
+# Register/spill figures quoted below come from ``python -m benchmarks.kernels_compile`` (AOT
+# compilation at Flash-Next's dimensions, bf16 activations); no kernel has been timed on a GPU
+# yet. Keys are documented in docs/kernels.md.
 _TABLE: dict[str, dict[str, dict[str, int]]] = {
     # Depthwise causal conv (GDN conv and PLE dilated conv): channels per program, tokens per
     # inner step. Memory bound; wide channel blocks give coalesced loads of token-major rows.
+    # BD=128, BT=16: 141 VGPRs on gfx1151, 168 registers on sm90, no spills (BD=256 spilled
+    # on sm90).
     "conv": {
         "interpreter": {"BD": 32, "BT": 16, "num_warps": 1, "num_stages": 1},
         "rdna": {"BD": 128, "BT": 16, "num_warps": 4, "num_stages": 1},
-        "cdna": {"BD": 256, "BT": 16, "num_warps": 4, "num_stages": 1},
-        "nvidia": {"BD": 256, "BT": 16, "num_warps": 4, "num_stages": 1},
+        "cdna": {"BD": 128, "BT": 16, "num_warps": 4, "num_stages": 1},
+        "nvidia": {"BD": 128, "BT": 16, "num_warps": 4, "num_stages": 1},
     },
     # GDN chunked prefill: BT tokens per step (a divisor of the 64-token chunk, so 64-aligned
     # splits stay bit-exact), BV the value-column block of the K x BV state tile. fp32 products
-    # run on FMA units with operands in registers; BT/BV/warps are set from the spill counts
-    # of ``python -m benchmarks.kernels_compile`` (docs/kernels.md).
+    # run on FMA units (RDNA has no fp32 matrix instructions; TF32 is not accurate enough) with
+    # operands in registers, so small steps win: gfx1151 BT=16/BV=16/8 warps spills 126 VGPRs
+    # (BT=64/BV=32/4 warps: 3483); gfx942 BT=16/BV=16/4 warps: 234 VGPRs, no spills; sm90
+    # BT=16/BV=32/8 warps had the least stack of the configurations tried.
     "gdn_chunk": {
         "interpreter": {"BT": 32, "BV": 32, "num_warps": 1, "num_stages": 1},
-        "rdna": {"BT": 32, "BV": 32, "num_warps": 4, "num_stages": 1},
-        "cdna": {"BT": 32, "BV": 32, "num_warps": 4, "num_stages": 1},
-        "nvidia": {"BT": 64, "BV": 64, "num_warps": 8, "num_stages": 1},
+        "rdna": {"BT": 16, "BV": 16, "num_warps": 8, "num_stages": 1},
+        "cdna": {"BT": 16, "BV": 16, "num_warps": 4, "num_stages": 1},
+        "nvidia": {"BT": 16, "BV": 32, "num_warps": 8, "num_stages": 1},
     },
-    # GDN recurrent step (decode / MTP verify): one program per (sequence, head, BV block).
+    # GDN recurrent step (decode / MTP verify): one program per (sequence, head, BV block); the
+    # 128 x BV fp32 state tile is the working set (gfx1151: 143 VGPRs at BV=16, no spills).
     "gdn_recurrent": {
         "interpreter": {"BV": 32, "num_warps": 1, "num_stages": 1},
         "rdna": {"BV": 16, "num_warps": 2, "num_stages": 1},
@@ -112,20 +120,22 @@ _TABLE: dict[str, dict[str, dict[str, int]]] = {
         "nvidia": {"BB": 16, "num_warps": 4, "num_stages": 1},
     },
     # Indexer top-k: groups scanned per step of the radix search. Each step compares BN scores
-    # against 16 candidate digits, a [16, BN] tile: BN=256 is 32 registers per lane at 128
-    # lanes (wave32 x 4), BN=512 at 256 lanes (wave64 x 4).
+    # against 16 candidate digits, a [16, BN] tile: BN=256 is 32 values per lane at 128 lanes
+    # (wave32 x 4), BN=512 at 256 lanes (wave64 x 4).
     "indexer_topk": {
         "interpreter": {"BN": 64, "num_warps": 1, "num_stages": 1},
         "rdna": {"BN": 256, "num_warps": 4, "num_stages": 1},
         "cdna": {"BN": 512, "num_warps": 4, "num_stages": 1},
         "nvidia": {"BN": 256, "num_warps": 4, "num_stages": 1},
     },
-    # Sparse attention over the selection: BN selected tokens gathered per step.
+    # Sparse attention over the selection: BN selected tokens gathered per step, D=256.
+    # gfx1151: BN=16/8 warps spills 96 VGPRs (BN=32/4 warps: 401); sm90: BN=32/8 warps 209
+    # registers, no spills. RDNA has no async copies for Triton to pipeline: 1 stage.
     "sparse_attn": {
         "interpreter": {"BN": 16, "num_warps": 1, "num_stages": 1},
-        "rdna": {"BN": 32, "num_warps": 4, "num_stages": 1},
-        "cdna": {"BN": 32, "num_warps": 4, "num_stages": 2},
-        "nvidia": {"BN": 64, "num_warps": 4, "num_stages": 2},
+        "rdna": {"BN": 16, "num_warps": 8, "num_stages": 1},
+        "cdna": {"BN": 16, "num_warps": 4, "num_stages": 2},
+        "nvidia": {"BN": 32, "num_warps": 8, "num_stages": 2},
     },
 }
 
