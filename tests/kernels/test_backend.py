@@ -180,3 +180,10 @@ def test_selection_per_platform(kind: str, expected: str, monkeypatch) -> None:
     assert default_backend_name(_Platform(kind)) == expected
     monkeypatch.setenv(ENV_VAR, "reference")
     assert default_backend_name(_Platform(kind)) == "reference"
+
+
+def test_get_backend_returns_the_triton_backend() -> None:
+    """``ops.get_backend("triton")`` finds ``TritonOps`` in this package (lazy export)."""
+    from vllm_hybridcache.flash_next.ops import get_backend
+
+    assert isinstance(get_backend("triton"), TritonBackend)
