@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.flash_next.helpers import (
+from .helpers import (
     MAX_TOL,
     MEAN_TOL,
     HFOracle,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.flash_next.helpers import engine, prompt_ids
+from .helpers import engine, prompt_ids
 
 
 def test_section_batch_reads_the_last_accepted_column():
