@@ -43,8 +43,9 @@ def _conv_kernel(
 ):
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
-    start = tl.load(cu_ptr + n)
-    end = tl.load(cu_ptr + n + 1)
+    # int64 offsets: T x D can pass 2^31 elements in a long batched prefill.
+    start = tl.load(cu_ptr + n).to(tl.int64)
+    end = tl.load(cu_ptr + n + 1).to(tl.int64)
     length = end - start
     slot = tl.load(slot_ptr + n).to(tl.int64)
     out_slot = tl.load(out_slot_ptr + n).to(tl.int64)

@@ -107,7 +107,7 @@ def _score_kernel(
     HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     RATIO: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # T x groups can pass 2^31 in a long prefill
     pid = tl.program_id(1)
     n = tl.load(seq_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -142,7 +142,7 @@ def _topk_kernel(
 ):
     # Scores are compared through their order-preserving int32 image (flip the magnitude bits
     # of negatives), written inline: nested jit calls are costly under the interpreter.
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # T x groups can pass 2^31 in a long prefill
     pos = tl.load(pos_ptr + t).to(tl.int64)
     visible = pos + 1
     nblk = visible // RATIO

@@ -45,7 +45,7 @@ def _sparse_attn_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGED: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     n = tl.load(seq_ptr + t).to(tl.int64)
     offs_g = tl.arange(0, GP)
