@@ -11,11 +11,12 @@ Layout is vLLM's flattened varlen batch: ``q, k: [T, HK, K]``, ``v: [T, HV, V]``
 ``state[slot, HV, K, V]`` (fp32) addressed by per-sequence slot indices and are updated in place.
 
 Chunked prefill (one program per sequence x value head x value block) walks the sequence in
-chunks of 64 tokens, exactly HF's algorithm: inside a chunk the delta-rule updates are folded
-by the UT transform ``(I + L)^{-1}`` (L strictly lower triangular), computed by forward
-substitution in registers; across chunks the state tile ``K x BV`` stays in registers. Chunks
-start at the sequence start, so a prefill split at a multiple of 64 performs the same
-operations as a single call and the two agree bit for bit.
+chunks, HF's algorithm: inside a chunk the delta-rule updates are folded by the UT transform
+``(I + L)^{-1}`` (L strictly lower triangular), computed by forward substitution in
+registers; across chunks the state tile ``K x BV`` stays in registers. The kernel's step
+(``BT``, from the launch table) divides the 64-token chunk; steps start at the sequence start,
+so a prefill split at a multiple of 64 performs the same operations as a single call and the
+two agree bit for bit.
 
 The recurrent kernel runs the per-token rule for decode and for MTP verification (several
 tokens per sequence); it can also store the state after every token in its own slot, which is

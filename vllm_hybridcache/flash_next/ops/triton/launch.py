@@ -5,16 +5,23 @@ registers (a GDN state tile is ``K x BV`` fp32, an attention tile ``G x D``), an
 tile may be before it spills depends on the wave size and on the register/LDS budget:
 
 * RDNA3.5 (gfx1151, Strix Halo) and RDNA4 (gfx1201, R9700) run wave32 with 64 KB of LDS per
-  workgroup processor. A ``num_warps=4`` program is 128 lanes; tiles of 64x64 fp32 (16 KB) are
-  comfortable, 128x128 fp32 is not. Smaller value blocks (``BV=32``) keep the GDN state tile in
-  VGPRs; ``num_stages=1`` because RDNA has no async-copy pipeline that Triton exploits.
-* CDNA (gfx90a/gfx942, MI200/MI300) is wave64 with 64 KB LDS: same tile sizes, 4 warps = 256
-  lanes; two software-pipelining stages help the streaming kernels.
-* NVIDIA Ampere/Hopper (sm80/sm90): warp 32, 164-228 KB shared memory; larger value blocks
-  (``BV=64``) halve the redundant UT-transform work in the chunked GDN kernel and ``num_stages``
-  2-3 hides global-memory latency in the attention and indexer loops.
+  workgroup processor and 256 VGPRs per lane at most. There are no fp32 matrix instructions
+  (WMMA takes bf16/fp16), so the GDN chunk kernel's fp32 products run on FMA units with
+  operands in registers: small token steps (``BT=16``) and value blocks (``BV=16``) with 8
+  waves keep it near the register budget. ``num_stages=1``: RDNA has no async-copy pipeline
+  that Triton exploits.
+* CDNA (gfx90a/gfx942, MI200/MI300) is wave64 with 64 KB LDS and a larger register file
+  (VGPRs + AGPRs): the same tiles compile without spills at 4 waves (256 lanes); two
+  software-pipelining stages help the streaming attention loop.
+* NVIDIA Ampere/Hopper (sm80/sm90): warp 32, 164-228 KB shared memory, 255 registers per
+  thread; larger attention tiles (``BN=32``, 8 warps) compile without spills and
+  ``num_stages=2`` hides global-memory latency in the gather loop.
 * The interpreter (``TRITON_INTERPRET=1``, CPU CI) ignores warps/stages; there the smallest tiles
   that cover the test shapes keep it fast.
+
+The numbers were chosen from the register, spill and LDS figures of
+``python -m benchmarks.kernels_compile`` (ahead-of-time compilation for gfx1151, gfx1201,
+gfx942 and sm90; docs/kernels.md has the table). No kernel has been timed on a GPU yet.
 
 Every kernel wrapper asks :func:`config_for` for its parameters, so tuning a new chip is one
 entry here. Autotuning is used only where the best choice depends on the problem size and the
