@@ -7,23 +7,19 @@ import os
 
 import pytest
 
+from vllm_hybridcache.serving.python_api import engine_parts, llm_kwargs
+
+__all__ = ["engine_parts", "make_llm"]
+
 
 def make_llm(model_path, extra: dict | None = None, plugin: bool = True, **kw):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     args = dict(model=str(model_path), max_model_len=8192, max_num_batched_tokens=2048,
                 enforce_eager=True, seed=0)
     args.update(kw)
     if plugin:
-        from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
-
-        cfg = {k: v for k, v in CONNECTOR_CONFIG.items() if k != "kv_connector_module_path"}
-        args.update(
-            enable_prefix_caching=False,
-            scheduler_cls=SCHEDULER_CLS,
-            kv_transfer_config=KVTransferConfig(**cfg, kv_connector_extra_config=extra or {}),
-        )
+        args.update(llm_kwargs(**(extra or {})))
     return LLM(**args)
 
 
@@ -39,14 +35,6 @@ def monkeypatch_module():
     mp = pytest.MonkeyPatch()
     yield mp
     mp.undo()
-
-
-def engine_parts(llm):
-    """(scheduler-side SchedulerSide, worker-side WorkerSide) of an in-process engine."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    core = llm.llm_engine.engine_core.engine_core
-    return core.scheduler.connector._sched, get_kv_transfer_group()._worker
 
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -20,7 +20,7 @@ class LoadJob:
     """Restore a chain of links into one request's state slot and KV blocks."""
 
     req_id: str
-    plan: RestorePlan                          # chain root -> deepest, rows per link
+    plan: RestorePlan | None                   # chain root -> deepest; None = fail this load
     block_ids: list[list[int]]                 # per KV-cache group
 
 

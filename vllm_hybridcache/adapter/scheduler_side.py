@@ -136,17 +136,20 @@ class SchedulerSide:
         res = self._lookups.pop(request.request_id, None)
         if res is None:
             return
-        if num_external_tokens > 0 and res.hit and res.tokens == num_external_tokens:
-            if not self.tree.begin_restore(res):
-                return
+        if num_external_tokens > 0:
             tr = self._track(request)
-            tr.resume_at = num_external_tokens
-            self._restoring[request.request_id] = res.plan
-            self._loads.append(LoadJob(
-                req_id=request.request_id,
-                plan=res.plan,
-                block_ids=[list(b) for b in blocks.get_block_ids()],
-            ))
+            block_ids = [list(b) for b in blocks.get_block_ids()]
+            if res.hit and res.tokens == num_external_tokens and self.tree.begin_restore(res):
+                tr.resume_at = num_external_tokens
+                self._restoring[request.request_id] = res.plan
+                self._loads.append(LoadJob(req_id=request.request_id, plan=res.plan,
+                                           block_ids=block_ids))
+            else:
+                # vLLM already counts these tokens as loading: the chain changed since the
+                # lookup (evicted or cleared), so report a failed load and let vLLM recompute.
+                tr.cold_only = True
+                self._loads.append(LoadJob(req_id=request.request_id, plan=None,
+                                           block_ids=block_ids))
         else:
             self.tree.record_lookup(res)
 

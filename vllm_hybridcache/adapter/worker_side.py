@@ -71,6 +71,8 @@ class WorkerSide:
     def _load(self, job: LoadJob) -> None:
         if self.fault_injector is not None:
             self.fault_injector("load", job)
+        if job.plan is None:
+            raise MissingLinkError("the chain changed between lookup and allocation")
         dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
 
         def sink(name: str, start: int, rows: torch.Tensor) -> None:

@@ -21,6 +21,10 @@ K/V addressing has two modes, chosen at compile time:
 
 A query with no valid index (padding rows) gets zeros instead of the NaN of a softmax over an
 empty set.
+
+Decode batches have few (query, kv head) programs, too few to fill a GPU, so their index rows
+are cut into splits computed in parallel (flash-decoding): each split writes its running max,
+sum and unnormalised accumulator, and ``_combine_kernel`` merges them.
 """
 
 from __future__ import annotations
@@ -37,16 +41,17 @@ from .rounding import round_to
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, seq_ptr, kcu_ptr, bt_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, seq_ptr, kcu_ptr, bt_ptr, ml_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_it,
     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_btn,
-    L, block_size,
+    L, block_size, split_len,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    PAGED: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr,
+    PAGED: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
+    sp = tl.program_id(2)
     n = tl.load(seq_ptr + t).to(tl.int64)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, DP)
@@ -64,8 +69,10 @@ def _sparse_attn_kernel(
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, DP], dtype=tl.float32)
     offs_n = tl.arange(0, BN)
-    for j0 in range(0, L, BN):
-        jm = (j0 + offs_n) < L
+    j_lo = sp * split_len
+    j_hi = tl.minimum(L, j_lo + split_len)
+    for j0 in range(j_lo, j_hi, BN):
+        jm = (j0 + offs_n) < j_hi
         pos = tl.load(idx_ptr + t * stride_it + j0 + offs_n, mask=jm, other=-1).to(tl.int64)
         valid = pos >= 0
         p = tl.maximum(pos, 0)
@@ -101,14 +108,67 @@ def _sparse_attn_kernel(
             pv = tl.dot(pexp.to(vt.dtype), vt, input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+    if SPLIT:
+        # Partial result of this split: unnormalised accumulator into o_ptr (the fp32
+        # workspace [T, splits, H, D]), running max and sum into ml_ptr ([T, splits, H, 2]).
+        nsplit = tl.num_programs(2)
+        row = (t * nsplit + sp) * (tl.num_programs(1) * G) + heads
+        tl.store(o_ptr + row[:, None] * D + offs_d[None, :], acc,
+                 mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=mask_g)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mask_g)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 round_to(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty),
+                 mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    ws_ptr, ml_ptr, o_ptr, stride_ot, stride_oh,
+    H, NSPLIT,
+    D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+):
+    """Merge the splits of one (query, head): rescale each partial by exp(m_s - max m)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, DP)
+    ms = offs_s < NSPLIT
+    row = (t * NSPLIT + offs_s) * H + h
+    m = tl.load(ml_ptr + row * 2, mask=ms, other=float("-inf"))
+    l_s = tl.load(ml_ptr + row * 2 + 1, mask=ms, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_safe)  # empty splits (m = -inf) weigh 0
+    acc = tl.load(ws_ptr + row[:, None] * D + offs_d[None, :],
+                  mask=ms[:, None] & (offs_d < D)[None, :], other=0.0)
+    num = tl.sum(w[:, None] * acc, axis=0)
+    den = tl.sum(w * l_s, axis=0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d,
              round_to(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty),
-             mask=mask_g[:, None] & mask_d[None, :])
+             mask=offs_d < D)
+
+
+def _auto_splits(programs: int, L: int, bn: int, device: torch.device) -> int:
+    """Splits of each index row so that a decode batch fills the chip (flash-decoding).
+
+    With ``programs = T * Hkv`` below twice the compute-unit count, each row is cut into up to
+    16 splits of at least two tiles; prefill batches have enough programs and are not split.
+    The interpreter does not split by default (tests ask for splits explicitly).
+    """
+    if interpreting() or device.type != "cuda":
+        return 1
+    units = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= 2 * units:
+        return 1
+    return max(1, min(16, triton.cdiv(2 * units, programs), triton.cdiv(L, 2 * bn)))
 
 
 def _launch(q, k4, v4, indices, query_seq_idx, key_cu, block_table, block_size, scale,
-            paged: bool) -> torch.Tensor:
+            paged: bool, splits: int | None) -> torch.Tensor:
     T, H, D = q.shape
     hkv = k4.shape[2]
     if H % hkv:
@@ -120,20 +180,37 @@ def _launch(q, k4, v4, indices, query_seq_idx, key_cu, block_table, block_size, 
         return out
     G = H // hkv
     cfg = config_for("sparse_attn", q.device)
+    BN = cfg["BN"]
     L = indices.shape[1]
-    _sparse_attn_kernel[(T, hkv)](
-        q, k4, v4, out, indices, query_seq_idx,
+    if splits is None:
+        splits = _auto_splits(T * hkv, L, BN, q.device)
+    split_len = triton.cdiv(triton.cdiv(L, max(1, splits)), BN) * BN
+    splits = max(1, triton.cdiv(L, split_len))
+    DP = max(16, triton.next_power_of_2(D))
+    if splits > 1:
+        ws = torch.empty((T, splits, H, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
+        dst, sto, sth = ws, 0, 0
+    else:
+        ml = out
+        dst, sto, sth = out, out.stride(0), out.stride(1)
+    _sparse_attn_kernel[(T, hkv, splits)](
+        q, k4, v4, dst, indices, query_seq_idx,
         key_cu if key_cu is not None else query_seq_idx,
-        block_table if block_table is not None else query_seq_idx,
+        block_table if block_table is not None else query_seq_idx, ml,
         scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), indices.stride(0),
+        q.stride(0), q.stride(1), sto, sth, indices.stride(0),
         k4.stride(0), k4.stride(1), k4.stride(2), v4.stride(0), v4.stride(1), v4.stride(2),
         block_table.stride(0) if block_table is not None else 0,
-        L, block_size,
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
-        DP=max(16, triton.next_power_of_2(D)), PAGED=paged, UPCAST=interpreting(), BN=cfg["BN"],
+        L, block_size, split_len,
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGED=paged,
+        UPCAST=interpreting(), SPLIT=splits > 1, BN=BN,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if splits > 1:
+        _combine_kernel[(T, H)](
+            ws, ml, out, out.stride(0), out.stride(1), H, splits,
+            D=D, DP=DP, SP=triton.next_power_of_2(splits), num_warps=4)
     return out
 
 
@@ -145,15 +222,18 @@ def sparse_attention_packed(
     query_seq_idx: torch.Tensor,
     indices: torch.Tensor,
     scale: float | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """``FlashNextOps.sparse_attention``: q ``[T, H, D]``, k/v ``[S, Hkv, D]`` packed by
-    ``key_cu_seqlens``, indices ``[T, L]`` (positions in the query's sequence, -1 = none)."""
+    ``key_cu_seqlens``, indices ``[T, L]`` (positions in the query's sequence, -1 = none).
+    ``splits``: cut each index row into this many parts merged afterwards (None: automatic,
+    see ``_auto_splits``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # A packed row is a page of one token: block stride = row stride.
     k4 = k.unsqueeze(1)
     v4 = v.unsqueeze(1)
     return _launch(q, k4, v4, indices, query_seq_idx, key_cu_seqlens, None, 1, scale,
-                   paged=False)
+                   paged=False, splits=splits)
 
 
 def sparse_attention_paged(
@@ -164,6 +244,7 @@ def sparse_attention_paged(
     query_seq_idx: torch.Tensor,
     indices: torch.Tensor,
     scale: float | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Sparse attention reading vLLM's paged cache in place.
 
@@ -172,4 +253,4 @@ def sparse_attention_paged(
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _launch(q, k_cache, v_cache, indices, query_seq_idx, None, block_table,
-                   k_cache.shape[1], scale, paged=True)
+                   k_cache.shape[1], scale, paged=True, splits=splits)

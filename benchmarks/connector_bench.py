@@ -1,0 +1,108 @@
+"""Connector microbenchmark: cold vs warm time to first token, restore cost, capture overhead.
+
+One run, one machine, side by side:
+- for each prompt size (default 4K, 8K, 16K tokens) on the small model: the cold prefill time
+  (cache cleared first) and the warm one (the same prompt again: restore the deepest link,
+  prefill the tail), medians over `--repeats`;
+- restore seconds (measured by the worker) as a fraction of the prefill time the hit saved;
+- capture overhead: the cold prefill with the cache on (captures every cut) against an engine
+  with the cache off (budget 0), same prompts.
+
+Time to first token is measured as the wall time of a 1-token generation (prefill + one
+sample), in-process, so no HTTP or tokenizer time is included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [100 + (i * 7919 + seed * 104729) % 3500 for i in range(n)]
+
+
+def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.num_cached_tokens
+
+
+def _engine(model_path: str, extra: dict):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    from vllm_hybridcache.serving.python_api import llm_kwargs
+
+    return LLM(model=model_path, max_model_len=20480, max_num_batched_tokens=8192,
+               enforce_eager=True, seed=0, **llm_kwargs(**extra))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="connector_bench", description=__doc__)
+    parser.add_argument("--model", default="qwen3-next-small")
+    parser.add_argument("--sizes", default="4096,8192,16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--grid", type=int, default=None, help="default: the plugin default")
+    args = parser.parse_args(argv)
+    from vllm_hybridcache.config import CacheSettings
+    from vllm_hybridcache.models import ensure_model
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    grid = args.grid or CacheSettings().grid
+    path = str(ensure_model(args.model))
+    rows = []
+
+    llm = _engine(path, {"grid": grid})
+    from vllm_hybridcache.serving.python_api import engine_parts
+
+    sched, _ = engine_parts(llm)
+    _ttft(llm, _prompt(512, 99))  # warm-up
+    for n in sizes:
+        cold, warm, cached, restore = [], [], [], []
+        for r in range(args.repeats):
+            p = _prompt(n, r)
+            sched.clear()
+            cold.append(_ttft(llm, p)[0])
+            before = sched.tree.stats().restore_seconds
+            t, c = _ttft(llm, p)
+            after = sched.tree.stats().restore_seconds
+            warm.append(t)
+            cached.append(c)
+            restore.append((after.sum - before.sum) / max(after.count - before.count, 1))
+        rows.append({"tokens": n, "cold_s": statistics.median(cold),
+                     "warm_s": statistics.median(warm), "cached": statistics.median(cached),
+                     "restore_s": statistics.median(restore)})
+    del llm, sched
+    gc.collect()
+
+    off = _engine(path, {"budget_bytes": 0})
+    _ttft(off, _prompt(512, 99))
+    for row in rows:
+        times = [_ttft(off, _prompt(row["tokens"], r))[0] for r in range(args.repeats)]
+        row["off_s"] = statistics.median(times)
+    del off
+    gc.collect()
+
+    print(f"# connector_bench: model {args.model}, grid {grid}, medians of {args.repeats}")
+    print("| prompt tokens | cold TTFT s (cache on) | cold TTFT s (cache off) | capture "
+          "overhead | warm TTFT s | cached tokens | speed-up | restore s | restore / saved "
+          "prefill |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        saved = r["cold_s"] * r["cached"] / r["tokens"]
+        print(f"| {r['tokens']} | {r['cold_s']:.3f} | {r['off_s']:.3f} | "
+              f"{100 * (r['cold_s'] / r['off_s'] - 1):+.1f}% | {r['warm_s']:.3f} | "
+              f"{r['cached']:.0f} | {r['cold_s'] / r['warm_s']:.1f}x | {r['restore_s']:.4f} | "
+              f"{100 * r['restore_s'] / saved:.2f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

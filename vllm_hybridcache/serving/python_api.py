@@ -1,0 +1,37 @@
+"""The plugin from the Python API: `vllm.LLM(model, **llm_kwargs(grid=512))`.
+
+`llm_kwargs` returns the same settings `--plugin hybridcache` adds on the command line (the
+connector, the segmentation scheduler, vLLM's own prefix caching off), with plugin settings
+passed as the connector's extra config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hybridcache.config import load_settings
+from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
+
+
+def llm_kwargs(**settings: Any) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` that turn the snapshot cache on (settings validated)."""
+    from vllm.config import KVTransferConfig
+
+    load_settings(settings)  # fail here, with the setting's name, rather than in the engine
+    return {
+        "enable_prefix_caching": False,
+        "scheduler_cls": SCHEDULER_CLS,
+        "kv_transfer_config": KVTransferConfig(**CONNECTOR_CONFIG,
+                                               kv_connector_extra_config=dict(settings)),
+    }
+
+
+def engine_parts(llm):
+    """(scheduler side, worker side) of an in-process engine's connector, for introspection.
+
+    Needs `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine core and worker in this process).
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.connector._sched, get_kv_transfer_group()._worker
