@@ -33,7 +33,8 @@ TARGETS = {
     "sm90": ("cuda", 90, 32, "nvidia"),
 }
 KERNELS = ("conv", "ple_conv", "gdn_chunk", "gdn_recurrent", "gdn_recurrent_mtp", "indexer_pool",
-           "indexer_score", "indexer_topk", "sparse_attn", "sparse_attn_paged")
+           "indexer_score", "indexer_topk", "sparse_attn", "sparse_attn_paged",
+           "sparse_attn_split", "attn_combine")
 
 
 @dataclass
@@ -99,12 +100,18 @@ def _specs(family: str) -> dict[str, Spec]:
         "TOPK": 512, "RATIO": 4, "RP": 4, "WIDTH": 2051, "WP": 4096, "BN": c["BN"]},
         c["num_warps"], c["num_stages"])
     c = cfg("sparse_attn")
-    for name, paged in (("sparse_attn", False), ("sparse_attn_paged", True)):
+    for name, paged, split in (("sparse_attn", False, False), ("sparse_attn_paged", True, False),
+                               ("sparse_attn_split", True, True)):
         out[name] = Spec(sparse_attn._sparse_attn_kernel, {
-            "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
-            "idx_ptr": "*i32", "seq_ptr": "*i32", "kcu_ptr": "*i32", "bt_ptr": "*i32"},
+            "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+            "o_ptr": "*fp32" if split else "*bf16", "idx_ptr": "*i32", "seq_ptr": "*i32",
+            "kcu_ptr": "*i32", "bt_ptr": "*i32", "ml_ptr": "*fp32" if split else "*bf16"},
             ("scale",), {"G": 8, "GP": 16, "D": 256, "DP": 256, "PAGED": paged,
-                         "UPCAST": False, "BN": c["BN"]}, c["num_warps"], c["num_stages"])
+                         "UPCAST": False, "SPLIT": split, "BN": c["BN"]},
+            c["num_warps"], c["num_stages"])
+    out["attn_combine"] = Spec(sparse_attn._combine_kernel, {
+        "ws_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, (), {
+        "D": 256, "DP": 256, "SP": 16}, 4, 1)
     return out
 
 
