@@ -241,6 +241,7 @@ def plot(report: Report, out_dir: Path, name_stem: str) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = [r for r in report.systems if r.requests]
     title = (f"{report.model['name']} · {report.trace['family']} ({report.trace['size']}) · "
@@ -262,6 +263,7 @@ def plot(report: Report, out_dir: Path, name_stem: str) -> dict[str, str]:
             [r.ideal_tokens / max(1, r.local_prompt_tokens) for r in base],
             color="black", linestyle="--", linewidth=1, label="ideal")
     ax.set_ylim(-0.02, 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("request (trace order)")
     ax.set_ylabel("prompt tokens served from cache")
     ax.set_title(title, fontsize=10)
@@ -282,6 +284,7 @@ def plot(report: Report, out_dir: Path, name_stem: str) -> dict[str, str]:
                     label=run.name, color=COLORS.get(run.name))
     _session_starts(ax, runs[0].requests)
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("request (trace order)")
     ax.set_ylabel("time to first token (ms, log)")
     ax.set_title(title, fontsize=10)
