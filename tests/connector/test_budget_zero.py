@@ -27,9 +27,34 @@ def outputs(llm):
     return res
 
 
-def test_budget_zero_equals_vllm_without_plugin(embedded_model):
+def test_budget_zero_is_vllm_without_plugin(embedded_model, monkeypatch):
+    """Through the plugin's entry points, budget 0 installs nothing: the engine is stock vLLM."""
+    from vllm_hybridcache.serving.flags import apply_plugin
+    from vllm_hybridcache.serving.python_api import llm_kwargs
+
+    assert llm_kwargs(budget_bytes=0) == {}
+    assert llm_kwargs(enabled=False) == {}
+    monkeypatch.setenv("VLLM_HYBRIDCACHE_BUDGET_BYTES", "0")
+    args = ["serve", str(embedded_model("qwen3-next-tiny"))]
+    assert apply_plugin(["hybridcache"], args) == args
+
+
+def test_connector_with_budget_zero_changes_nothing_it_controls(embedded_model):
+    """The connector configured by hand with budget 0: nothing cached, no cuts, and the prefill
+    (first token and its logprobs) equals stock vLLM bit for bit. Decode logprobs may differ in
+    the last bits: vLLM's decode path with any KV connector installed is not bit-identical to
+    the path without one, so only greedy tokens are compared there."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
+
     path = embedded_model("qwen3-next-tiny")
-    off = make_llm(path, extra={"budget_bytes": 0, "grid": 256})
+    off = make_llm(path, plugin=False, enable_prefix_caching=False, scheduler_cls=SCHEDULER_CLS,
+                   kv_transfer_config=KVTransferConfig(
+                       **CONNECTOR_CONFIG,
+                       kv_connector_extra_config={"budget_bytes": 0, "grid": 256}))
+    assert isinstance(off, LLM)
     with_plugin_off = outputs(off)
     del off
     gc.collect()
@@ -38,4 +63,6 @@ def test_budget_zero_equals_vllm_without_plugin(embedded_model):
     del stock
     gc.collect()
     assert all(cached == 0 for _, cached, _ in with_plugin_off)
-    assert with_plugin_off == plain
+    for (tok_a, _, lp_a), (tok_b, _, lp_b) in zip(with_plugin_off, plain, strict=True):
+        assert tok_a == tok_b
+        assert lp_a[0] == lp_b[0]

@@ -27,7 +27,8 @@ C = [7 + (i * 11) % 3000 for i in range(GRID + 40)]                # unrelated
 
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model):
-    engine = make_llm(embedded_model("qwen3-next-tiny"), extra={"grid": GRID})
+    engine = make_llm(embedded_model("qwen3-next-tiny"),
+                      extra={"grid": GRID, "message_end_min": 64})
     yield engine
     del engine
 
@@ -169,3 +170,24 @@ def test_batched_sessions_get_their_own_state(llm):
     outs = llm.generate([{"prompt_token_ids": p} for p in (A, B, C)], sp, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [solo["A"], solo["B"], solo["C"]]
     assert outs[0].num_cached_tokens == 3 * GRID and outs[1].num_cached_tokens == 3 * GRID
+
+
+def test_message_end_links_are_cold_exact_and_shared(llm, embedded_model):
+    """A sub-agent with the same head hits at the head's <|im_end|>, off the grid."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_model("qwen3-next-tiny"))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    # grid cut at 256, then <|im_end|> 94 tokens later (>= message_end_min 64): a cut at 350
+    head = [300 + (i * 17) % 2000 for i in range(349)] + [im_end]
+    x = head + [40 + (i * 3) % 900 for i in range(120)]
+    y = head + [60 + (i * 5) % 900 for i in range(90)]
+    clear(llm)
+    y_cold = run(llm, y)
+    clear(llm)
+    run(llm, x)
+    y_warm = run(llm, y)
+    assert y_warm["cached"] == 350
+    assert y_warm["tokens"] == y_cold["tokens"]
+    assert y_warm["logprobs"] == y_cold["logprobs"]
+    assert y_warm["state"] == y_cold["state"]

@@ -83,6 +83,12 @@ def apply_plugin(plugins: list[str], args: list[str]) -> list[str]:
     """Return `args` with the flags that `--plugin hybridcache` stands for."""
     if "hybridcache" not in plugins or "serve" not in args:
         return args
+    from vllm_hybridcache.config import load_settings
+
+    if not load_settings().active:  # budget 0 / disabled: exactly vLLM without the plugin
+        print("hybridcache: cache off (budget 0 or disabled); serving with stock vLLM settings",
+              flush=True)
+        return args
     model = model_arg(args)
     trust = _has(args, "--trust-remote-code")
     try:

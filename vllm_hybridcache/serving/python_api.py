@@ -14,10 +14,16 @@ from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
 
 
 def llm_kwargs(**settings: Any) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` that turn the snapshot cache on (settings validated)."""
+    """Keyword arguments for `vllm.LLM` that turn the snapshot cache on (settings validated).
+
+    With the cache off (`budget_bytes=0` or `enabled=False`, here or in the environment) this
+    returns no arguments at all: the engine is exactly vLLM without the plugin.
+    """
     from vllm.config import KVTransferConfig
 
-    load_settings(settings)  # fail here, with the setting's name, rather than in the engine
+    # fail here, with the setting's name, rather than in the engine
+    if not load_settings(settings).active:
+        return {}
     return {
         "enable_prefix_caching": False,
         "scheduler_cls": SCHEDULER_CLS,
