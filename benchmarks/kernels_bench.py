@@ -196,7 +196,13 @@ def _finish(op, shape, tol, args, kwargs, tri, ref, smoke, fla_fn) -> Row:
     err = _err(got, want)
     t_tri = _bench(lambda: getattr(tri, op)(*args, **kwargs), smoke)
     t_ref = _bench(lambda: getattr(ref, op)(*args, **kwargs), smoke)
-    t_fla = _bench(fla_fn, smoke) if fla_fn is not None else None
+    t_fla = None
+    if fla_fn is not None:
+        try:
+            t_fla = _bench(fla_fn, smoke)
+        except Exception as exc:  # an fla release with another signature must not stop the run
+            print(f"{op}: fla call failed ({type(exc).__name__}: {exc}); no fla figure",
+                  file=sys.stderr)
     return Row(op, shape, err, tol, t_tri, t_ref, t_fla)
 
 

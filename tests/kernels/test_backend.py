@@ -187,3 +187,30 @@ def test_get_backend_returns_the_triton_backend() -> None:
     from vllm_hybridcache.flash_next.ops import get_backend
 
     assert isinstance(get_backend("triton"), TritonBackend)
+
+
+def test_empty_sequences_in_a_batch() -> None:
+    """A zero-length sequence keeps its state (or zeros) and produces no rows, as in the
+    reference."""
+    g = _gen(7)
+    lens = [0, 5, 0]
+    cu = cu_seqlens(lens)
+    h, dk, dv = 2, 16, 16
+    q, k = (torch.randn(5, h, dk, generator=g) for _ in range(2))
+    v = torch.randn(5, h, dv, generator=g)
+    gg, beta = -torch.rand(5, h, generator=g), torch.rand(5, h, generator=g)
+    init = torch.randn(3, h, dk, dv, generator=g)
+    out, st = TRI.gdn_chunked_prefill(q, k, v, gg, beta, cu, init)
+    ro, rs = REF.gdn_chunked_prefill(q, k, v, gg, beta, cu, init)
+    torch.testing.assert_close(out, ro, atol=1e-5, rtol=1e-4)
+    assert torch.equal(st[0], init[0]) and torch.equal(st[2], init[2])
+    torch.testing.assert_close(st, rs, atol=1e-5, rtol=1e-4)
+    w = torch.randn(8, 4, generator=g)
+    x = torch.randn(5, 8, generator=g)
+    cs = torch.randn(3, 8, 3, generator=g)
+    y, ns = TRI.causal_conv1d_prefill(x, w, cu, cs)
+    # (the reference's F.conv1d rejects an empty sequence, so compare the non-empty one alone)
+    ry, rns = REF.causal_conv1d_prefill(x, w, cu_seqlens([5]), cs[1:2])
+    torch.testing.assert_close(y, ry, atol=1e-6, rtol=1e-5)
+    assert torch.equal(ns[1:2], rns)
+    assert torch.equal(ns[0], cs[0]) and torch.equal(ns[2], cs[2])
