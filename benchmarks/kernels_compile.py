@@ -32,9 +32,9 @@ TARGETS = {
     "gfx942": ("hip", "gfx942", 64, "cdna"),
     "sm90": ("cuda", 90, 32, "nvidia"),
 }
-KERNELS = ("conv", "ple_conv", "gdn_chunk", "gdn_recurrent", "gdn_recurrent_mtp", "indexer_pool",
-           "indexer_score", "indexer_topk", "sparse_attn", "sparse_attn_paged",
-           "sparse_attn_split", "attn_combine")
+KERNELS = ("conv", "ple_conv", "gdn_chunk", "gdn_recurrent", "gdn_recurrent_mtp",
+           "indexer_pool", "indexer_pool_paged", "indexer_score", "indexer_topk",
+           "sparse_attn", "sparse_attn_paged", "sparse_attn_split", "attn_combine")
 
 
 @dataclass
@@ -84,11 +84,12 @@ def _specs(family: str) -> dict[str, Spec]:
             "HV": 32, "HK": 16, "K": 128, "V": 128, "KP": 128, "BV": c["BV"], "L2NORM": True,
             "HAS_INIT": True, "PER_TOKEN": per_token}, c["num_warps"], c["num_stages"])
     c = cfg("indexer_pool")
-    out["indexer_pool"] = Spec(indexer._pool_kernel, {
-        "keys_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
-        "out_ptr": "*bf16", "key_cu_ptr": "*i32", "block_cu_ptr": "*i32"}, ("eps",), {
-        "RATIO": 4, "DI": 128, "DP": 128, "R": 64, "BB": c["BB"]}, c["num_warps"],
-        c["num_stages"])
+    for name, paged in (("indexer_pool", False), ("indexer_pool_paged", True)):
+        out[name] = Spec(indexer._pool_kernel, {
+            "keys_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+            "out_ptr": "*bf16", "key_cu_ptr": "*i32", "block_cu_ptr": "*i32", "bt_ptr": "*i32"},
+            ("eps",), {"RATIO": 4, "DI": 128, "DP": 128, "R": 64, "PAGED": paged,
+                       "BB": c["BB"]}, c["num_warps"], c["num_stages"])
     # The score kernel is autotuned; compile its middle candidate (BB=64, 4 warps).
     out["indexer_score"] = Spec(indexer._score_kernel.fn, {
         "q_ptr": "*bf16", "bk_ptr": "*bf16", "score_ptr": "*fp32", "seq_ptr": "*i32",

@@ -26,7 +26,7 @@ from vllm_hybridcache.flash_next.ops.reference import (
     apply_partial_rope,
     rms_norm,
 )
-from vllm_hybridcache.flash_next.ops.triton.indexer import indexer_topk_varlen
+from vllm_hybridcache.flash_next.ops.triton.indexer import indexer_topk_varlen, pool_block_keys
 from vllm_hybridcache.flash_next.ops.triton.sparse_attn import (
     sparse_attention_packed,
     sparse_attention_paged,
@@ -83,10 +83,10 @@ def _assert_same_selection(got: torch.Tensor, ref: torch.Tensor, args) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_prefill_ragged_matches_reference(dtype: torch.dtype) -> None:
-    """Positions of a ragged batch query their own prefix (a prefill): every second position in
+    """Positions of a ragged batch query their own prefix (a prefill): every third position in
     fp32, every fifth in bf16, and each sequence's last (the interpreter is slow)."""
     lens = RAGGED
-    step = 2 if dtype == torch.float32 else 5
+    step = 3 if dtype == torch.float32 else 5
     queries = [(n, p) for n, ln in enumerate(lens)
                for p in sorted({*range(0, ln, step), ln - 1})]
     args = _case(lens, queries, dtype, seed=0)
@@ -202,3 +202,32 @@ def test_sparse_attention_split_rows_match_reference(splits: int) -> None:
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     one = sparse_attention_packed(q, k, v, cu, seq, idx, 0.2, splits=1)
     torch.testing.assert_close(got, one, atol=1e-6, rtol=1e-6)
+
+
+def test_indexer_paged_keys_equal_packed() -> None:
+    """Raw index keys read in place from a paged row cache (shuffled blocks, the key columns
+    of a wider row) give the same pooled keys and selections, bit for bit."""
+    lens = [3, 65, 130]
+    queries = [(n, ln - 1) for n, ln in enumerate(lens)] + [(1, 20), (2, 64)]
+    q, raw, cu, seq, pos, w, cos, sin = _case(lens, queries, torch.float32, seed=9)
+    bs = 16
+    nblocks = sum((ln + bs - 1) // bs for ln in lens) + 2
+    rows = torch.zeros(nblocks, bs, 8 + DI)  # [other columns | index key] per token row
+    perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(10)).tolist()
+    table = torch.zeros(len(lens), 12, dtype=torch.int32)
+    for n, ln in enumerate(lens):
+        for b in range((ln + bs - 1) // bs):
+            blk = perm.pop()
+            table[n, b] = blk
+            a, e = int(cu[n]) + b * bs, min(int(cu[n]) + (b + 1) * bs, int(cu[n + 1]))
+            rows[blk, : e - a, 8:] = raw[a:e]
+    key_cache = rows[..., 8:]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = {"budget": BUDGET, "compress_ratio": RATIO, "eps": 1e-6}
+    packed_keys, _, _ = pool_block_keys(raw, cu, w, cos, sin, compress_ratio=RATIO, eps=1e-6)
+    paged_keys, _, _ = pool_block_keys(key_cache, None, w, cos, sin, compress_ratio=RATIO,
+                                       eps=1e-6, block_table=table, seq_lens=seq_lens)
+    assert torch.equal(paged_keys, packed_keys)
+    got = indexer_topk_varlen(q, key_cache, None, seq, pos, w, cos, sin, **kw,
+                              block_table=table, seq_lens=seq_lens)
+    assert torch.equal(got, indexer_topk_varlen(q, raw, cu, seq, pos, w, cos, sin, **kw))

@@ -34,17 +34,33 @@ from .rounding import round_to
 
 
 @triton.jit
+def _key_rows(p, n, key_start, bt_ptr, stride_btn, block_size, stride_kt, stride_kr, mask,
+              PAGED: tl.constexpr):
+    """Element offsets of the raw keys at positions ``p`` of sequence ``n``: packed rows
+    (``key_start + p``) or paged (``block_table[n, p // block_size]``, row ``p % block_size``).
+    """
+    if PAGED:
+        blk = tl.load(bt_ptr + n * stride_btn + p // block_size, mask=mask, other=0)
+        return blk.to(tl.int64) * stride_kt + (p % block_size) * stride_kr
+    else:
+        return (key_start + p) * stride_kt
+
+
+@triton.jit
 def _pool_kernel(
     keys_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
-    key_cu_ptr, block_cu_ptr,
+    key_cu_ptr, block_cu_ptr, bt_ptr,
     eps,
-    stride_kt, stride_ct, stride_st, stride_ot,
+    stride_kt, stride_kr, stride_ct, stride_st, stride_ot, stride_btn, block_size,
     RATIO: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
-    BB: tl.constexpr,
+    PAGED: tl.constexpr, BB: tl.constexpr,
 ):
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
-    key_start = tl.load(key_cu_ptr + n).to(tl.int64)
+    if PAGED:
+        key_start = tl.zeros([], dtype=tl.int64)
+    else:
+        key_start = tl.load(key_cu_ptr + n).to(tl.int64)
     b0 = tl.load(block_cu_ptr + n).to(tl.int64)
     nb = tl.load(block_cu_ptr + n + 1).to(tl.int64) - b0
     offs_b = pid * BB + tl.arange(0, BB)
@@ -56,8 +72,9 @@ def _pool_kernel(
 
     acc = tl.zeros([BB, DP], dtype=tl.float32)
     for r in tl.static_range(RATIO):
-        rows = key_start + offs_b * RATIO + r
-        acc += tl.load(keys_ptr + rows[:, None] * stride_kt + offs_d[None, :], mask=m2,
+        rows = _key_rows(offs_b * RATIO + r, n, key_start, bt_ptr, stride_btn, block_size,
+                         stride_kt, stride_kr, mask_b, PAGED)
+        acc += tl.load(keys_ptr + rows[:, None] + offs_d[None, :], mask=m2,
                        other=0.0).to(tl.float32)
     pooled = round_to(acc / RATIO, dt)
 
@@ -79,8 +96,9 @@ def _pool_kernel(
     sin = tl.load(sin_ptr + pos[:, None] * stride_st + offs_d[None, :], mask=mr, other=0.0)
     acc_p = tl.zeros([BB, DP], dtype=tl.float32)
     for r in tl.static_range(RATIO):
-        rows = key_start + offs_b * RATIO + r
-        acc_p += tl.load(keys_ptr + rows[:, None] * stride_kt + partner[None, :], mask=mr,
+        rows = _key_rows(offs_b * RATIO + r, n, key_start, bt_ptr, stride_btn, block_size,
+                         stride_kt, stride_kr, mask_b, PAGED)
+        acc_p += tl.load(keys_ptr + rows[:, None] + partner[None, :], mask=mr,
                          other=0.0).to(tl.float32)
     pooled_p = round_to(acc_p / RATIO, dt)
     w_p = tl.load(w_ptr + partner, mask=in_rope, other=0.0).to(tl.float32)
@@ -209,21 +227,33 @@ def _topk_kernel(
 
 def pool_block_keys(
     raw_keys: torch.Tensor,
-    key_cu_seqlens: torch.Tensor,
+    key_cu_seqlens: torch.Tensor | None,
     k_norm_weight: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     *,
     compress_ratio: int,
     eps: float,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Pooled, normed, rotated key of every complete group of every sequence.
 
-    Returns (block_keys ``[sum_n len_n // ratio, Di]`` in ``raw_keys.dtype``, block offsets
-    ``[N+1]`` int32, max groups in one sequence).
+    Packed: ``raw_keys [S, Di]`` by ``key_cu_seqlens``. Paged: ``raw_keys [blocks,
+    block_size, Di]`` (a view with any strides, e.g. the index-key columns of the QSA row
+    page), ``block_table [N, max_blocks]`` and ``seq_lens [N]``.
+    Returns (block_keys ``[sum_n len_n // ratio, Di]`` in ``raw_keys.dtype``, group offsets
+    ``[N+1]`` int32, max groups in one sequence). The group counts are read on the host (one
+    synchronisation) to size the output and the grid.
     """
-    DI = raw_keys.shape[1]
-    lens = (key_cu_seqlens[1:] - key_cu_seqlens[:-1]).to(torch.int64)
+    paged = block_table is not None
+    DI = raw_keys.shape[-1]
+    if paged:
+        if seq_lens is None:
+            raise ValueError("the paged layout needs seq_lens")
+        lens = seq_lens.to(torch.int64)
+    else:
+        lens = (key_cu_seqlens[1:] - key_cu_seqlens[:-1]).to(torch.int64)
     nblocks = lens // compress_ratio
     block_cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=raw_keys.device)
     block_cu[1:] = nblocks.cumsum(0)
@@ -239,10 +269,13 @@ def pool_block_keys(
     BB = cfg["BB"]
     _pool_kernel[(lens.numel(), triton.cdiv(nb_max, BB))](
         raw_keys, k_norm_weight, cos, sin, out,
-        key_cu_seqlens, block_cu, eps,
-        raw_keys.stride(0), cos.stride(0), sin.stride(0), out.stride(0),
-        RATIO=compress_ratio, DI=DI, DP=max(16, triton.next_power_of_2(DI)), R=R, BB=BB,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        key_cu_seqlens if not paged else block_cu, block_cu,
+        block_table if paged else block_cu, eps,
+        raw_keys.stride(0), raw_keys.stride(1) if paged else 0, cos.stride(0), sin.stride(0),
+        out.stride(0), block_table.stride(0) if paged else 0,
+        raw_keys.shape[1] if paged else 1,
+        RATIO=compress_ratio, DI=DI, DP=max(16, triton.next_power_of_2(DI)), R=R,
+        PAGED=paged, BB=BB, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, block_cu, nb_max
 
@@ -260,8 +293,14 @@ def indexer_topk_varlen(
     budget: int,
     compress_ratio: int,
     eps: float,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """QSA selection (``ops.interface.FlashNextOps.indexer_topk``): ``[T, budget+ratio-1]``."""
+    """QSA selection (``ops.interface.FlashNextOps.indexer_topk``): ``[T, budget+ratio-1]``.
+
+    With ``block_table`` and ``seq_lens`` (and ``key_cu_seqlens=None``) ``raw_keys`` is the
+    paged cache ``[blocks, block_size, Di]``, read in place (see :func:`pool_block_keys`).
+    """
     T, HI, DI = q.shape
     ratio = compress_ratio
     width = budget + ratio - 1
@@ -271,7 +310,8 @@ def indexer_topk_varlen(
     if q.stride(-1) != 1:
         raise ValueError("q needs a contiguous last dimension")
     block_keys, block_cu, nb_max = pool_block_keys(
-        raw_keys, key_cu_seqlens, k_norm_weight, cos, sin, compress_ratio=ratio, eps=eps)
+        raw_keys, key_cu_seqlens, k_norm_weight, cos, sin, compress_ratio=ratio, eps=eps,
+        block_table=block_table, seq_lens=seq_lens)
     nb_cols = max(nb_max, 1)
     scores = torch.empty((T, nb_cols), dtype=torch.float32, device=q.device)
     if nb_max > 0:
