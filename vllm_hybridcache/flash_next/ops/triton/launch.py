@@ -119,12 +119,13 @@ _TABLE: dict[str, dict[str, dict[str, int]]] = {
         "cdna": {"BV": 32, "num_warps": 2, "num_stages": 1},
         "nvidia": {"BV": 32, "num_warps": 4, "num_stages": 1},
     },
-    # Indexer block pooling (mean + RMSNorm + RoPE of complete key groups).
+    # Indexer block pooling (mean + RMSNorm + RoPE of complete key groups). sm90: BB=16 spilled
+    # in the paged variant (255 registers), BB=8 does not (149).
     "indexer_pool": {
         "interpreter": {"BB": 8, "num_warps": 1, "num_stages": 1},
         "rdna": {"BB": 16, "num_warps": 4, "num_stages": 1},
         "cdna": {"BB": 16, "num_warps": 4, "num_stages": 1},
-        "nvidia": {"BB": 16, "num_warps": 4, "num_stages": 1},
+        "nvidia": {"BB": 8, "num_warps": 4, "num_stages": 1},
     },
     # Indexer top-k: groups scanned per step of the radix search. Each step compares BN scores
     # against 16 candidate digits, a [16, BN] tile: BN=256 is 32 values per lane at 128 lanes
