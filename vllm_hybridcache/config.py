@@ -39,6 +39,11 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         (`<|im_end|>` when the tokenizer has it), [-1] = off.
     message_end_min: a message-end cut needs at least this many tokens since the previous cut.
     policy: eviction policy, "cost" (recompute-cost aware) or "lru".
+    session_anchors: end anchors kept for live continuation (0 = off): the state where a
+        finished request stopped, resumed by a next request that strictly extends its tokens.
+        Session-exact, never shared across cache_salt; LRU.
+    session_budget_bytes: host memory for end anchors (an anchor holds every KV block of its
+        conversation, so it costs more than a tree link).
     """
 
     enabled: bool = True
@@ -49,6 +54,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     message_end_ids: tuple[int, ...] = ()
     message_end_min: int = 256
     policy: str = _TREE.policy
+    session_anchors: int = 32
+    session_budget_bytes: int = 2 * GiB
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -61,6 +68,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError(f"memory_floor_bytes must be >= 0, got {self.memory_floor_bytes}")
         if self.message_end_min < 1:
             raise SettingsError(f"message_end_min must be >= 1, got {self.message_end_min}")
+        if self.session_anchors < 0 or self.session_budget_bytes < 0:
+            raise SettingsError("session_anchors and session_budget_bytes must be >= 0")
         if self.policy not in ("cost", "lru"):
             raise SettingsError(f"policy must be 'cost' or 'lru', got {self.policy!r}")
 

@@ -82,13 +82,14 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return KVConnectorTransferResults()
         done, failed = self._worker.take_finished_recving()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=self._worker.take_finished_sending(),
+                                          finished_recving=done, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]):
         if self._worker is None:
             return None, None
         done, _ = self._worker.take_finished_recving()
-        return None, done or None
+        return self._worker.take_finished_sending() or None, done or None
 
     def build_connector_worker_meta(self) -> StepReport | None:
         return self._worker.take_report() if self._worker is not None else None
@@ -111,8 +112,7 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def request_finished_all_groups(self, request, block_ids):
-        self._sched.request_finished(request)
-        return False, None
+        return self._sched.request_finished(request, block_ids), None
 
     def reset_cache(self) -> bool:
         if self._sched is not None:
@@ -124,7 +124,8 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None or not self._sched.active:
             return None
         self._seq += 1
-        return HybridCacheStats(data=encode(self._sched.tree.stats(), self._seq))
+        return HybridCacheStats(data=encode(self._sched.tree.stats(), self._seq,
+                                            session=self._sched.anchors.stats()))
 
     # =================== segmentation (for the scheduler hook) ===================
     @property

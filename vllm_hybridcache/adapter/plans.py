@@ -26,13 +26,18 @@ class LoadJob:
 
 @dataclass
 class CaptureJob:
-    """Copy one request's state at the end of this step into a reserved link."""
+    """Copy one request's state at the end of this step into a reserved link.
+
+    `finishing`: an end anchor of a finished request whose blocks vLLM keeps until the worker
+    reports the copy done (delay_free), then frees.
+    """
 
     link_id: int
     req_id: str
     row_start: int
     row_end: int
     block_ids: list[list[int]]
+    finishing: bool = False
 
 
 @dataclass

@@ -19,7 +19,16 @@ from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.config import CacheSettings
-from vllm_hybridcache.core import LookupResult, PromptKeys, RestorePlan, SnapshotTree
+from vllm_hybridcache.core import (
+    ANCHOR_ID_BASE,
+    AnchorHit,
+    LinkRef,
+    LookupResult,
+    PromptKeys,
+    RestorePlan,
+    SessionAnchors,
+    SnapshotTree,
+)
 from vllm_hybridcache.segmentation import Segmentation
 
 logger = logging.getLogger("vllm_hybridcache")
@@ -84,6 +93,16 @@ class SchedulerSide:
         layout = self.parts.layout if self.parts is not None else None
         self.segmentation = resolve_segmentation(settings, vllm_config)
         self.tree = SnapshotTree(layout, settings.tree_config()) if layout is not None else None
+        anchors = settings.session_anchors
+        if vllm_config.speculative_config is not None and anchors:
+            # Decode with drafts leaves rejected rows and draft state behind; not gated yet.
+            logger.info("hybridcache: end anchors off with speculative decoding")
+            anchors = 0
+        self.anchors = (SessionAnchors(layout, anchors, settings.session_budget_bytes)
+                        if layout is not None else None)
+        self._anchor_hits: dict[str, AnchorHit] = {}
+        self._anchor_restoring: dict[str, int] = {}
+        self._finishing: list[CaptureJob] = []
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         self._reqs: dict[str, _Tracked] = {}
         self._lookups: dict[str, LookupResult] = {}
@@ -128,13 +147,26 @@ class SchedulerSide:
         tr = self._track(request)
         if tr.cold_only:
             return 0, False
-        res = self.tree.lookup(tr.keys, tr.domain, request.num_prompt_tokens - 1)
+        limit = request.num_prompt_tokens - 1
+        res = self.tree.lookup(tr.keys, tr.domain, limit)
         self._lookups[request.request_id] = res
+        self._anchor_hits.pop(request.request_id, None)
+        anchor = self.anchors.lookup(tr.keys.tokens, tr.domain, limit)
+        if anchor is not None and anchor.tokens >= res.tokens:
+            if anchor.pending:
+                return None, False  # its copy lands with the next step: ask again then
+            self._anchor_hits[request.request_id] = anchor
+            return anchor.tokens, True
         return (res.tokens, True) if res.hit else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         res = self._lookups.pop(request.request_id, None)
         if res is None:
+            return
+        anchor = self._anchor_hits.pop(request.request_id, None)
+        if num_external_tokens > 0 and anchor is not None:
+            self._restore_anchor(request, anchor, num_external_tokens,
+                                 [list(b) for b in blocks.get_block_ids()])
             return
         if num_external_tokens > 0:
             tr = self._track(request)
@@ -153,10 +185,28 @@ class SchedulerSide:
         else:
             self.tree.record_lookup(res)
 
+    def _restore_anchor(self, request, anchor: AnchorHit, n: int,
+                        block_ids: list[list[int]]) -> None:
+        tr = self._track(request)
+        # Session-exact state: this request never publishes into the shared tree.
+        tr.canonical = False
+        if anchor.tokens == n and self.anchors.begin_restore(anchor):
+            tr.resume_at = n
+            self._anchor_restoring[request.request_id] = anchor.anchor_id
+            plan = RestorePlan(chain=(LinkRef(anchor.anchor_id, 0, n),), tokens=n,
+                               part_bytes={}, total_bytes=self.anchors.nbytes(n))
+            self._loads.append(LoadJob(req_id=request.request_id, plan=plan,
+                                       block_ids=block_ids))
+        else:
+            tr.cold_only = True
+            self._loads.append(LoadJob(req_id=request.request_id, plan=None,
+                                       block_ids=block_ids))
+
     # -------------------------------------------------------------- per step
     def build_plan(self, so) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
+        plan = StepPlan(loads=self._loads, captures=self._finishing)
         self._loads = []
+        self._finishing = []
         if not self.active:
             return plan
         for data in so.scheduled_new_reqs:
@@ -180,7 +230,7 @@ class SchedulerSide:
                     tr.block_ids[g].extend(ids)
             self._plan_step(tr, req_id, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens[req_id], plan)
-        plan.drops = self.tree.drain_dropped()
+        plan.drops = self.tree.drain_dropped() + self.anchors.drain_dropped()
         return plan
 
     def _plan_step(self, tr: _Tracked, req_id: str, start: int, n: int, plan: StepPlan) -> None:
@@ -209,15 +259,21 @@ class SchedulerSide:
         if report is None or not self.active:
             return
         for link_id in report.failed_saves:
-            self.tree.abort(link_id)
+            self._abort(link_id)
         for link_id, seconds in report.saved.items():
             if link_id in report.failed_saves:
                 continue
             if report.saved_count.get(link_id, 1) >= report.workers:
-                self.tree.commit(link_id, seconds)
+                if link_id >= ANCHOR_ID_BASE:
+                    self.anchors.commit(link_id, seconds)
+                else:
+                    self.tree.commit(link_id, seconds)
             else:
-                self.tree.abort(link_id)
+                self._abort(link_id)
         for req_id in report.failed_loads:
+            anchor_id = self._anchor_restoring.pop(req_id, None)
+            if anchor_id is not None:
+                self.anchors.end_restore(anchor_id, False, 0.0)
             plan = self._restoring.pop(req_id, None)
             if plan is not None:
                 self.tree.end_restore(plan, False, 0.0)
@@ -228,17 +284,47 @@ class SchedulerSide:
         if report.lost_links:
             self.tree.invalidate(sorted(report.lost_links))
         for req_id, seconds in report.loaded.items():
+            anchor_id = self._anchor_restoring.pop(req_id, None)
+            if anchor_id is not None:
+                self.anchors.end_restore(anchor_id, True, seconds)
             plan = self._restoring.pop(req_id, None)
             if plan is not None:
                 self.tree.end_restore(plan, True, seconds)
 
-    def request_finished(self, request) -> None:
+    def _abort(self, link_id: int) -> None:
+        if link_id >= ANCHOR_ID_BASE:
+            self.anchors.abort(link_id)
+        else:
+            self.tree.abort(link_id)
+
+    def request_finished(self, request, block_ids=None) -> bool:
+        """Forget the request; keep its end anchor. True: vLLM must keep its blocks until the
+        workers have copied the anchor (reported back as a finished send)."""
         self._reqs.pop(request.request_id, None)
+        self._anchor_hits.pop(request.request_id, None)
         res = self._lookups.pop(request.request_id, None)
         if res is not None and self.active:
             self.tree.record_lookup(res)
+        if not self.active or block_ids is None or not self.anchors.enabled:
+            return False
+        from vllm.v1.request import RequestStatus
+
+        n = request.num_computed_tokens
+        if (request.status == RequestStatus.FINISHED_ABORTED or n < request.num_prompt_tokens
+                or not block_ids or any(len(b) == 0 for b in block_ids)):
+            return False
+        domain = request_domain(self.base_domain, request)
+        anchor_id = self.anchors.reserve(list(request.all_token_ids)[:n], domain)
+        if anchor_id is None:
+            return False
+        self._finishing.append(CaptureJob(link_id=anchor_id, req_id=request.request_id,
+                                          row_start=0, row_end=n,
+                                          block_ids=[list(b) for b in block_ids],
+                                          finishing=True))
+        return True
 
     def clear(self) -> int:
         if self.tree is None:
             return 0
-        return self.tree.clear()  # payloads go to the workers as drops in the next plan
+        # payloads go to the workers as drops in the next plan
+        return self.tree.clear() + self.anchors.clear()

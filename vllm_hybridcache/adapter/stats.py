@@ -18,6 +18,7 @@ import msgspec
 from vllm_hybridcache.core import CacheStats, MissReason, SkipReason
 
 TIER = "ram"
+SESSION_TIER = "session"  # end anchors (live continuation)
 
 _latest_lock = threading.Lock()
 _latest: dict[int, dict[str, Any]] = {}
@@ -34,11 +35,11 @@ def _remember(engine_idx: int, data: dict[str, Any]) -> None:
         _latest[engine_idx] = data
 
 
-def encode(stats: CacheStats, seq: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    data = {"seq": seq, "tiers": {TIER: msgspec.to_builtins(stats)}}
-    if extra:
-        data.update(extra)
-    return data
+def encode(stats: CacheStats, seq: int, session: CacheStats | None = None) -> dict[str, Any]:
+    tiers = {TIER: msgspec.to_builtins(stats)}
+    if session is not None:
+        tiers[SESSION_TIER] = msgspec.to_builtins(session)
+    return {"seq": seq, "tiers": tiers}
 
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402

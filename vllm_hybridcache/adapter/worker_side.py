@@ -40,6 +40,7 @@ class WorkerSide:
         self._rows: dict[str, tuple[int, PagedBlocks]] = {}        # name -> (gid, accessor)
         self._report = StepReport(workers=1)
         self._recving: set[str] = set()
+        self._sending: set[str] = set()
         self._failed_recving: set[str] = set()
         self.fault_injector = None  # tests: callable(kind, job) raising to simulate failures
         self.probe_results: dict[str, dict[str, str]] = {}
@@ -119,6 +120,8 @@ class WorkerSide:
                 logger.warning("hybridcache: capture of link %d failed: %s", job.link_id, e)
                 self.store.discard(job.link_id)
                 self._report.failed_saves.add(job.link_id)
+            if job.finishing:
+                self._sending.add(job.req_id)  # vLLM may free the request's blocks now
         if plan.drops:
             self.store.drop(plan.drops)
         for req_id, tokens, block_ids in plan.probes:
@@ -148,6 +151,10 @@ class WorkerSide:
             return None
         self._report = StepReport(workers=1)
         return r
+
+    def take_finished_sending(self) -> set[str]:
+        done, self._sending = self._sending, set()
+        return done
 
     def take_finished_recving(self) -> tuple[set[str], set[str]]:
         done, failed = self._recving, self._failed_recving

@@ -27,6 +27,7 @@ API notes beyond the contract (additions only; nothing renamed or removed):
   link_info, link_ids; eviction policies expose add/discard/accessed/victim.
 """
 
+from .anchors import ANCHOR_ID_BASE, AnchorHit, SessionAnchors
 from .config import GiB, TreeConfig
 from .eviction import CostPolicy, EvictionPolicy, LRUPolicy, make_policy
 from .keys import BLOCK, Hasher, PromptKeys, blake2b_128, make_domain
@@ -37,7 +38,9 @@ from .store import LinkBuffers, LinkStore, MissingLinkError
 from .tree import LinkRef, LookupResult, Reservation, RestorePlan, SnapshotTree
 
 __all__ = [
+    "ANCHOR_ID_BASE",
     "BLOCK",
+    "AnchorHit",
     "CacheStats",
     "CostPolicy",
     "EvictionPolicy",
@@ -55,6 +58,7 @@ __all__ = [
     "Reservation",
     "RestorePlan",
     "SectionSpec",
+    "SessionAnchors",
     "SkipReason",
     "SlabArena",
     "SnapshotTree",
