@@ -295,9 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     families = list(FAMILIES) if args.trace == "all" else args.trace.split(",")
     sizes = args.size.split(",")
     systems = args.systems.split(",")
-    for name in systems:
-        if name not in SYSTEMS:
-            raise SystemExit(f"benchmarks: unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    for kind, names, known in (("system", systems, SYSTEMS), ("trace family", families, FAMILIES),
+                               ("size", sizes, SIZES)):
+        for name in names:
+            if name not in known:
+                raise SystemExit(f"benchmarks: unknown {kind} {name!r}; known: "
+                                 f"{', '.join(known)}")
     base_urls = parse_base_urls(args.base_url, systems)
     command = "python -m benchmarks.run " + shlex.join(argv)
     log_dir = args.log_dir or REPO / "bench-out" / "logs" / dt.datetime.now(dt.UTC).strftime(

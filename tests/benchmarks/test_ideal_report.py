@@ -147,3 +147,9 @@ def test_absent_microbenchmark_fails_clearly(capsys) -> None:
     assert "unknown microbenchmark" in capsys.readouterr().err
     assert run_main(["--list"]) == 0
     assert "coding-agent" in capsys.readouterr().out
+
+
+def test_unknown_names_exit_before_starting_anything() -> None:
+    for args in (["--systems", "vllm9"], ["--trace", "nope"], ["--size", "xxl"]):
+        with pytest.raises(SystemExit, match="unknown"):
+            run_main(args)
