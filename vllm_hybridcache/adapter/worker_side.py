@@ -44,6 +44,8 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self.fault_injector = None  # tests: callable(kind, job) raising to simulate failures
         self.probe_results: dict[str, dict[str, str]] = {}
+        # cumulative copy work of this worker (read by benchmarks through collective_rpc)
+        self.totals = {"captures": 0, "capture_s": 0.0, "loads": 0, "load_s": 0.0}
 
     @property
     def active(self) -> bool:
@@ -87,7 +89,10 @@ class WorkerSide:
             t0 = time.perf_counter()
             try:
                 self._load(job)
-                self._report.loaded[job.req_id] = time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._report.loaded[job.req_id] = dt
+                self.totals["loads"] += 1
+                self.totals["load_s"] += dt
             except Exception as e:
                 logger.warning("hybridcache: restore of %s failed, recomputing: %s", job.req_id, e)
                 if isinstance(e, MissingLinkError) and isinstance(e.args[0], int):
@@ -114,7 +119,10 @@ class WorkerSide:
             t0 = time.perf_counter()
             try:
                 self._capture(job)
-                self._report.saved[job.link_id] = time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._report.saved[job.link_id] = dt
+                self.totals["captures"] += 1
+                self.totals["capture_s"] += dt
                 self._report.saved_count[job.link_id] = 1
             except Exception as e:
                 logger.warning("hybridcache: capture of link %d failed: %s", job.link_id, e)

@@ -2,8 +2,8 @@
 
 `get_backend(name)` picks one: "reference" (pure torch, the semantics oracle), "cpu" (reference
 plus vLLM's CPU ops where they fit), "triton" (GPU kernels). Without a name the environment
-variable VLLM_HYBRIDCACHE_FLASH_NEXT_OPS decides, else the platform: CPU -> "cpu",
-anything else -> "triton" when it imports, falling back to "reference".
+variable VLLM_HYBRIDCACHE_FLASH_NEXT_OPS decides, else the platform: CPU -> "cpu", ROCm and
+CUDA -> "triton", anything else -> "reference" (ops/triton/select.py).
 """
 
 from __future__ import annotations
@@ -18,17 +18,10 @@ BACKENDS = ("reference", "cpu", "triton")
 
 
 def _default_name() -> str:
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return env
-    try:
-        from vllm.platforms import current_platform
+    """The environment override, else the platform's default (see ops/triton/select.py)."""
+    from vllm_hybridcache.flash_next.ops.triton.select import default_backend_name
 
-        if current_platform.is_cpu():
-            return "cpu"
-    except ImportError:
-        return "reference"
-    return "triton"
+    return default_backend_name()
 
 
 @cache
