@@ -6,7 +6,7 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 STAMP      := .stamps/env
-MODEL      ?= qwen3-next-tiny
+MODEL      ?= flash-next-tiny
 PORT       ?= 8011
 PYTEST_ARGS ?=
 

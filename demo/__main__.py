@@ -61,7 +61,7 @@ def play(base_url: str, model: str, label: str) -> list[tuple[str, int, int, int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
-    parser.add_argument("--model", default="qwen3-next-tiny")
+    parser.add_argument("--model", default="flash-next-tiny")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the stock-vLLM run without prefix caching")
