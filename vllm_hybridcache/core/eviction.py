@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 __all__ = ["CostPolicy", "EvictionPolicy", "LRUPolicy", "PolicyLink", "make_policy"]
@@ -58,7 +59,7 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
-class _HeapPolicy:
+class _HeapPolicy(ABC):
     """Min-heap of (key, seq, link id) with lazy invalidation by sequence number."""
 
     name = "heap"
@@ -68,8 +69,9 @@ class _HeapPolicy:
         self._cand: dict[int, tuple[PolicyLink, int, float]] = {}
         self._seq = 0
 
+    @abstractmethod
     def key(self, link: PolicyLink) -> float:
-        raise NotImplementedError
+        """Eviction order: the link with the smallest key goes first."""
 
     def add(self, link: PolicyLink) -> None:
         self._seq += 1
