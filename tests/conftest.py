@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels are tested on the CPU through Triton's interpreter, which `@triton.jit` reads
+# when a function is decorated. Set it before anything in this process imports a kernel module,
+# so every test folder sees the same (interpreted) kernels; vLLM's own Triton detection is
+# unaffected (it still finds no CPU backend).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
