@@ -85,12 +85,6 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=self._worker.take_finished_sending(),
                                           finished_recving=done, failed_recving=failed)
 
-    def get_finished(self, finished_req_ids: set[str]):
-        if self._worker is None:
-            return None, None
-        done, _ = self._worker.take_finished_recving()
-        return self._worker.take_finished_sending() or None, done or None
-
     def build_connector_worker_meta(self) -> StepReport | None:
         return self._worker.take_report() if self._worker is not None else None
 
