@@ -12,9 +12,16 @@ of the whole prompt that fall inside the prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+from collections.abc import Sequence
 
 import msgspec
+
+
+def first_cut_after(cuts: Sequence[int], start: int, default: int) -> int:
+    """The first of the ascending `cuts` strictly after `start`, else `default`."""
+    i = bisect.bisect_right(cuts, start)
+    return cuts[i] if i < len(cuts) else default
 
 
 class Segmentation(msgspec.Struct, frozen=True):
@@ -45,9 +52,6 @@ class Segmentation(msgspec.Struct, frozen=True):
                 prev = p
         return out
 
-    def next_cut(self, tokens: Sequence[int], start: int, cuts: Iterable[int] | None = None) -> int:
+    def next_cut(self, tokens: Sequence[int], start: int) -> int:
         """The first cut strictly after `start`, or len(tokens) if there is none."""
-        for c in self.cuts(tokens) if cuts is None else cuts:
-            if c > start:
-                return c
-        return len(tokens)
+        return first_cut_after(self.cuts(tokens), start, len(tokens))

@@ -26,11 +26,8 @@ class PartMap:
     """How the layout's parts map to vLLM KV-cache groups and layers."""
 
     layout: StateLayout
-    section_groups: tuple[int, ...]          # group ids holding sections (one state slot each)
-    view_groups: tuple[int, ...]             # group ids holding per-token rows
     sections: tuple[tuple[str, int, str, int], ...]   # (part name, gid, layer, state index)
     views: tuple[tuple[str, int, str], ...]           # (part name, gid, layer)
-    view_block_size: dict[int, int]          # gid -> tokens per block
     block_bytes: dict[str, int]              # view part -> bytes of one KV block
 
 
@@ -46,8 +43,7 @@ def part_map(kv_cache_config) -> PartMap:
     views: list[ViewSpec] = []
     sec_map: list[tuple[str, int, str, int]] = []
     view_map: list[tuple[str, int, str]] = []
-    section_groups: list[int] = []
-    view_groups: list[int] = []
+    has_sections = False
     block_sizes: dict[int, int] = {}
     block_bytes: dict[str, int] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -58,7 +54,7 @@ def part_map(kv_cache_config) -> PartMap:
                     f"group {gid} uses mamba_cache_mode={spec.mamba_cache_mode!r}; the snapshot "
                     "cache replaces vLLM's prefix caching (run with --no-enable-prefix-caching)"
                 )
-            section_groups.append(gid)
+            has_sections = True
             for layer in group.layer_names:
                 for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
                     name = f"{layer}#{i}"
@@ -70,7 +66,6 @@ def part_map(kv_cache_config) -> PartMap:
         ):
             if spec.tokens_per_state != 1:
                 raise UnsupportedModel(f"group {gid} stores {spec.tokens_per_state} tokens/row")
-            view_groups.append(gid)
             block_sizes[gid] = spec.block_size
             for layer in group.layer_names:
                 views.append(ViewSpec(name=layer, row_shape=(spec.page_size_bytes,),
@@ -82,7 +77,7 @@ def part_map(kv_cache_config) -> PartMap:
                 f"KV-cache group {gid} is {type(spec).__name__}; only Mamba-like state and full "
                 "attention rows can be snapshotted exactly"
             )
-    if not section_groups:
+    if not has_sections:
         raise UnsupportedModel("the model has no recurrent state (not a hybrid model)")
     if len(set(block_sizes.values())) > 1:
         raise UnsupportedModel(f"attention groups use different block sizes {block_sizes}")
@@ -90,11 +85,8 @@ def part_map(kv_cache_config) -> PartMap:
     return PartMap(
         layout=StateLayout(sections=tuple(sections), views=tuple(views),
                            view_block_tokens=block_tokens),
-        section_groups=tuple(section_groups),
-        view_groups=tuple(view_groups),
         sections=tuple(sec_map),
         views=tuple(view_map),
-        view_block_size=block_sizes,
         block_bytes=block_bytes,
     )
 

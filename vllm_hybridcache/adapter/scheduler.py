@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_hybridcache.segmentation import first_cut_after
+
 
 class SegmentedScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
@@ -36,9 +38,5 @@ class SegmentedScheduler(Scheduler):
                  + num_external_computed_tokens)
         if start >= request.num_prompt_tokens:
             return num_new_tokens
-        end = start + num_new_tokens
-        for c in cuts:
-            if c > start:
-                end = min(end, c)
-                break
+        end = min(start + num_new_tokens, first_cut_after(cuts, start, start + num_new_tokens))
         return max(end - start, 0)

@@ -29,7 +29,7 @@ from vllm_hybridcache.core import (
     SessionAnchors,
     SnapshotTree,
 )
-from vllm_hybridcache.segmentation import Segmentation
+from vllm_hybridcache.segmentation import Segmentation, first_cut_after
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -38,7 +38,6 @@ logger = logging.getLogger("vllm_hybridcache")
 class _Tracked:
     """What the scheduler side keeps per live request."""
 
-    request: object
     domain: bytes
     keys: PromptKeys
     cuts: list[int]
@@ -128,7 +127,7 @@ class SchedulerSide:
         if tr is None:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
-            tr = _Tracked(request=request, domain=request_domain(self.base_domain, request),
+            tr = _Tracked(domain=request_domain(self.base_domain, request),
                           keys=self.tree.keys(prompt), cuts=cuts, cut_set=frozenset(cuts))
             self._reqs[request.request_id] = tr
         return tr
@@ -243,7 +242,7 @@ class SchedulerSide:
         if start != tr.resume_at and start not in tr.cut_set:
             tr.canonical = False
             return
-        next_cut = next((c for c in tr.cuts if c > start), prompt_len)
+        next_cut = first_cut_after(tr.cuts, start, prompt_len)
         if end < min(next_cut, prompt_len):
             tr.canonical = False  # step clipped by the token budget: off the segmentation
             return

@@ -47,10 +47,6 @@ class WorkerSide:
         # cumulative copy work of this worker (read by benchmarks through collective_rpc)
         self.totals = {"captures": 0, "capture_s": 0.0, "loads": 0, "load_s": 0.0}
 
-    @property
-    def active(self) -> bool:
-        return self.store is not None and bool(self._sections)
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.parts is None:
             return
