@@ -2,7 +2,7 @@
 
     python -m benchmarks.run [--model qwen3-next-tiny] [--trace coding-agent] [--size ci]
                              [--systems native,nocache,ours] [--base-url NAME=URL ...]
-    python -m benchmarks.run --micro core|kernels|model|connector|all [args for it]
+    python -m benchmarks.run --micro core|kernels|model|connector|segmentation|all [args for it]
     python -m benchmarks.run --list
 
 For every size asked for, each system's server is started once with the same model and settings,
@@ -53,6 +53,8 @@ MICRO: dict[str, tuple[str, str]] = {
     "kernels": ("benchmarks.kernels_bench", "GDN / QSA / conv kernels per backend"),
     "model": ("benchmarks.model_bench", "Flash-Next forward vs transformers"),
     "connector": ("benchmarks.connector_bench", "KV connector capture / restore latency"),
+    "segmentation": ("benchmarks.segmentation_bench",
+                     "grid / message-end cut settings: reuse and prefill cost"),
 }
 
 
