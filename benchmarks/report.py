@@ -219,7 +219,8 @@ def markdown(report: Report, plots: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLORS = {"native": "tab:blue", "nocache": "tab:orange", "ours": "tab:green"}
+COLORS = {"native": "tab:blue", "nocache": "tab:orange", "ours": "tab:green",
+          "ours-grid": "tab:olive", "ours-msgend": "tab:cyan"}
 
 
 def _session_starts(ax: Any, results: list[RequestResult]) -> None:

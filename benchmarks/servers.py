@@ -39,7 +39,14 @@ class SystemSpec(msgspec.Struct, frozen=True):
     name: str
     flags: list[str]
     description: str
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    """Extra environment for the server (the plugin's feature switches for ablations)."""
 
+
+# The plugin's features one at a time (issue "conversations"): grid links only, then message-end
+# cuts, then end anchors (`ours`, the default setting). Same command as `ours`, env switches.
+_GRID_ONLY = {"VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1", "VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0"}
+_NO_ANCHORS = {"VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0"}
 
 SYSTEMS: dict[str, SystemSpec] = {
     s.name: s
@@ -50,6 +57,14 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "vLLM 0.32, prefix caching off"),
         SystemSpec("ours", ["--plugin", "hybridcache"],
                    "vLLM 0.32 + vllm-hybridcache (`--plugin hybridcache`)"),
+        SystemSpec("ours-grid", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with grid links only (no message-end cuts, no end "
+                   "anchors: " + " ".join(f"{k}={v}" for k, v in _GRID_ONLY.items()) + ")",
+                   env=_GRID_ONLY),
+        SystemSpec("ours-msgend", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with grid links and message-end cuts, no end anchors ("
+                   + " ".join(f"{k}={v}" for k, v in _NO_ANCHORS.items()) + ")",
+                   env=_NO_ANCHORS),
     )
 }
 
@@ -101,8 +116,10 @@ def server_argv(spec: SystemSpec, settings: ServerSettings, port: int) -> list[s
     ]
 
 
-def server_env(settings: ServerSettings) -> dict[str, str]:
+def server_env(settings: ServerSettings, spec: SystemSpec | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if spec is not None:
+        env.update(spec.env)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Exposes POST /reset_prefix_cache, so one server can replay several traces from a clean
@@ -228,7 +245,7 @@ def running_server(spec: SystemSpec, settings: ServerSettings,
         log.write(("$ " + " ".join(argv) + "\n").encode())
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=server_env(settings),
+                                stdin=subprocess.DEVNULL, env=server_env(settings, spec),
                                 start_new_session=True)
     try:
         while True:

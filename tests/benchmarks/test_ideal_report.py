@@ -153,3 +153,20 @@ def test_unknown_names_exit_before_starting_anything() -> None:
     for args in (["--systems", "vllm9"], ["--trace", "nope"], ["--size", "xxl"]):
         with pytest.raises(SystemExit, match="unknown"):
             run_main(args)
+
+
+def test_feature_ablation_systems_switch_features_through_the_environment():
+    """`ours-grid` and `ours-msgend` are `ours` with features off via the plugin's env keys."""
+    from benchmarks.servers import SYSTEMS, ServerSettings, server_argv, server_env
+    from vllm_hybridcache.config import load_settings
+
+    settings = ServerSettings(model_path="/m", served_name="m", max_model_len=4096)
+    argvs = {n: server_argv(SYSTEMS[n], settings, 8000)[1:] for n in ("ours", "ours-grid",
+                                                                       "ours-msgend")}
+    assert argvs["ours"] == argvs["ours-grid"] == argvs["ours-msgend"]
+    full = load_settings(environ=server_env(settings, SYSTEMS["ours"]))
+    grid = load_settings(environ=server_env(settings, SYSTEMS["ours-grid"]))
+    msgend = load_settings(environ=server_env(settings, SYSTEMS["ours-msgend"]))
+    assert full.session_anchors > 0 and full.message_end_ids == ()
+    assert grid.session_anchors == 0 and grid.message_end_ids == (-1,)
+    assert msgend.session_anchors == 0 and msgend.message_end_ids == ()
