@@ -103,6 +103,15 @@ class SchedulerSide:
         self._anchor_restoring: dict[str, int] = {}
         self._finishing: list[CaptureJob] = []
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
+        # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
+        # target's hidden state there and one more token: in a partial prefill, vLLM feeds the
+        # prompt token at p (`prepare_next_token_ids_cpu`) or, on its padded-batch path, the
+        # prompt's last token (`prepare_next_token_ids_padded`). A link at cut p therefore fits a
+        # prompt only if both tokens match the capturing prompt's: recorded per link, checked on
+        # lookup. Chat prompts all end in the same generation prompt, so in practice only the
+        # token after the cut costs reuse.
+        self._draft_route = self.base_domain.get("route") == "mtp"
+        self._draft_tokens: dict[int, tuple[int, int]] = {}
         self._reqs: dict[str, _Tracked] = {}
         self._lookups: dict[str, LookupResult] = {}
         self._restoring: dict[str, RestorePlan] = {}
@@ -147,7 +156,7 @@ class SchedulerSide:
         if tr.cold_only:
             return 0, False
         limit = request.num_prompt_tokens - 1
-        res = self.tree.lookup(tr.keys, tr.domain, limit)
+        res = self._lookup(tr, limit)
         self._lookups[request.request_id] = res
         self._anchor_hits.pop(request.request_id, None)
         anchor = self.anchors.lookup(tr.keys.tokens, tr.domain, limit)
@@ -157,6 +166,24 @@ class SchedulerSide:
             self._anchor_hits[request.request_id] = anchor
             return anchor.tokens, True
         return (res.tokens, True) if res.hit else (0, False)
+
+    def _lookup(self, tr: _Tracked, limit: int) -> LookupResult:
+        """The tree's deepest link, cut back (MTP route) to the deepest chain whose every link
+        saw this prompt's draft-row tokens (the token after its cut, the prompt's last token)."""
+        res = self.tree.lookup(tr.keys, tr.domain, limit)
+        if not self._draft_route:
+            return res
+        tokens = tr.keys.tokens
+        last = int(tokens[-1])
+        while res.hit and res.plan is not None:
+            bad = next((ref for ref in res.plan.chain
+                        if self._draft_tokens.get(ref.link_id) != (int(tokens[ref.end]), last)),
+                       None)
+            if bad is None:
+                break
+            self.tree.record_shortened()
+            res = self.tree.lookup(tr.keys, tr.domain, bad.end - 1)
+        return res
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         res = self._lookups.pop(request.request_id, None)
@@ -230,6 +257,8 @@ class SchedulerSide:
             self._plan_step(tr, req_id, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens[req_id], plan)
         plan.drops = self.tree.drain_dropped() + self.anchors.drain_dropped()
+        for link_id in plan.drops:
+            self._draft_tokens.pop(link_id, None)
         return plan
 
     def _plan_step(self, tr: _Tracked, req_id: str, start: int, n: int, plan: StepPlan) -> None:
@@ -251,6 +280,10 @@ class SchedulerSide:
         r = self.tree.reserve(tr.keys, end, tr.domain)
         if r.link_id is None:
             return
+        if self._draft_route:  # at the prompt's end the draft row read the sampled token:
+            toks = tr.keys.tokens  # -1 fits no prompt
+            nxt = int(toks[end]) if end < prompt_len else -1
+            self._draft_tokens[r.link_id] = (nxt, int(toks[prompt_len - 1]))
         plan.captures.append(CaptureJob(link_id=r.link_id, req_id=req_id, row_start=r.start,
                                         row_end=r.end, block_ids=[list(b) for b in tr.block_ids]))
 

@@ -95,6 +95,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                    "evictions"),
     "vllm:hybridcache_aborts": ("Reserved links dropped because their step or copy failed.",
                                 "aborts"),
+    "vllm:hybridcache_shortened_lookups": ("Lookups served from a shallower link than the "
+                                           "deepest match, because the deeper link's state "
+                                           "depends on a token after its cut (MTP draft head).",
+                                           "shortened"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "vllm:hybridcache_links": ("Links held in the snapshot cache, by tier.", "links"),

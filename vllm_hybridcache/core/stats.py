@@ -74,6 +74,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     hit_chain_links: int = 0  # sum of chain lengths of hits
     misses: dict[str, int] = msgspec.field(default_factory=dict)  # by MissReason
     verify_collisions: int = 0  # digest matched, tokens differed (also on lookups that hit)
+    shortened: int = 0  # lookups the adapter cut back to a shallower link (see record_shortened)
     hit_depth: Histogram = msgspec.field(
         default_factory=lambda: Histogram.empty(HIT_TOKEN_BOUNDS)
     )

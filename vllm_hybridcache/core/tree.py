@@ -370,6 +370,15 @@ class SnapshotTree:
         return LookupResult(False, 0, None, reason.value, n, lim, collisions)
 
     # ------------------------------------------------------------------ restores
+    def record_shortened(self) -> None:
+        """Count a lookup whose deepest link the adapter refused for a shallower one.
+
+        The tree matches tokens before a cut; an adapter may know that a link's state also
+        depends on something after it (with MTP, the draft head's row at p - 1 reads the token
+        at p) and look up again with a lower limit. Counted so a user sees the reuse it costs.
+        """
+        self._rec.s.shortened += 1
+
     def record_lookup(self, res: LookupResult) -> None:
         """Count a lookup outcome without restoring (e.g. the adapter chose not to use it)."""
         s = self._rec.s
