@@ -264,3 +264,66 @@ def test_end_anchor_is_never_served_to_another_salt(llm):
     nxt = p + first["tokens"] + [5, 6, 7, 8]
     assert run(llm, nxt, salt="bob")["cached"] == 0        # tree links are per tenant too
     assert run(llm, nxt, salt="alice")["cached"] == len(p) + len(first["tokens"]) - 1
+
+
+def _links(llm) -> set[int]:
+    """Token depths of the committed links in the tree."""
+    from vllm_hybridcache.core.tree import COMMITTED
+
+    sched, _ = engine_parts(llm)
+    return {link.p for link in sched.tree._links.values() if link.state == COMMITTED}
+
+
+def _step_until(engine, done) -> list:
+    outs = []
+    for _ in range(200):
+        if done():
+            return outs
+        outs += engine.step()
+    raise AssertionError("engine did not get there in 200 steps")
+
+
+def test_preempted_prefill_publishes_nothing_more_and_stays_exact(llm):
+    """vLLM's own preemption (reset_prefix_cache(reset_running_requests=True) preempts every
+    running request, as memory pressure does) in the middle of A's prefill: the links
+    committed before it stay, the resumed request captures nothing, its output equals cold."""
+    from vllm import SamplingParams
+
+    clear(llm)
+    cold = run(llm, A)
+    clear(llm)
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=5, detokenize=False)
+    engine.add_request("preempted", {"prompt_token_ids": A}, sp)
+    _step_until(engine, lambda: _links(llm) == {GRID})          # first segment captured
+    assert llm.reset_prefix_cache(reset_running_requests=True)   # preempt it mid-prefill
+    outs = _step_until(engine, lambda: not engine.has_unfinished_requests())
+    outs += engine.step() if engine.has_unfinished_requests() else []
+    final = [o for o in outs if o.finished]
+    assert len(final) == 1
+    out = final[0].outputs[0]
+    assert list(out.token_ids) == cold["tokens"]
+    assert [{k: v.logprob for k, v in d.items()} for d in out.logprobs] == cold["logprobs"]
+    assert _links(llm) == {GRID}            # nothing captured after the preemption
+    again = run(llm, A)                      # a fresh request resumes there and is exact
+    assert again["cached"] == GRID and again["tokens"] == cold["tokens"]
+    assert again["state"] == cold["state"]
+    assert _links(llm) == {GRID, 2 * GRID, 3 * GRID}
+
+
+def test_aborted_prefill_publishes_only_confirmed_links(llm):
+    from vllm import SamplingParams
+
+    clear(llm)
+    engine = llm.llm_engine
+    sched, _ = engine_parts(llm)
+    sp = SamplingParams(max_tokens=6, temperature=0, detokenize=False)
+    engine.add_request("aborted", {"prompt_token_ids": A}, sp)
+    _step_until(engine, lambda: _links(llm) == {GRID, 2 * GRID})
+    engine.abort_request(["aborted"])
+    _step_until(engine, lambda: not engine.has_unfinished_requests())
+    engine.step()                            # any report of the last step arrives
+    assert _links(llm) == {GRID, 2 * GRID}
+    assert sched.tree.stats().links_pending == 0  # no reservation left behind
+    cold_b = run(llm, B)
+    assert cold_b["cached"] == 2 * GRID

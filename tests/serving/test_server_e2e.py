@@ -14,69 +14,31 @@ import time
 import pytest
 import requests
 
-from benchmarks.servers import SYSTEMS, ServerSettings, running_server
-from demo.conversation import TOOLS, demo_sessions
+from demo.conversation import demo_sessions
+from tests.serving.conftest import (
+    GRID,
+    KEY,
+    cache_stats,
+    chat,
+    clear_cache,
+    expected_hit,
+    im_end_id,
+    metric_sum,
+)
 from vllm_hybridcache.segmentation import Segmentation
 
 pytestmark = pytest.mark.slow
 
-GRID = 256
-KEY = "test-admin-key"
-
-
-@pytest.fixture(scope="module")
-def server(embedded_model, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_HYBRIDCACHE_GRID", str(GRID))
-    settings = ServerSettings(model_path=str(embedded_model("qwen3-next-tiny")),
-                              served_name="tiny", max_model_len=8192, port=8300,
-                              extra_args=["--api-key", KEY])
-    log = tmp_path_factory.mktemp("server") / "ours.log"
-    with running_server(SYSTEMS["ours"], settings, log) as srv:
-        yield srv
-    mp.undo()
-
-
-def chat(srv, messages):
-    r = requests.post(srv.base_url + "/v1/chat/completions",
-                      headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": "tiny", "messages": messages, "tools": TOOLS,
-                            "tool_choice": "none", "max_tokens": 4, "temperature": 0,
-                            "return_token_ids": True}, timeout=300)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    usage = body["usage"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return body["prompt_token_ids"], usage["prompt_tokens"], cached
-
-
-def expected_hit(seg: Segmentation, prompt: list[int], earlier: list[list[int]]) -> int:
-    """Deepest cut of `prompt` (leaving a token to prefill) that an earlier prompt reached."""
-    best = 0
-    for c in seg.cuts(prompt, len(prompt) - 1):
-        if any(len(e) >= c and e[:c] == prompt[:c] and c in seg.cuts(e) for e in earlier):
-            best = c
-    return best
-
-
-def metric_sum(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def im_end_id(srv) -> int:
-    r = requests.post(srv.base_url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": "tiny", "prompt": "<|im_end|>", "add_special_tokens": False})
-    ids = r.json()["tokens"]
-    assert len(ids) == 1
-    return ids[0]
-
 
 def test_conversation_hits_grow_and_metrics_agree(server):
+    """Counters are cumulative over the server's life (other tests share it): compare deltas."""
     seg = Segmentation(grid=GRID, message_end_ids=(im_end_id(server),), message_end_min=256)
+    clear_cache(server)
+    time.sleep(1.0)  # the last stats snapshot before the clear has arrived
+    ram0 = cache_stats(server)["tiers"].get("ram", {})
+    metrics0 = requests.get(server.base_url + "/metrics").text
+    served0 = ram0.get("tokens_served", 0)
+    hits0 = ram0.get("hits", 0)
     seen: list[list[int]] = []
     served = 0
     hits = 0
@@ -92,18 +54,17 @@ def test_conversation_hits_grow_and_metrics_agree(server):
 
     deadline = time.monotonic() + 30
     while True:  # stats travel with the engine's step outputs: allow them to arrive
-        stats = requests.get(server.base_url + "/v1/cache/stats",
-                             headers={"Authorization": f"Bearer {KEY}"}).json()
-        ram = stats["tiers"].get("ram", {})
-        if ram.get("tokens_served") == served or time.monotonic() > deadline:
+        ram = cache_stats(server)["tiers"].get("ram", {})
+        if ram.get("tokens_served") == served0 + served or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert ram["tokens_served"] == served
-    assert ram["hits"] == hits
+    assert ram["tokens_served"] - served0 == served
+    assert ram["hits"] - hits0 == hits
     assert ram["links"] > 0 and ram["bytes_held"] > 0
     metrics = requests.get(server.base_url + "/metrics").text
-    assert metric_sum(metrics, "vllm:hybridcache_cached_tokens_total") == served
-    assert metric_sum(metrics, "vllm:hybridcache_hits_total") == hits
+    for name, expected in (("vllm:hybridcache_cached_tokens_total", served),
+                           ("vllm:hybridcache_hits_total", hits)):
+        assert metric_sum(metrics, name) - metric_sum(metrics0, name) == expected, name
     assert "# HELP vllm:hybridcache_misses_total" in metrics
     assert re.search(r'vllm:hybridcache_misses_total\{[^}]*reason="no_prefix"', metrics)
 
