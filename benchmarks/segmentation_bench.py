@@ -11,7 +11,8 @@ Two parts, one command (`python -m benchmarks.run --micro segmentation`):
 2. Cost (`--engine`, one vLLM engine per setting, the same prompts): the time to prefill every
    request of a trace cold (cache emptied before each request: the capture copies and the
    smaller steps, nothing restored) against stock vLLM (budget 0: no connector), and the time
-   to replay the trace in order with the cache working. The ratio `cold / stock` is the price
+   to replay the trace in order with the cache working. Stock vLLM runs with its own prefix
+   caching off (the floor every setting is compared with). The ratio `cold / stock` is the price
    every cold prefill pays for the links; the replay total is what the links buy back.
 
 Settings are given as `G/M` pairs, `M` = `off` for grid-only cuts (e.g. `512/256,2048/off`).
@@ -148,14 +149,21 @@ def simulate(tp: TracePrompts, setting: Setting, im_end: int, step_tokens: int) 
 
 
 # ------------------------------------------------------------------ engine part
-def _engine(model_path: str, extra: dict, max_model_len: int, step_tokens: int):
+def _engine(model_path: str, setting: Setting | None, max_model_len: int, step_tokens: int):
+    """vLLM with the plugin at `setting`, or stock vLLM without any prefix cache (None).
+
+    The stock engine turns vLLM's own prefix caching off explicitly: for hybrid models it is on
+    by default and runs `mamba_cache_mode=align`, whose block-aligned steps and state copies
+    would be measured as the floor otherwise.
+    """
     from vllm import LLM
 
     from vllm_hybridcache.serving.python_api import llm_kwargs
 
+    cache = llm_kwargs(**setting.plugin_settings()) if setting else {"enable_prefix_caching": False}
     # compiled like `vllm serve` (no enforce_eager): step costs as a server pays them
     return LLM(model=model_path, max_model_len=max_model_len,
-               max_num_batched_tokens=step_tokens, seed=0, **llm_kwargs(**extra))
+               max_num_batched_tokens=step_tokens, seed=0, **cache)
 
 
 def _prefill(llm, prompts: list[list[int]]) -> tuple[float, int]:
@@ -217,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-trace", default="coding-agent")
     parser.add_argument("--engine-size", default=None, help="default: --size")
     parser.add_argument("--engine-settings", default=None, help="default: --settings")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
 
     from vllm_hybridcache.models import ensure_model
@@ -257,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[CostRow] = []
     # stock first and last: a drift of the machine between settings shows up as a difference
     plan: list[Setting | None] = [None, *engine_settings, None]
+    longest = max(tp.prompts, key=len)
     for s in plan:
-        extra = {"budget_bytes": 0} if s is None else s.plugin_settings()
-        llm = _engine(path, extra, max_len, args.step_tokens)
-        _prefill(llm, [tp.prompts[0][:512]])  # warm-up
+        llm = _engine(path, s, max_len, args.step_tokens)
+        for n in (512, 4096):  # warm-up: first calls of each shape range, allocator growth
+            _prefill(llm, [longest[:n]])
         cold, replay, cached = measure(llm, tp, args.repeats, cache=s is not None)
         rows.append(CostRow("stock" if s is None else s.label, cold, replay, cached))
         print(f"   {rows[-1].setting}: cold {cold:.2f} s, replay {replay} s, cached {cached}",

@@ -26,7 +26,7 @@ class SettingsError(ValueError):
 
 
 class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Snapshot-cache settings (see docs/configuration.md for the reasoning behind defaults).
+    """Snapshot-cache settings (see docs/usage.md, "Settings" for the reasoning behind defaults).
 
     enabled: master switch; off = the connector passes every request through.
     budget_bytes: host memory for links; 0 turns the cache off (outputs then equal vLLM's).
