@@ -35,7 +35,7 @@ class Segmentation(msgspec.Struct, frozen=True):
 
     grid: int
     message_end_ids: tuple[int, ...] = ()
-    message_end_min: int = 256
+    message_end_min: int = 512
 
     def cuts(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
         """All cut positions p with 0 < p <= limit (default len(tokens)), ascending."""

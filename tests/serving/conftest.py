@@ -1,5 +1,6 @@
 """One real server for the whole folder: `vllm serve MODEL --plugin hybridcache --api-key ...`
-on the tiny model (grid 256), and the small OpenAI-client helpers the tests share."""
+on the tiny model (grid 256, message-end cuts 64 tokens after the previous cut, so both kinds of
+cut fall inside these short conversations), and the OpenAI-client helpers the tests share."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from demo.conversation import TOOLS
 from vllm_hybridcache.segmentation import Segmentation
 
 GRID = 256
+MESSAGE_END_MIN = 64
 KEY = "test-admin-key"
 
 
@@ -18,6 +20,7 @@ KEY = "test-admin-key"
 def server(embedded_model, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_HYBRIDCACHE_GRID", str(GRID))
+    mp.setenv("VLLM_HYBRIDCACHE_MESSAGE_END_MIN", str(MESSAGE_END_MIN))
     settings = ServerSettings(model_path=str(embedded_model("qwen3-next-tiny")),
                               served_name="tiny", max_model_len=8192, port=8300,
                               extra_args=["--api-key", KEY])
@@ -56,6 +59,12 @@ def clear_cache(srv) -> None:
 def cache_stats(srv) -> dict:
     return requests.get(srv.base_url + "/v1/cache/stats",
                         headers={"Authorization": f"Bearer {KEY}"}).json()
+
+
+def segmentation(srv) -> Segmentation:
+    """The server's segmentation, as the tests compute expected hits with it."""
+    return Segmentation(grid=GRID, message_end_ids=(im_end_id(srv),),
+                        message_end_min=MESSAGE_END_MIN)
 
 
 def expected_hit(seg: Segmentation, prompt: list[int], earlier: list[list[int]]) -> int:

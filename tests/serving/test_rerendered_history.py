@@ -16,14 +16,12 @@ import pytest
 
 from demo.conversation import FILE_TEXT, SYSTEM_PROMPT
 from tests.serving.conftest import (
-    GRID,
     cached_tokens,
     chat_body,
     clear_cache,
     expected_hit,
-    im_end_id,
+    segmentation,
 )
-from vllm_hybridcache.segmentation import Segmentation
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +85,7 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def test_rerendered_turns_resume_at_the_deepest_cut_before_the_divergence(server):
-    seg = Segmentation(grid=GRID, message_end_ids=(im_end_id(server),), message_end_min=256)
+    seg = segmentation(server)
     clear_cache(server)
     seen: list[list[int]] = []
     diverged = []

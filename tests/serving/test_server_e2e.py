@@ -16,23 +16,21 @@ import requests
 
 from demo.conversation import demo_sessions
 from tests.serving.conftest import (
-    GRID,
     KEY,
     cache_stats,
     chat,
     clear_cache,
     expected_hit,
-    im_end_id,
     metric_sum,
+    segmentation,
 )
-from vllm_hybridcache.segmentation import Segmentation
 
 pytestmark = pytest.mark.slow
 
 
 def test_conversation_hits_grow_and_metrics_agree(server):
     """Counters are cumulative over the server's life (other tests share it): compare deltas."""
-    seg = Segmentation(grid=GRID, message_end_ids=(im_end_id(server),), message_end_min=256)
+    seg = segmentation(server)
     clear_cache(server)
     time.sleep(1.0)  # the last stats snapshot before the clear has arrived
     ram0 = cache_stats(server)["tiers"].get("ram", {})

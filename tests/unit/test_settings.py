@@ -60,3 +60,16 @@ def test_bad_environment_is_a_clear_error(env, message):
 def test_message_end_ids_from_environment():
     s = load_settings(environ={"VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "7, 9"})
     assert s.message_end_ids == (7, 9)
+
+
+def test_memory_headroom_warning_names_the_fix():
+    from vllm_hybridcache.adapter.scheduler_side import memory_headroom_warning
+
+    gib = 1 << 30
+    s = CacheSettings(memory_floor_bytes=4 * gib, budget_bytes=8 * gib)
+    assert memory_headroom_warning(20 * gib, s) is None
+    msg = memory_headroom_warning(4 * gib + gib // 2, s)
+    assert msg is not None and "VLLM_CPU_KVCACHE_SPACE" in msg and "0.5 GiB" in msg
+    assert "memory_guard" in (memory_headroom_warning(gib, s) or "")
+    # a small budget needs only itself above the floor
+    assert memory_headroom_warning(4 * gib + gib // 2, CacheSettings(budget_bytes=gib // 4)) is None

@@ -74,6 +74,25 @@ def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
                         message_end_min=settings.message_end_min)
 
 
+def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:
+    """A start-up warning when the memory guard will skip most captures, else None.
+
+    Captures are skipped while host memory would fall below `memory_floor_bytes` (design rule
+    6). On CPU, vLLM sizes its KV cache from the host memory unless told otherwise, which can
+    leave nothing above the floor: the cache then silently stores nothing. Called once the KV
+    cache is allocated (the scheduler is built after it).
+    """
+    GiB = 1 << 30
+    headroom = available - settings.memory_floor_bytes
+    if headroom >= min(settings.budget_bytes, GiB):
+        return None
+    return (f"hybridcache: only {max(headroom, 0) / GiB:.1f} GiB of host memory is available "
+            f"above the memory floor ({settings.memory_floor_bytes / GiB:.1f} GiB), so most "
+            "captures will be skipped (metric reason memory_guard). On CPU, give vLLM's KV cache "
+            "an explicit size (VLLM_CPU_KVCACHE_SPACE in GiB, or --kv-cache-memory-bytes), or "
+            "lower memory_floor_bytes.")
+
+
 class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, settings: CacheSettings) -> None:
         self.settings = settings
@@ -118,6 +137,12 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         # Debug aid (tests, incident analysis): digest every state part when a prefill ends.
         self.probe_states = os.environ.get("VLLM_HYBRIDCACHE_PROBE_STATES", "") == "1"
+        if self.active:
+            import psutil
+
+            warning = memory_headroom_warning(int(psutil.virtual_memory().available), settings)
+            if warning:
+                logger.warning(warning)
         if self.reason_inactive:
             logger.info("hybridcache: snapshot cache inactive: %s", self.reason_inactive)
         else:
