@@ -44,7 +44,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check vllm_hybridcache tests benchmarks
+	$(VENV)/bin/ruff check .
 
 clean-env:
 	rm -rf $(VENV) .stamps
