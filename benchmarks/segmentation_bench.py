@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import os
 import statistics
 import time
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
 from benchmarks.ideal import PromptTokenizer, ideal_cached
 from benchmarks.traces import FAMILIES, Trace, generate
+from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.segmentation import Segmentation
 
 
@@ -85,18 +84,6 @@ def trace_prompts(trace: Trace, tok: PromptTokenizer) -> TracePrompts:
     return TracePrompts(trace.family, waves, prompts, ideal_cached(waves, prompts, seen))
 
 
-def _cut_digests(prompt: Sequence[int], cuts: Sequence[int]) -> list[bytes]:
-    """A digest of prompt[:c] for each cut c, in one pass over the prompt."""
-    arr = np.asarray(prompt, dtype=np.int64)
-    h = hashlib.blake2b(digest_size=16)
-    out, prev = [], 0
-    for c in cuts:
-        h.update(arr[prev:c].tobytes())
-        out.append(h.copy().digest())
-        prev = c
-    return out
-
-
 class ReuseRow(msgspec.Struct):
     family: str
     setting: str
@@ -137,7 +124,8 @@ def simulate(tp: TracePrompts, setting: Setting, im_end: int, step_tokens: int) 
                 links |= s
             pending, last_wave = [], wave
         cuts = seg.cuts(prompt)
-        digests = _cut_digests(prompt, cuts)
+        keys = PromptKeys(prompt)  # the cache core's own prefix digests
+        digests = [keys.digest(c) for c in cuts]
         hit = 0
         for c, d in zip(cuts, digests, strict=True):
             if c <= len(prompt) - 1 and d in links:
