@@ -24,6 +24,7 @@ from vllm_hybridcache.core import (
     AnchorHit,
     LinkRef,
     LookupResult,
+    MissReason,
     PromptKeys,
     RestorePlan,
     SessionAnchors,
@@ -46,6 +47,20 @@ class _Tracked:
     resume_at: int = 0          # tokens restored (0 = cold)
     canonical: bool = True      # every step so far followed the segmentation
     cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
+    unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
+
+
+def unkeyed_inputs(request) -> bool:
+    """Whether the request carries inputs that its prompt token ids do not identify.
+
+    Multimodal items (images, audio, video) sit in the prompt as placeholder tokens, the same
+    ids for every picture; prompt embeddings replace token rows altogether. A key made of token
+    ids would match another request's state for different inputs, so such a request is served
+    without the cache: no lookup, no capture, no end anchor (a counted miss, reason
+    `unkeyed_input`).
+    """
+    return bool(getattr(request, "mm_features", None)) or (
+        getattr(request, "prompt_embeds", None) is not None)
 
 
 def default_message_end_ids(vllm_config) -> tuple[int, ...]:
@@ -162,7 +177,8 @@ class SchedulerSide:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
             tr = _Tracked(domain=request_domain(self.base_domain, request),
-                          keys=self.tree.keys(prompt), cuts=cuts, cut_set=frozenset(cuts))
+                          keys=self.tree.keys(prompt), cuts=cuts, cut_set=frozenset(cuts),
+                          unkeyed=unkeyed_inputs(request))
             self._reqs[request.request_id] = tr
         return tr
 
@@ -170,7 +186,8 @@ class SchedulerSide:
         """The request's prompt cuts (for the scheduler hook); None when inactive."""
         if not self.active:
             return None
-        return self._track(request).cuts
+        tr = self._track(request)
+        return None if tr.unkeyed else tr.cuts
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.active or num_computed_tokens > 0 or request.prompt_token_ids is None:
@@ -179,6 +196,11 @@ class SchedulerSide:
             return 0, False  # resumed after preemption with output: recompute, never guess
         tr = self._track(request)
         if tr.cold_only:
+            return 0, False
+        if tr.unkeyed:
+            self._lookups[request.request_id] = LookupResult(
+                False, 0, None, MissReason.UNKEYED_INPUT.value, len(tr.keys),
+                request.num_prompt_tokens - 1)
             return 0, False
         limit = request.num_prompt_tokens - 1
         res = self._lookup(tr, limit)
@@ -291,7 +313,7 @@ class SchedulerSide:
         end = start + n
         if self.probe_states and start < prompt_len <= end:
             plan.probes.append((req_id, prompt_len, [list(b) for b in tr.block_ids]))
-        if start >= prompt_len or not tr.canonical:
+        if start >= prompt_len or not tr.canonical or tr.unkeyed:
             return
         if start != tr.resume_at and start not in tr.cut_set:
             tr.canonical = False
@@ -367,6 +389,8 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         n = request.num_computed_tokens
+        if unkeyed_inputs(request):
+            return False
         if (request.status == RequestStatus.FINISHED_ABORTED or n < request.num_prompt_tokens
                 or not block_ids or any(len(b) == 0 for b in block_ids)):
             return False

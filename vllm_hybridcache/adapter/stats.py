@@ -107,7 +107,7 @@ GAUGES: dict[str, tuple[str, str]] = {
                                       "budget_bytes"),
 }
 MISSES = ("vllm:hybridcache_misses", "Snapshot-cache misses by reason (no_prefix, evicted, "
-          "verify_failed, domain_mismatch, disabled).")
+          "verify_failed, domain_mismatch, disabled, unkeyed_input).")
 SKIPS = ("vllm:hybridcache_capture_skips", "Captures skipped by reason (budget, memory_guard, "
          "too_large, parent_refused, disabled).")
 HISTOGRAMS: dict[str, tuple[str, str]] = {

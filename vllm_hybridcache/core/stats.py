@@ -24,6 +24,10 @@ class MissReason(StrEnum):
     VERIFY_FAILED = "verify_failed"  # a digest matched but the stored tokens differ
     DOMAIN_MISMATCH = "domain_mismatch"  # the tokens are stored, but only under another domain
     DISABLED = "disabled"  # budget 0: the cache is off
+    # The prompt carries inputs its token ids do not name (images, audio, prompt embeddings):
+    # placeholder tokens are the same for every image, so keys of token ids alone would restore
+    # another input's state. Such requests are served without the cache.
+    UNKEYED_INPUT = "unkeyed_input"
 
 
 class SkipReason(StrEnum):
