@@ -1,0 +1,113 @@
+"""Engine fingerprints: weights by content (not path), every field changes the digest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from vllm_hybridcache.adapter.fingerprint import (
+    cpu_isa,
+    make_fingerprint,
+    weights_digest,
+)
+
+
+def _checkpoint(path, payload: bytes = b"weights-1"):
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(payload)
+    (path / "config.json").write_text('{"hidden_size": 8}')
+    (path / "tokenizer.json").write_text("{}")  # not part of the state: ignored
+    return path
+
+
+def test_same_content_under_another_path_agrees(tmp_path):
+    a = _checkpoint(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert weights_digest(a) == weights_digest(b)
+
+
+def test_new_weights_under_the_old_path_differ(tmp_path):
+    a = _checkpoint(tmp_path / "a")
+    before = weights_digest(a)
+    (a / "model.safetensors").write_bytes(b"weights-2")
+    assert weights_digest(a) != before
+    (a / "model.safetensors").write_bytes(b"weights-1")
+    assert weights_digest(a) == before
+    (a / "config.json").write_text('{"hidden_size": 16}')
+    assert weights_digest(a) != before
+    (a / "config.json").write_text('{"hidden_size": 8}')
+    (a / "tokenizer.json").write_text('{"x": 1}')
+    assert weights_digest(a) == before
+
+
+def test_memo_skips_rehashing_but_never_hides_a_change(tmp_path):
+    a = _checkpoint(tmp_path / "a")
+    memo = tmp_path / "memo.json"
+    first = weights_digest(a, memo)
+    data = json.loads(memo.read_text())
+    assert len(data) == 2
+    # a memo with a wrong digest for an unchanged stamp is what a hit looks like: it is used
+    key = next(k for k in data if k.endswith("model.safetensors"))
+    data[key]["sha256"] = "0" * 64
+    memo.write_text(json.dumps(data))
+    assert weights_digest(a, memo) != first  # proves the memo was read
+    # a changed file (new size/mtime) is hashed again whatever the memo says
+    (a / "model.safetensors").write_bytes(b"weights-1 but longer")
+    st = (a / "model.safetensors").stat()
+    os.utime(a / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    fresh = weights_digest(a)
+    assert weights_digest(a, memo) == fresh
+    memo.write_text("not json")
+    assert weights_digest(a, memo) == fresh
+
+
+def test_a_folder_without_weights_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        weights_digest(tmp_path / "empty")
+
+
+def test_every_field_changes_the_digest():
+    base = {"weights": "sha256:x", "dtype": "bfloat16", "device": "x86_64:AVX512:avx2",
+            "segmentation": "grid=2048"}
+    fp = make_fingerprint(base)
+    assert make_fingerprint(dict(base)).digest == fp.digest
+    for k in base:
+        other = make_fingerprint({**base, k: base[k] + "!"})
+        assert other.digest != fp.digest
+        assert fp.differences(other) == [k]
+
+
+def test_cpu_isa_names_the_machine():
+    isa = cpu_isa()
+    assert isa.split(":")[0]  # architecture
+    assert isa == cpu_isa()
+
+
+def test_engine_fingerprint_from_a_vllm_config(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm_hybridcache.adapter.fingerprint import engine_fingerprint
+
+    a = _checkpoint(tmp_path / "a")
+
+    def config(model: str, dtype: str = "bfloat16"):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model=model, revision=None, dtype=dtype),
+            cache_config=SimpleNamespace(cache_dtype="auto", mamba_ssm_cache_dtype="auto"))
+
+    fp = engine_fingerprint(config(str(a)), "layout1", "grid=2048", "cpu")
+    assert fp.fields["weights"].startswith("sha256:")
+    shutil.copytree(a, tmp_path / "b")
+    assert engine_fingerprint(config(str(tmp_path / "b")), "layout1", "grid=2048",
+                              "cpu").digest == fp.digest
+    assert engine_fingerprint(config(str(a), "float32"), "layout1", "grid=2048",
+                              "cpu").differences(fp) == ["dtype"]
+    assert engine_fingerprint(config(str(a)), "layout1", "grid=512",
+                              "cpu").differences(fp) == ["segmentation"]
+    missing = engine_fingerprint(config("no/such-model"), "layout1", "grid=2048", "cpu")
+    assert missing.fields["weights"] == "name:no/such-model@"
