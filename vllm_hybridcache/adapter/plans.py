@@ -45,7 +45,8 @@ class StepPlan(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     captures: list[CaptureJob] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)
-    # (req_id, tokens) of prefills that end this step, when state probes are on (debug/tests)
+    # (req_id, prompt tokens, block ids) of prefills that end this step, when an instrumented
+    # engine asks for state probes (tests; see vllm_hybridcache/instrumentation.py)
     probes: list[tuple[str, int, list[list[int]]]] = field(default_factory=list)
 
 

@@ -12,8 +12,8 @@ not cold-exact.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
@@ -31,6 +31,9 @@ from vllm_hybridcache.core import (
     SnapshotTree,
 )
 from vllm_hybridcache.segmentation import Segmentation, first_cut_after
+
+if TYPE_CHECKING:
+    from vllm_hybridcache.instrumentation import Instrumentation
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -150,8 +153,9 @@ class SchedulerSide:
         self._lookups: dict[str, LookupResult] = {}
         self._restoring: dict[str, RestorePlan] = {}
         self._loads: list[LoadJob] = []
-        # Debug aid (tests, incident analysis): digest every state part when a prefill ends.
-        self.probe_states = os.environ.get("VLLM_HYBRIDCACHE_PROBE_STATES", "") == "1"
+        # tests only (vllm_hybridcache/instrumentation.py): with `probe_states`, each plan asks
+        # the workers for the state of every prefill that ends in its step. None in production.
+        self.instrumentation: Instrumentation | None = None
         if self.active:
             import psutil
 
@@ -311,7 +315,8 @@ class SchedulerSide:
     def _plan_step(self, tr: _Tracked, req_id: str, start: int, n: int, plan: StepPlan) -> None:
         prompt_len = len(tr.keys)
         end = start + n
-        if self.probe_states and start < prompt_len <= end:
+        if (self.instrumentation is not None and self.instrumentation.probe_states
+                and start < prompt_len <= end):
             plan.probes.append((req_id, prompt_len, [list(b) for b in tr.block_ids]))
         if start >= prompt_len or not tr.canonical or tr.unkeyed:
             return

@@ -9,9 +9,9 @@ failed capture is discarded and its link aborted.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,11 +19,10 @@ from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedMode
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError
 
+if TYPE_CHECKING:
+    from vllm_hybridcache.instrumentation import Instrumentation
+
 logger = logging.getLogger("vllm_hybridcache")
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class WorkerSide:
@@ -42,10 +41,9 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._sending: set[str] = set()
         self._failed_recving: set[str] = set()
-        self.fault_injector = None  # tests: callable(kind, job) raising to simulate failures
-        self.probe_results: dict[str, dict[str, str]] = {}
-        # cumulative copy work of this worker (read by benchmarks through collective_rpc)
-        self.totals = {"captures": 0, "capture_s": 0.0, "loads": 0, "load_s": 0.0}
+        # tests and benchmarks only (fault injection, state probes, copy totals); see
+        # vllm_hybridcache/instrumentation.py. None in production.
+        self.instrumentation: Instrumentation | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.parts is None:
@@ -68,8 +66,8 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def _load(self, job: LoadJob) -> None:
-        if self.fault_injector is not None:
-            self.fault_injector("load", job)
+        if self.instrumentation is not None:
+            self.instrumentation.before_load(job)
         if job.plan is None:
             raise MissingLinkError("the chain changed between lookup and allocation")
         dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
@@ -87,8 +85,8 @@ class WorkerSide:
                 self._load(job)
                 dt = time.perf_counter() - t0
                 self._report.loaded[job.req_id] = dt
-                self.totals["loads"] += 1
-                self.totals["load_s"] += dt
+                if self.instrumentation is not None:
+                    self.instrumentation.after_load(job, dt)
             except Exception as e:
                 logger.warning("hybridcache: restore of %s failed, recomputing: %s", job.req_id, e)
                 if isinstance(e, MissingLinkError) and isinstance(e.args[0], int):
@@ -99,8 +97,8 @@ class WorkerSide:
 
     # --------------------------------------------------------------- captures
     def _capture(self, job: CaptureJob) -> None:
-        if self.fault_injector is not None:
-            self.fault_injector("capture", job)
+        if self.instrumentation is not None:
+            self.instrumentation.before_capture(job)
         layout = self.parts.layout
         bufs = self.store.allocate(job.link_id, layout.view_rows(job.row_start, job.row_end))
         for name, (gid, t) in self._sections.items():
@@ -117,8 +115,8 @@ class WorkerSide:
                 self._capture(job)
                 dt = time.perf_counter() - t0
                 self._report.saved[job.link_id] = dt
-                self.totals["captures"] += 1
-                self.totals["capture_s"] += dt
+                if self.instrumentation is not None:
+                    self.instrumentation.after_capture(job, dt)
                 self._report.saved_count[job.link_id] = 1
             except Exception as e:
                 logger.warning("hybridcache: capture of link %d failed: %s", job.link_id, e)
@@ -128,25 +126,9 @@ class WorkerSide:
                 self._sending.add(job.req_id)  # vLLM may free the request's blocks now
         if plan.drops:
             self.store.drop(plan.drops)
-        for req_id, tokens, block_ids in plan.probes:
-            self.probe_results[req_id] = self.state_digests(tokens, block_ids)
-
-    def state_digests(self, tokens: int, block_ids: list[list[int]]) -> dict[str, str]:
-        """sha256 of every section and of every complete KV block of a request's state.
-
-        The block holding the last tokens is left out when partial: its tail holds whatever
-        the block held before, which is not state.
-        """
-        out: dict[str, str] = {}
-        for name, (gid, t) in self._sections.items():
-            out[name] = _sha(t[block_ids[gid][0]])
-        full = tokens // self.parts.layout.view_block_tokens
-        for name, (gid, acc) in self._rows.items():
-            h = hashlib.sha256()
-            for b in block_ids[gid][:full]:
-                h.update(_sha(acc.block(b)).encode())
-            out[name] = h.hexdigest()
-        return out
+        if plan.probes and self.instrumentation is not None:
+            for req_id, tokens, block_ids in plan.probes:
+                self.instrumentation.on_prefill_end(self, req_id, tokens, block_ids)
 
     # ---------------------------------------------------------------- results
     def take_report(self) -> StepReport | None:
