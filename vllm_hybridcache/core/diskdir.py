@@ -1,0 +1,390 @@
+"""LinkDirectory: the files of the disk tier, on one directory that several engines may share.
+
+Layout: `ROOT/<fingerprint[:16] hex>/<domain[:16] hex>/<digest hex>-<end>.link`. A file's name is
+a function of its key (domain, end, digest), so any engine of the same fingerprint finds a link
+written by another one by asking for the name: a lookup stats the names of the prompt's cuts
+(the segmentation is part of the fingerprint, so links only ever sit at cuts), then reads and
+verifies the headers of the chain it found. The in-memory index only serves accounting and
+eviction; it is rebuilt by `scan()` and corrected whenever a file turns out to be gone.
+
+Sharing rules (several servers on one box, data-parallel ranks):
+- every engine holds a shared `flock` on `ROOT/<fp>/.in-use` for its lifetime; a directory of
+  another fingerprint is deleted at start only if an exclusive lock on its `.in-use` can be
+  taken (nobody uses it), so two engines of different fingerprints can share ROOT;
+- writes go to a temporary name and are renamed into place (linkfile.py), so readers and a
+  kill -9 never expose a torn file; temporaries older than `tmp_max_age_s` are swept;
+- a file that disappears under a reader (evicted or swept by another engine) is a miss.
+
+Not thread-safe: one thread owns an instance (the disk tier's writer thread).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .keys import PromptKeys
+from .linkfile import (
+    TMP_PREFIX,
+    LinkFileError,
+    LinkFileHeader,
+    LinkFileProblem,
+    read_header,
+    write_link_file,
+)
+
+__all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
+
+SUFFIX = ".link"
+LOCK_NAME = ".in-use"
+DAY_S = 86400.0
+
+
+@dataclass
+class DiskLink:
+    """One file of this engine's fingerprint, as the index knows it."""
+
+    path: Path
+    parent: Path | None  # the file holding the rows before `start` (None for a root link)
+    end: int
+    nbytes: int
+    last_used: float
+    hits: int = 0
+
+    def value(self, now: float) -> float:
+        """Eviction value: (hits + 1) x tokens it saves per byte, halved per day unused."""
+        age_days = max(0.0, now - self.last_used) / DAY_S
+        return (self.hits + 1) * self.end / max(self.nbytes, 1) * 0.5 ** age_days
+
+
+@dataclass
+class DirectoryStats:
+    files: int = 0
+    bytes: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    writes_skipped: dict[str, int] = field(default_factory=dict)  # by reason
+    reads: int = 0
+    read_bytes: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # LinkFileProblem -> files deleted
+    evictions: int = 0
+    expired: int = 0
+    swept_dirs: int = 0
+    kept_foreign_dirs: int = 0
+    swept_temporaries: int = 0
+
+
+class LinkDirectory:
+    def __init__(
+        self,
+        root: Path,
+        fingerprint: bytes,
+        budget_bytes: int,
+        min_free_bytes: int = 0,
+        ttl_s: float = 0.0,
+        tmp_max_age_s: float = 600.0,
+        clock: Callable[[], float] | None = None,
+        free_bytes: Callable[[Path], int] | None = None,
+    ) -> None:
+        """ttl_s: 0 = files never expire. free_bytes: free space of the file system holding a
+        path (default shutil.disk_usage); injected by tests."""
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.budget_bytes = budget_bytes
+        self.min_free_bytes = min_free_bytes
+        self.ttl_s = ttl_s
+        self.tmp_max_age_s = tmp_max_age_s
+        self._clock = clock or time.time
+        self._free = free_bytes or (lambda p: shutil.disk_usage(p).free)
+        self.dir = self.root / fingerprint[:8].hex()
+        self._index: dict[Path, DiskLink] = {}
+        # indexed path -> indexed files whose parent it is (eviction takes leaves only: a
+        # chain is usable only while every link below its end is on disk)
+        self._children: dict[Path, set[Path]] = {}
+        self._lock_fd: int | None = None
+        self.stats = DirectoryStats()
+
+    # ------------------------------------------------------------------ life cycle
+    def open(self) -> None:
+        """Create the directory, lock it shared, sweep what is not ours, index our files.
+
+        Raises OSError (read-only or missing parent, permissions) for the caller to turn into a
+        clear start-up error or a tier that stays off.
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._lock_fd = fd
+        self._sweep_foreign()
+        self.scan()
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _sweep_foreign(self) -> None:
+        for d in self.root.iterdir():
+            if not d.is_dir() or d == self.dir or d.name.startswith("."):
+                continue
+            if not (d / LOCK_NAME).exists():
+                continue  # not a fingerprint directory of ours: an unrelated folder is left alone
+            try:
+                fd = os.open(d / LOCK_NAME, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self.stats.kept_foreign_dirs += 1  # another engine still uses it
+                os.close(fd)
+                continue
+            try:
+                shutil.rmtree(d, ignore_errors=True)
+                self.stats.swept_dirs += 1
+            finally:
+                os.close(fd)
+
+    def _files(self) -> Iterator[Path]:
+        for sub in self.dir.iterdir():
+            if sub.is_dir():
+                yield from sub.iterdir()
+
+    def scan(self) -> None:
+        """Rebuild the index from the files (headers only); delete damaged files and stale
+        temporaries; expire files past the TTL."""
+        now = self._clock()
+        index: dict[Path, DiskLink] = {}
+        for p in list(self._files()):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if p.name.startswith(TMP_PREFIX):
+                if now - st.st_mtime > self.tmp_max_age_s:
+                    p.unlink(missing_ok=True)
+                    self.stats.swept_temporaries += 1
+                continue
+            if not p.name.endswith(SUFFIX):
+                continue  # an unrelated file: never read, never deleted
+            try:
+                header, _ = read_header(p, self.fingerprint)
+            except LinkFileError as e:
+                self._refuse(p, e.problem)
+                continue
+            except FileNotFoundError:
+                continue
+            old = self._index.get(p)
+            index[p] = DiskLink(p, self._parent_path(p, header), header.end, st.st_size,
+                                old.last_used if old else st.st_mtime,
+                                old.hits if old else 0)
+        self._index = {}
+        self._children = {}
+        for entry in index.values():
+            self._add(entry)
+        self._expire(now)
+        self._account()
+
+    def _parent_path(self, path: Path, header: LinkFileHeader) -> Path | None:
+        if header.start == 0:
+            return None
+        return path.parent / f"{header.parent_digest.hex()}-{header.start}{SUFFIX}"
+
+    def _add(self, entry: DiskLink) -> None:
+        self._index[entry.path] = entry
+        if entry.parent is not None:
+            self._children.setdefault(entry.parent, set()).add(entry.path)
+
+    def _account(self) -> None:
+        self.stats.files = len(self._index)
+        self.stats.bytes = sum(e.nbytes for e in self._index.values())
+
+    # ------------------------------------------------------------------ names
+    def path_for(self, domain: bytes, end: int, digest: bytes) -> Path:
+        return self.dir / domain[:8].hex() / f"{digest.hex()}-{end}{SUFFIX}"
+
+    # ------------------------------------------------------------------ writes
+    def write(
+        self, *, domain: bytes, digest: bytes, parent_digest: bytes, start: int, end: int,
+        tokens: np.ndarray, rows: int, parts, nbytes: int,
+    ) -> bool:
+        """Write one link unless it exists already or does not fit; False = skipped (counted).
+
+        nbytes: the payload size (to decide admission before writing anything).
+        """
+        path = self.path_for(domain, end, digest)
+        if path.exists():
+            return True
+        if nbytes > self.budget_bytes:
+            return self._skip("too_large")
+        if not self._make_room(nbytes):
+            return self._skip("budget")
+        path.parent.mkdir(exist_ok=True)
+        if self._free(self.dir) - nbytes < self.min_free_bytes:
+            return self._skip("min_free")
+        try:
+            written = write_link_file(
+                path, fingerprint=self.fingerprint, domain=domain, digest=digest,
+                parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
+                parts=parts, created=self._clock())
+        except OSError as e:
+            return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                              else "io_error")
+        parent = None if start == 0 else path.parent / f"{parent_digest.hex()}-{start}{SUFFIX}"
+        self._add(DiskLink(path, parent, end, written, self._clock()))
+        self.stats.writes += 1
+        self.stats.write_bytes += written
+        self._account()
+        return True
+
+    def _skip(self, reason: str) -> bool:
+        self.stats.writes_skipped[reason] = self.stats.writes_skipped.get(reason, 0) + 1
+        return False
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, keys: PromptKeys, domain: bytes, cuts: list[int], limit: int
+               ) -> list[tuple[Path, LinkFileHeader, int]]:
+        """The deepest chain of files on a cut <= limit whose tokens equal the prompt's.
+
+        Returns [(path, header, payload offset)] root first, or [] on a miss. Every header of
+        the chain is verified (format, fingerprint, CRC) and every stored token compared with
+        the prompt; a damaged file is deleted with every longer link of its chain. Parts are
+        not read here (read_parts verifies them when they are restored).
+        """
+        for cut in sorted((c for c in cuts if 0 < c <= limit), reverse=True):
+            path = self.path_for(domain, cut, keys.digest(cut))
+            if not path.exists():
+                continue
+            chain = self._chain(path, keys, domain)
+            if chain:
+                return chain
+        return []
+
+    def _chain(self, path: Path, keys: PromptKeys, domain: bytes
+               ) -> list[tuple[Path, LinkFileHeader, int]]:
+        chain: list[tuple[Path, LinkFileHeader, int]] = []
+        while True:
+            try:
+                header, base = read_header(path, self.fingerprint)
+            except LinkFileError as e:
+                self._refuse(path, e.problem, descendants=[p for p, _, _ in chain])
+                return []
+            except FileNotFoundError:
+                self._forget(path)
+                return []
+            if (header.domain != domain or header.end > len(keys)
+                    or keys.token_bytes(header.start, header.end) != header.tokens):
+                return []  # a digest collision: not this prompt's link (a miss, not damage)
+            chain.append((path, header, base))
+            if header.start == 0:
+                chain.reverse()
+                return chain
+            path = self.path_for(domain, header.start, header.parent_digest)
+
+    def touch(self, path: Path) -> None:
+        """Count a restore served by a file (eviction value)."""
+        entry = self._index.get(path)
+        if entry is not None:
+            entry.hits += 1
+            entry.last_used = self._clock()
+        self.stats.reads += 1
+        if entry is not None:
+            self.stats.read_bytes += entry.nbytes
+
+    # ------------------------------------------------------------------ removal
+    def refuse(self, path: Path, problem: LinkFileProblem, descendants: list[Path]) -> None:
+        """A file failed verification when its parts were read: delete it and the longer links
+        of the chain that was being restored."""
+        self._refuse(path, problem, descendants)
+
+    def _refuse(self, path: Path, problem: LinkFileProblem,
+                descendants: list[Path] | None = None) -> None:
+        self.stats.refused[problem.value] = self.stats.refused.get(problem.value, 0) + 1
+        for p in [path, *(descendants or [])]:
+            self._delete_subtree(p)
+
+    def _delete_subtree(self, path: Path) -> int:
+        """Delete a file and every indexed file that chains through it; returns how many."""
+        order = [path]
+        i = 0
+        while i < len(order):
+            order.extend(self._children.get(order[i], ()))
+            i += 1
+        for p in reversed(order):
+            self._delete(p)
+        return len(order)
+
+    def _delete(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self._forget(path)
+
+    def _forget(self, path: Path) -> None:
+        entry = self._index.pop(path, None)
+        if entry is None:
+            return
+        if entry.parent is not None:
+            kids = self._children.get(entry.parent)
+            if kids is not None:
+                kids.discard(path)
+                if not kids:
+                    del self._children[entry.parent]
+        self._account()
+
+    def _expire(self, now: float) -> None:
+        if self.ttl_s <= 0:
+            return
+        for entry in [e for e in self._index.values() if now - e.last_used > self.ttl_s]:
+            if entry.path in self._index:
+                self.stats.expired += self._delete_subtree(entry.path)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict the least valuable files until nbytes more fit in the budget."""
+        now = self._clock()
+        self._expire(now)
+        total = sum(e.nbytes for e in self._index.values())
+        while total + nbytes > self.budget_bytes:
+            leaves = [e for e in self._index.values() if e.path not in self._children]
+            if not leaves:
+                return False
+            victim = min(leaves, key=lambda e: e.value(now))
+            self._delete(victim.path)
+            self.stats.evictions += 1
+            total -= victim.nbytes
+        return True
+
+    def clear(self) -> int:
+        """Delete every file of this fingerprint; returns how many."""
+        n = 0
+        for p in list(self._files()):
+            if p.name.endswith(SUFFIX):
+                p.unlink(missing_ok=True)
+                n += 1
+        self._index.clear()
+        self._children.clear()
+        self._account()
+        return n
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def sanity_check(self) -> None:
+        """Index invariants (tests call this): every indexed file exists under this
+        fingerprint's directory, names its own end, and the byte count adds up."""
+        for p, e in self._index.items():
+            assert p == e.path and p.parent.parent == self.dir, p
+            assert p.exists(), f"indexed file {p} is gone"
+            assert p.name.endswith(f"-{e.end}{SUFFIX}"), p
+            if e.parent is not None and e.parent in self._index:
+                assert p in self._children[e.parent], p
+        for parent, kids in self._children.items():
+            assert kids and all(k in self._index and self._index[k].parent == parent
+                                for k in kids), parent
+        assert self.stats.bytes == sum(e.nbytes for e in self._index.values())
