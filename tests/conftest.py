@@ -3,7 +3,10 @@ module. Tests never download anything."""
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,3 +33,62 @@ def embedded_model():
         return cache[name]
 
     return get
+
+
+def engine_state_left() -> list[str]:
+    """What an engine built in this process leaves in vLLM's process-wide state until it is shut
+    down: the distributed groups, the worker-side KV connector, the frozen environment cache."""
+    from vllm import envs
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    left = [name for name in ("_WORLD", "_TP", "_PP", "_DP", "_EP", "_DCP", "_PCP")
+            if getattr(parallel_state, name, None) is not None]
+    if kv_transfer_state._KV_CONNECTOR_AGENT is not None:
+        left.append("kv connector agent")
+    if envs._is_envs_cache_enabled():
+        left.append("envs cache")
+    return left
+
+
+@contextmanager
+def vllm_engine(model_path, **kwargs) -> Iterator:
+    """A `vllm.LLM` for a block of tests, shut down explicitly when the block ends.
+
+    Every engine of the test suite is built here. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` the
+    engine core and its worker live in this process and put their state in vLLM's globals (the
+    distributed groups, the worker's KV connector, the environment cache); only
+    `EngineCore.shutdown` takes it down again. vLLM calls that from a `weakref.finalize` on the
+    engine client, which runs whenever the client happens to be collected: a reference kept by
+    a failed test's traceback (or any cycle) delays it until a later `gc.collect()`, typically
+    inside the next module's engine start-up, where it destroys the *new* engine's groups
+    ("tensor model parallel group is not initialized"). Shutting down here detaches that
+    finalizer, so no engine can reach into the next one and module order never matters.
+    """
+    from vllm import LLM
+
+    left = engine_state_left()
+    assert not left, f"an earlier engine was not shut down (left: {left}); use vllm_engine"
+    try:
+        llm = LLM(model=str(model_path), **kwargs)
+    except BaseException:
+        _reset_engine_state()           # a failed start-up must not poison the next engine
+        raise
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        _reset_engine_state()
+        left = engine_state_left()
+        assert not left, f"engine shutdown left {left}"
+
+
+def _reset_engine_state() -> None:
+    """Take down what a half-built engine left behind (a no-op after a clean shutdown)."""
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    ensure_kv_transfer_shutdown()
+    cleanup_dist_env_and_memory()

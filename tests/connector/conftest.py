@@ -4,29 +4,30 @@ reach the scheduler-side tree and the worker-side store directly."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 
+from tests.conftest import vllm_engine
 from vllm_hybridcache.serving.python_api import engine_parts, llm_kwargs
 
-__all__ = ["engine_parts", "make_llm"]
+__all__ = ["connector_engine", "engine_parts"]
 
 
-def make_llm(model_path, extra: dict | None = None, plugin: bool = True, **kw):
-    from vllm import LLM
-
-    args = dict(model=str(model_path), max_model_len=8192, max_num_batched_tokens=2048,
-                enforce_eager=True, seed=0)
+@contextmanager
+def connector_engine(model_path, extra: dict | None = None, plugin: bool = True, **kw):
+    """An engine with the plugin's settings (`extra`), built and shut down by `vllm_engine`."""
+    args = dict(max_model_len=8192, max_num_batched_tokens=2048, enforce_eager=True, seed=0)
     args.update(kw)
     if plugin:
         args.update(llm_kwargs(**(extra or {})))
-    return LLM(**args)
+    with vllm_engine(model_path, **args) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def inproc(monkeypatch_module):
     monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch_module.setenv("VLLM_HYBRIDCACHE_PROBE_STATES", "1")
     yield
 
 

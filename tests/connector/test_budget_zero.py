@@ -3,11 +3,9 @@ logprob for logprob (design rule 5)."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
-from tests.connector.conftest import make_llm
+from tests.connector.conftest import connector_engine
 
 pytestmark = pytest.mark.slow
 
@@ -50,18 +48,15 @@ def test_connector_with_budget_zero_changes_nothing_it_controls(embedded_model):
     from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
 
     path = embedded_model("qwen3-next-tiny")
-    off = make_llm(path, plugin=False, enable_prefix_caching=False, scheduler_cls=SCHEDULER_CLS,
-                   kv_transfer_config=KVTransferConfig(
-                       **CONNECTOR_CONFIG,
-                       kv_connector_extra_config={"budget_bytes": 0, "grid": 256}))
-    assert isinstance(off, LLM)
-    with_plugin_off = outputs(off)
-    del off
-    gc.collect()
-    stock = make_llm(path, plugin=False, enable_prefix_caching=False)
-    plain = outputs(stock)
-    del stock
-    gc.collect()
+    with connector_engine(path, plugin=False, enable_prefix_caching=False,
+                          scheduler_cls=SCHEDULER_CLS,
+                          kv_transfer_config=KVTransferConfig(
+                              **CONNECTOR_CONFIG,
+                              kv_connector_extra_config={"budget_bytes": 0, "grid": 256})) as off:
+        assert isinstance(off, LLM)
+        with_plugin_off = outputs(off)
+    with connector_engine(path, plugin=False, enable_prefix_caching=False) as stock:
+        plain = outputs(stock)
     assert all(cached == 0 for _, cached, _ in with_plugin_off)
     for (tok_a, _, lp_a), (tok_b, _, lp_b) in zip(with_plugin_off, plain, strict=True):
         assert tok_a == tok_b

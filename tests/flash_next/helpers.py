@@ -3,12 +3,13 @@ logprob distance, engines."""
 
 from __future__ import annotations
 
-import gc
 import os
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from tests.conftest import vllm_engine
 
 # Float32 tolerance on the mean |d logprob| over each position's vLLM top-20 plus the prompt
 # token. Measured: ~3e-7 (max ~2e-6) on 1000 tokens; dropping PLE or the indexer selection
@@ -62,23 +63,56 @@ def logprob_distance(request_output, ref: torch.Tensor) -> tuple[float, float, i
 @contextmanager
 def engine(path: Path, *, dtype: str = "float32", env: dict[str, str] | None = None, **kw):
     """A vLLM engine for the Flash-Next checkpoint; shut down (and env restored) on exit."""
-    from vllm import LLM
-
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
-    args = dict(model=str(path), dtype=dtype, enable_prefix_caching=False,
+    args = dict(dtype=dtype, enable_prefix_caching=False,
                 max_model_len=6144, max_num_batched_tokens=2048, max_num_seqs=8,
                 enforce_eager=True, seed=0)
     args.update(kw)
-    llm = LLM(**args)
     try:
-        yield llm
+        with vllm_engine(path, **args) as llm:
+            yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class DenseSelectionOps:
+    """Kernel ops whose indexer keeps every visible token: QSA without its top-k selection.
+
+    Only for the negative control (a model with a dropped component must fail the tolerance);
+    it lives here, not in the model, so production code has no test-only path.
+    """
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def indexer_topk(self, q, raw_keys, key_cu_seqlens, query_seq_idx, query_pos, *args,
+                     budget, compress_ratio, **kw) -> torch.Tensor:
+        n = int(query_pos.max()) + 1 if query_pos.numel() else 1
+        idx = torch.arange(n, dtype=torch.int32).expand(q.shape[0], n).clone()
+        idx[idx > query_pos[:, None].to(torch.int32)] = -1
+        return idx
+
+
+def drop_indexer_selection(model) -> int:
+    """Rewire a loaded Flash-Next model (`llm.apply_model(drop_indexer_selection)`, run in the
+    worker) onto `DenseSelectionOps`; returns how many modules now use them.
+
+    Every module that calls kernels reads `self.ops` at forward time, so swapping the attribute
+    after loading is the same as building the model with these ops.
+    """
+    dense = DenseSelectionOps(model.ops)
+    model.ops = dense
+    n = 0
+    for module in model.model.modules():
+        if hasattr(module, "ops"):
+            module.ops = dense
+            n += 1
+    return n
