@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.connector.conftest import engine_parts, make_llm
+from tests.connector.conftest import connector_engine, engine_parts
 from vllm_hybridcache.adapter.domain import request_domain
 
 pytestmark = pytest.mark.slow
@@ -27,10 +27,9 @@ C = [7 + (i * 11) % 3000 for i in range(GRID + 40)]                # unrelated
 
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model):
-    engine = make_llm(embedded_model("qwen3-next-tiny"),
-                      extra={"grid": GRID, "message_end_min": 64})
-    yield engine
-    del engine
+    with connector_engine(embedded_model("qwen3-next-tiny"),
+                          extra={"grid": GRID, "message_end_min": 64}) as engine:
+        yield engine
 
 
 def run(llm, prompt, salt: str | None = None, prompt_logprobs: bool = False):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.connector.conftest import engine_parts, make_llm
+from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_exactness import GRID, A, B, clear, run
 
 pytestmark = pytest.mark.slow
@@ -15,9 +15,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model):
-    engine = make_llm(embedded_model("flash-next-tiny"), extra={"grid": GRID})
-    yield engine
-    del engine
+    with connector_engine(embedded_model("flash-next-tiny"), extra={"grid": GRID}) as engine:
+        yield engine
 
 
 def test_flash_next_parts_come_from_kv_cache_groups(llm):

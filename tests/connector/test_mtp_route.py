@@ -13,12 +13,10 @@ included), and greedy tokens must equal an engine without speculative decoding o
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from tests.connector.conftest import engine_parts, make_llm
+from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_exactness import GRID, A, B, clear, run
 
 pytestmark = pytest.mark.slow
@@ -37,22 +35,18 @@ def reference(model_path):
     before the in-process engine exists: one engine per process at a time)."""
     from vllm import SamplingParams
 
-    llm = make_llm(model_path, plugin=False, dtype="float32", enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=6, temperature=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in (A, B)], sp, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return tokens
+    with connector_engine(model_path, plugin=False, dtype="float32",
+                          enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in (A, B)], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def llm(reference, inproc, model_path):
-    engine = make_llm(model_path, extra={"grid": GRID}, dtype="float32",
-                      speculative_config=SPEC)
-    yield engine
-    del engine
+    with connector_engine(model_path, extra={"grid": GRID}, dtype="float32",
+                          speculative_config=SPEC) as engine:
+        yield engine
 
 
 def _draft_views(sched) -> list[str]:
