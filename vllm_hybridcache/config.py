@@ -4,10 +4,18 @@ Sources, strongest first: keys given in `--kv-transfer-config`'s `kv_connector_e
 (or `vllm.LLM(kv_transfer_config=...)`), then `VLLM_HYBRIDCACHE_<KEY>` environment variables,
 then the defaults below. Invalid values raise `SettingsError` at engine start, with the key and
 the reason, so a typo never silently runs with a default.
+
+Every `VLLM_HYBRIDCACHE_*` environment variable the project reads is named here (`KNOWN_ENV`):
+the settings, plus the process switches in `PROCESS_ENV`. An unknown one (e.g. the typo
+`VLLM_HYBRIDCACHE_BUDGET`) is refused at start-up with the closest valid name, since vLLM
+cannot tell a typo of ours from a valid name (it warns "Unknown vLLM environment variable" for
+every one of them, see docs/usage.md).
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +27,22 @@ from vllm_hybridcache.core import TreeConfig
 GiB = 1 << 30
 _TREE = TreeConfig()
 ENV_PREFIX = "VLLM_HYBRIDCACHE_"
+logger = logging.getLogger("vllm_hybridcache")
+
+ALLOW_UNSUPPORTED_VLLM_ENV = ENV_PREFIX + "ALLOW_UNSUPPORTED_VLLM"
+HOME_ENV = ENV_PREFIX + "HOME"
+FLASH_NEXT_IMPL_ENV = ENV_PREFIX + "FLASH_NEXT_IMPL"
+FLASH_NEXT_OPS_ENV = ENV_PREFIX + "FLASH_NEXT_OPS"
+FLASH_NEXT_SKIP_ENV = ENV_PREFIX + "FLASH_NEXT_SKIP"
+
+PROCESS_ENV: dict[str, str] = {
+    ALLOW_UNSUPPORTED_VLLM_ENV: "1 = start on a vLLM outside the supported versions (warns)",
+    HOME_ENV: "folder of the embedded models (default ~/.cache/vllm-hybridcache)",
+    FLASH_NEXT_IMPL_ENV: "Flash-Next implementation on GPUs: hybridcache (ours) or vllm",
+    FLASH_NEXT_OPS_ENV: "Flash-Next kernel backend: reference, cpu or triton",
+    FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
+}
+"""Our environment variables that are not cache settings: name -> meaning."""
 
 
 class SettingsError(ValueError):
@@ -86,6 +110,44 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 FIELDS: tuple[str, ...] = CacheSettings.__struct_fields__
+_DEFAULTS = CacheSettings()
+SETTING_ENV: dict[str, str] = {ENV_PREFIX + name.upper(): name for name in FIELDS}
+"""Environment variable -> setting it sets."""
+KNOWN_ENV: frozenset[str] = frozenset(SETTING_ENV) | frozenset(PROCESS_ENV)
+
+
+def check_environment(environ: Mapping[str, str]) -> list[str]:
+    """Our variables present in `environ`, sorted; SettingsError for an unknown one.
+
+    Matched case-insensitively on the prefix, so `vllm_hybridcache_grid` is caught too (it
+    would otherwise be ignored: names are case-sensitive). The error names the closest valid
+    variable, since the usual cause is a typo or a shortened name.
+    """
+    ours = sorted(k for k in environ if k.upper().startswith(ENV_PREFIX))
+    unknown = [k for k in ours if k not in KNOWN_ENV]
+    if unknown:
+        parts = []
+        suffixes = sorted(k.removeprefix(ENV_PREFIX) for k in KNOWN_ENV)
+        for name in unknown:
+            # compare what follows the shared prefix, or every name looks alike
+            close = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX), suffixes,
+                                              n=1, cutoff=0.6)
+            hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
+            parts.append(f"{name}{hint}")
+        raise SettingsError(
+            f"unknown environment variable {', '.join(parts)}; known {ENV_PREFIX}* variables: "
+            f"{', '.join(sorted(KNOWN_ENV))}")
+    return ours
+
+
+_announced: set[str] = set()
+
+
+def _announce(message: str) -> None:
+    """Log `message` at info once per process (the loader runs in several places per start)."""
+    if message not in _announced:
+        _announced.add(message)
+        logger.info(message)
 
 
 def _parse_env(name: str, raw: str) -> Any:
@@ -112,8 +174,18 @@ def _parse_env(name: str, raw: str) -> Any:
 
 def load_settings(extra: Mapping[str, Any] | None = None,
                   environ: Mapping[str, str] | None = None) -> CacheSettings:
-    """Merge config keys, environment variables and defaults into validated settings."""
-    environ = os.environ if environ is None else environ
+    """Merge config keys, environment variables and defaults into validated settings.
+
+    Runs at start-up in every process that hosts the connector (and in the `vllm` wrapper and
+    `llm_kwargs`), so it is also where an unsupported vLLM is refused when reading the real
+    environment, and where it says which of our variables it read.
+    """
+    if environ is None:
+        environ = os.environ
+        from vllm_hybridcache.compat import require_supported_vllm
+
+        require_supported_vllm()
+    present = check_environment(environ)
     values: dict[str, Any] = {}
     for name in FIELDS:
         raw = environ.get(ENV_PREFIX + name.upper())
@@ -121,11 +193,21 @@ def load_settings(extra: Mapping[str, Any] | None = None,
             values[name] = _parse_env(name, raw)
     for key, value in (extra or {}).items():
         if key not in FIELDS:
+            close = difflib.get_close_matches(str(key), FIELDS, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SettingsError(
-                f"unknown hybridcache setting {key!r}; known: {', '.join(FIELDS)}"
+                f"unknown hybridcache setting {key!r}{hint}; known: {', '.join(FIELDS)}"
             )
         values[key] = value
     try:
-        return msgspec.convert(values, CacheSettings)
+        settings = msgspec.convert(values, CacheSettings)
     except msgspec.ValidationError as e:
         raise SettingsError(f"invalid hybridcache setting: {e}") from None
+    read = [f"{k}={environ[k]}" for k in present]
+    changed = [f"{name}={getattr(settings, name)!r}" for name in FIELDS
+               if getattr(settings, name) != getattr(_DEFAULTS, name)]
+    _announce(f"hybridcache: {ENV_PREFIX}* variables read: "
+              + (", ".join(read) if read else "none")
+              + (f"; config keys: {', '.join(sorted(extra))}" if extra else "")
+              + f"; settings other than the defaults: {', '.join(changed) or 'none'}")
+    return settings

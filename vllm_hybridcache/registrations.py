@@ -7,28 +7,37 @@ import logging
 logger = logging.getLogger("vllm_hybridcache")
 
 REGISTERED: list[str] = []
+CONNECTOR_NAME = "HybridSnapshotConnector"
+CONNECTOR_MODULE = "vllm_hybridcache.adapter.connector"
 
 
 def register_all() -> None:
+    """Register the metadata alias, the connector and Flash-Next; each error surfaces."""
     from vllm_hybridcache.compat import install_vllm_metadata_alias
 
     install_vllm_metadata_alias()
-    REGISTERED.append("metadata-alias")
+    _note("metadata-alias")
     _register_connector()
-    REGISTERED.append("connector:HybridSnapshotConnector")
+    _note(f"connector:{CONNECTOR_NAME}")
     from vllm_hybridcache.flash_next.registration import register as register_flash_next
 
-    REGISTERED.extend(register_flash_next())
+    for arch in register_flash_next():
+        _note(arch)
     logger.debug("vllm_hybridcache registered: %s", ", ".join(REGISTERED))
 
 
-def _register_connector() -> None:
-    """Make `"kv_connector": "HybridSnapshotConnector"` work without a module path."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+def _note(what: str) -> None:
+    if what not in REGISTERED:
+        REGISTERED.append(what)
 
-    try:
-        KVConnectorFactory.register_connector(
-            "HybridSnapshotConnector", "vllm_hybridcache.adapter.connector",
-            "HybridSnapshotConnector")
-    except ValueError:  # already registered in this process
-        pass
+
+def _register_connector() -> bool:
+    """Make `"kv_connector": "HybridSnapshotConnector"` work without a module path.
+
+    Only "already registered in this process" passes silently (the plugin can be loaded more
+    than once); any other failure of vLLM's factory is raised, so a broken registration is
+    seen at start-up rather than as "connector not found" later.
+    """
+    from vllm_hybridcache.compat import register_kv_connector
+
+    return register_kv_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

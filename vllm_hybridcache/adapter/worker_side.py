@@ -48,7 +48,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.parts is None:
             return
-        ctx = self.vllm_config.compilation_config.static_forward_context
+        from vllm_hybridcache.compat import forward_layers  # vLLM's static forward context
+        ctx = forward_layers(self.vllm_config)
         specs = {s.name: s for s in self.parts.layout.sections}
         for name, gid, layer, idx in self.parts.sections:
             t = ctx[layer].kv_cache[idx]

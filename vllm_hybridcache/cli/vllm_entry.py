@@ -43,20 +43,27 @@ def split_plugin_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_hybridcache.compat import install_vllm_metadata_alias
+    """Run `vllm` with `--plugin` options turned into stock flags.
+
+    With `--plugin hybridcache`, an unsupported vLLM or an invalid plugin setting stops here,
+    before vLLM starts anything, with the reason on one line (exit status 2).
+    """
+    from vllm_hybridcache import compat
 
     argv = list(sys.argv if argv is None else argv)
     plugins, rest = split_plugin_args(argv[1:])
     if plugins:
+        from vllm_hybridcache.config import SettingsError
         from vllm_hybridcache.serving.flags import apply_plugin
 
-        rest = apply_plugin(plugins, rest)
-    install_vllm_metadata_alias()
-    sys.argv = [argv[0], *rest]
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    result = vllm_main()
-    return int(result or 0)
+        try:
+            compat.require_supported_vllm()
+            rest = apply_plugin(plugins, rest)
+        except (compat.UnsupportedVllmError, SettingsError) as e:
+            print(f"vllm: error: {e}", file=sys.stderr)
+            return 2
+    compat.install_vllm_metadata_alias()
+    return compat.run_vllm_cli([argv[0], *rest])
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.common import SectionBatch, section_batch
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ple import PLE
@@ -96,10 +96,7 @@ class GatedDeltaNet(nn.Module, MambaBase):
         self.ple_state_owner = ple is not None
         self._shapes = gdn_state_shapes(config) + (ple_state_shapes(config) if ple else [])
         self.kv_cache = (torch.tensor([]),)
-        ctx = vllm_config.compilation_config.static_forward_context
-        if prefix in ctx:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        ctx[prefix] = self
+        register_forward_layer(vllm_config, prefix, self)
 
     # ------------------------------------------------------------------ MambaBase
     @property
@@ -116,13 +113,7 @@ class GatedDeltaNet(nn.Module, MambaBase):
 
     # ------------------------------------------------------------------ batch/state helpers
     def batch(self, num_tokens: int) -> SectionBatch:
-        meta = None
-        try:
-            attn = get_forward_context().attn_metadata
-            if isinstance(attn, dict):
-                meta = attn.get(self.prefix)
-        except AssertionError:
-            meta = None
+        meta = layer_attn_metadata(self.prefix)
         b = section_batch(meta, num_tokens)
         if b is None:  # profiling / dummy run: one stateless sequence
             return SectionBatch(cu_seqlens=torch.tensor([0, num_tokens]),

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
+from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.backend import QSARowsBackend, qsa_rows_spec, row_width
 from vllm_hybridcache.flash_next.common import Qwen4RMSNorm, RopeTable
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
@@ -64,10 +64,7 @@ class QSAAttention(nn.Module, AttentionLayerBase):
         QSARowsBackend.row_elements = self.width
         self.kv_dtype = vllm_config.model_config.dtype
         self.kv_cache = torch.tensor([])
-        ctx = vllm_config.compilation_config.static_forward_context
-        if prefix in ctx:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        ctx[prefix] = self
+        register_forward_layer(vllm_config, prefix, self)
 
     # ------------------------------------------------------------------ AttentionLayerBase
     def get_attn_backend(self):
@@ -84,13 +81,7 @@ class QSAAttention(nn.Module, AttentionLayerBase):
 
     # ------------------------------------------------------------------ forward
     def _metadata(self):
-        try:
-            attn = get_forward_context().attn_metadata
-        except AssertionError:
-            return None
-        if isinstance(attn, dict):
-            return attn.get(self.prefix)
-        return None
+        return layer_attn_metadata(self.prefix)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = self._metadata()

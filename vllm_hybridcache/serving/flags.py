@@ -3,17 +3,19 @@
 For a hybrid model: the connector (`--kv-transfer-config`), the segmentation scheduler
 (`--scheduler-cls`), vLLM's own recurrent prefix caching off (`--no-enable-prefix-caching`:
 the connector is the prefix cache), prompt-token details on so clients see `cached_tokens`,
-and the HTTP routes plugin enabled through `VLLM_PLUGINS`. A non-hybrid model is left exactly as
-the user asked, with a log line saying so. Flags the user gave win: we only add what is absent.
+and the HTTP routes plugin enabled through `VLLM_PLUGINS` (`compat.enable_endpoint_plugin`:
+once set, VLLM_PLUGINS filters the other plugin groups too, so it lists every installed one).
+A non-hybrid model is left exactly as the user asked, with a log line saying so. Flags the user
+gave win: we only add what is absent.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-from importlib import metadata
 from pathlib import Path
+
+from vllm_hybridcache.compat import enable_endpoint_plugin
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -62,23 +64,6 @@ def is_hybrid_model(model: str, trust_remote_code: bool = False) -> bool:
     return any(k in (cfg.model_type or "") for k in ("mamba", "qwen3_next", "qwen4_exp"))
 
 
-def _enable_http_plugin() -> None:
-    """Name our endpoint plugin in VLLM_PLUGINS without hiding the other installed plugins.
-
-    VLLM_PLUGINS filters every plugin group once set, so list every installed general and
-    stat-logger plugin too (when it was unset, all of them were loading).
-    """
-    current = os.environ.get("VLLM_PLUGINS")
-    if current is None:
-        names = set()
-        for group in ("vllm.general_plugins", "vllm.stat_logger_plugins"):
-            names |= {ep.name for ep in metadata.entry_points(group=group)}
-    else:
-        names = {n.strip() for n in current.split(",") if n.strip()}
-    names |= {"hybridcache", HTTP_PLUGIN}
-    os.environ["VLLM_PLUGINS"] = ",".join(sorted(names))
-
-
 def apply_plugin(plugins: list[str], args: list[str]) -> list[str]:
     """Return `args` with the flags that `--plugin hybridcache` stands for."""
     if "hybridcache" not in plugins or "serve" not in args:
@@ -116,6 +101,6 @@ def apply_plugin(plugins: list[str], args: list[str]) -> list[str]:
         out += ["--no-enable-prefix-caching"]
     if not _has(out, "--enable-prompt-tokens-details"):
         out += ["--enable-prompt-tokens-details"]
-    _enable_http_plugin()
+    enable_endpoint_plugin(HTTP_PLUGIN, always=("hybridcache",))
     print(f"hybridcache: snapshot cache on for {Path(model).name if model else model}", flush=True)
     return out

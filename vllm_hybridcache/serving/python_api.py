@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_hybridcache.compat import inproc_scheduler_connector, worker_connector
 from vllm_hybridcache.config import load_settings
 from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
 
@@ -21,7 +22,7 @@ def llm_kwargs(**settings: Any) -> dict[str, Any]:
     """
     from vllm.config import KVTransferConfig
 
-    # fail here, with the setting's name, rather than in the engine
+    # fail here, with the setting's name (or the unsupported vLLM version), not in the engine
     if not load_settings(settings).active:
         return {}
     return {
@@ -32,12 +33,10 @@ def llm_kwargs(**settings: Any) -> dict[str, Any]:
     }
 
 
-def engine_parts(llm):
+def engine_parts(llm) -> tuple[Any, Any]:
     """(scheduler side, worker side) of an in-process engine's connector, for introspection.
 
-    Needs `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine core and worker in this process).
+    Needs `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine core and worker in this process); the
+    reach into vLLM's engine goes through `compat`.
     """
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    core = llm.llm_engine.engine_core.engine_core
-    return core.scheduler.connector._sched, get_kv_transfer_group()._worker
+    return inproc_scheduler_connector(llm)._sched, worker_connector()._worker

@@ -1,0 +1,304 @@
+"""compat: the version guard, and every vLLM-bending function exercised on the installed vLLM.
+
+These run in the test process without an engine: each function is called on the real vLLM
+classes it reaches into, so a vLLM upgrade that moves one of them fails here first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_hybridcache import compat
+from vllm_hybridcache.config import ALLOW_UNSUPPORTED_VLLM_ENV
+
+
+@pytest.fixture
+def fake_vllm_version(monkeypatch):
+    """Pretend the installed vLLM is `version` (and forget any version already accepted)."""
+
+    def set_version(version: str | None) -> None:
+        monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
+        monkeypatch.setattr(compat, "_version_ok", None)
+
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_VLLM_ENV, raising=False)
+    yield set_version
+
+
+# --------------------------------------------------------------------- version guard
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1", "0.32.0rc1"])
+def test_guard_refuses_an_unsupported_version_naming_the_supported_ones(version):
+    with pytest.raises(compat.UnsupportedVllmError) as e:
+        compat.check_vllm_version(version, environ={})
+    msg = str(e.value)
+    assert f"found vLLM {version}" in msg
+    assert "supports vLLM 0.32.0" in msg and ALLOW_UNSUPPORTED_VLLM_ENV in msg
+
+
+def test_guard_refuses_a_missing_vllm():
+    with pytest.raises(compat.UnsupportedVllmError, match="found no vLLM"):
+        compat.check_vllm_version(None, environ={})
+
+
+def test_guard_accepts_supported_builds_with_a_local_suffix():
+    assert compat.check_vllm_version("0.32.0+cpu", environ={}) == "0.32.0+cpu"
+    assert compat.check_vllm_version("0.32.0", environ={}) == "0.32.0"
+
+
+def test_override_starts_an_unsupported_version_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm_hybridcache"):
+        assert compat.check_vllm_version(
+            "0.99.0", environ={ALLOW_UNSUPPORTED_VLLM_ENV: "1"}) == "0.99.0"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "0.99.0" in warnings[0].getMessage()
+    assert "install_prefill_split" in warnings[0].getMessage()  # names what may break
+    with pytest.raises(compat.UnsupportedVllmError):  # only "1" forces it
+        compat.check_vllm_version("0.99.0", environ={ALLOW_UNSUPPORTED_VLLM_ENV: "yes"})
+
+
+def test_installed_vllm_is_supported():
+    assert compat.installed_vllm_version().split("+")[0] in compat.SUPPORTED_VLLM
+    assert compat.require_supported_vllm()
+
+
+def test_plugin_registration_refuses_an_unsupported_vllm(fake_vllm_version, monkeypatch):
+    from vllm_hybridcache import plugin, registrations
+
+    fake_vllm_version("0.31.0")
+    monkeypatch.setattr(plugin, "_registered", False)
+    called: list[bool] = []
+    monkeypatch.setattr(registrations, "register_all", lambda: called.append(True))
+    with pytest.raises(compat.UnsupportedVllmError, match=r"0\.32\.0"):
+        plugin.register()
+    assert not called and not plugin._registered
+    monkeypatch.setenv(ALLOW_UNSUPPORTED_VLLM_ENV, "1")
+    monkeypatch.setattr(compat, "route_logs_through_vllm", lambda: False)
+    plugin.register()
+    assert called == [True] and plugin._registered
+
+
+def test_vllm_wrapper_refuses_an_unsupported_vllm_before_starting(fake_vllm_version, capsys):
+    from vllm_hybridcache.cli import vllm_entry
+
+    fake_vllm_version("0.40.0")
+    assert vllm_entry.main(["vllm", "serve", "some-model", "--plugin", "hybridcache"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm: error: vllm-hybridcache supports vLLM 0.32.0; found vLLM 0.40.0" in err
+
+
+def test_settings_loader_refuses_an_unsupported_vllm(fake_vllm_version):
+    """The loader every connector process runs: covers engines started without the plugin."""
+    from vllm_hybridcache.config import load_settings
+
+    fake_vllm_version("0.30.0")
+    with pytest.raises(compat.UnsupportedVllmError):
+        load_settings()
+    load_settings(environ={})  # an explicit environment is a pure parse (tests, tools)
+
+
+def test_every_bend_was_checked_on_the_supported_versions():
+    assert compat.BENDS, "compat records nothing"
+    for name, versions in compat.BENDS.items():
+        assert callable(getattr(compat, name)), name
+        assert set(compat.SUPPORTED_VLLM) <= set(versions), (name, versions)
+
+
+# --------------------------------------------------------------------- registration
+
+
+def test_connector_registration_passes_only_when_already_registered(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    assert compat.register_kv_connector("HybridTestConnector", "x.y", "Z") is True
+    assert "HybridTestConnector" in KVConnectorFactory._registry
+    assert compat.register_kv_connector("HybridTestConnector", "x.y", "Z") is False
+
+
+def test_other_connector_registration_errors_surface(monkeypatch):
+    """Defect: registrations swallowed every ValueError of vLLM's factory."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_hybridcache import registrations
+
+    def broken(cls, name, module_path, class_name):
+        raise ValueError("connector name must be a valid identifier")
+
+    monkeypatch.setattr(KVConnectorFactory, "_registry", {})
+    monkeypatch.setattr(KVConnectorFactory, "register_connector", classmethod(broken))
+    with pytest.raises(ValueError, match="valid identifier"):
+        registrations._register_connector()
+
+
+def test_a_failed_registration_is_not_remembered_as_done(monkeypatch):
+    """Defect: `_registered` was set before registering, so a retry silently did nothing."""
+    from vllm_hybridcache import plugin, registrations
+
+    def boom() -> None:
+        raise ValueError("bad registration")
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(compat, "route_logs_through_vllm", lambda: False)
+    monkeypatch.setattr(registrations, "register_all", boom)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad registration"):
+            plugin.register()
+
+
+# --------------------------------------------------------------------- scheduler hook
+
+
+def test_vllm_scheduler_still_consults_the_split_hook_in_both_paths():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    src = inspect.getsource(Scheduler.schedule)
+    assert src.count("if self.need_mamba_block_aligned_split:") == 2
+    assert src.count("self._mamba_block_aligned_split(") == 2
+    params = list(inspect.signature(Scheduler._mamba_block_aligned_split).parameters)
+    assert params == ["self", "request", "num_new_tokens", "num_new_local_computed_tokens",
+                      "num_external_computed_tokens"]
+
+
+def test_install_prefill_split_wraps_the_real_scheduler_hook():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    sched = Scheduler.__new__(Scheduler)  # the hook's class, without an engine
+    sched.need_mamba_block_aligned_split = False
+    seen: list[tuple] = []
+
+    def split(request, n, local, external):
+        seen.append((n, local, external))
+        return None if request.fallback else 3
+
+    compat.install_prefill_split(sched, split)
+    assert sched.need_mamba_block_aligned_split is True
+    assert sched._mamba_block_aligned_split(SimpleNamespace(fallback=False), 100, 1, 2) == 3
+    # None: vLLM's own clipping, which returns the tokens unchanged once the prefill is done
+    done = SimpleNamespace(fallback=True, num_computed_tokens=10, num_prompt_tokens=5,
+                           num_tokens=6)
+    assert sched._mamba_block_aligned_split(done, 7) == 7
+    assert seen == [(100, 1, 2), (7, 0, 0)]
+
+
+def test_install_prefill_split_fails_loudly_without_the_hook():
+    with pytest.raises(RuntimeError, match="_mamba_block_aligned_split"):
+        compat.install_prefill_split(SimpleNamespace(), lambda *a: None)
+
+
+def test_scheduler_has_recurrent_layers():
+    assert compat.scheduler_has_recurrent_layers(SimpleNamespace(has_mamba_layers=True))
+    assert not compat.scheduler_has_recurrent_layers(SimpleNamespace(has_mamba_layers=False))
+
+
+# --------------------------------------------------------------------- model layers
+
+
+def test_forward_layer_registration_on_a_real_compilation_config():
+    from vllm.config import CompilationConfig
+
+    cfg = SimpleNamespace(compilation_config=CompilationConfig())
+    layer = object()
+    compat.register_forward_layer(cfg, "model.layers.0.mixer", layer)
+    assert compat.forward_layers(cfg)["model.layers.0.mixer"] is layer
+    with pytest.raises(ValueError, match="Duplicate layer name"):
+        compat.register_forward_layer(cfg, "model.layers.0.mixer", object())
+
+
+def test_layer_attn_metadata_inside_and_outside_a_forward():
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    assert compat.layer_attn_metadata("l0") is None  # no forward running
+    meta = object()
+    ctx = ForwardContext(no_compile_layers={}, attn_metadata={"l0": meta}, slot_mapping={})
+    with override_forward_context(ctx):
+        assert compat.layer_attn_metadata("l0") is meta
+        assert compat.layer_attn_metadata("l1") is None
+    micro = ForwardContext(no_compile_layers={}, attn_metadata=[{"l0": meta}], slot_mapping=[])
+    with override_forward_context(micro):
+        assert compat.layer_attn_metadata("l0") is None
+
+
+# --------------------------------------------------------------------- engine reaches
+
+
+def test_inproc_scheduler_connector_reaches_the_scheduler():
+    connector = object()
+    scheduler = SimpleNamespace(get_kv_connector=lambda: connector)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(
+        engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))))
+    assert compat.inproc_scheduler_connector(llm) is connector
+    remote = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace()))
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        compat.inproc_scheduler_connector(remote)
+
+
+def test_vllm_in_process_client_holds_the_engine_core():
+    """The attribute `inproc_scheduler_connector` follows exists on vLLM's in-process client."""
+    from vllm.v1.core.sched.interface import SchedulerInterface
+    from vllm.v1.engine.core_client import InprocClient
+
+    assert "self.engine_core = EngineCore(" in inspect.getsource(InprocClient.__init__)
+    assert hasattr(SchedulerInterface, "get_kv_connector")
+
+
+def test_worker_connector_is_the_kv_transfer_group(monkeypatch):
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    agent = object()
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", agent)
+    assert compat.worker_connector() is agent
+
+
+# --------------------------------------------------------------------- process set-up
+
+
+def test_enable_endpoint_plugin_keeps_every_installed_plugin(monkeypatch):
+    from importlib import metadata
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    value = compat.enable_endpoint_plugin("hybridcache_http", always=("hybridcache",))
+    names = set(value.split(","))
+    installed = {ep.name for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert installed <= names and {"hybridcache", "hybridcache_http"} <= names
+    monkeypatch.setenv("VLLM_PLUGINS", "other, hybridcache")
+    assert compat.enable_endpoint_plugin("hybridcache_http") == "hybridcache,hybridcache_http,other"
+
+
+def test_vllm_plugins_is_what_gates_endpoint_plugins():
+    """The behaviour `enable_endpoint_plugin` relies on: no VLLM_PLUGINS, no endpoint plugin."""
+    from vllm.plugins import load_endpoint_plugins
+
+    src = inspect.getsource(load_endpoint_plugins)
+    assert "VLLM_PLUGINS" in src
+
+
+def test_plugin_logs_print_through_vllms_handlers(monkeypatch):
+    """Routed records reach vLLM's handlers, whenever vLLM configures them."""
+    name = "vllm_hybridcache.test_route"
+    ours = logging.getLogger(name)
+    got: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    try:
+        assert compat.route_logs_through_vllm(name) is True
+        assert compat.route_logs_through_vllm(name) is False  # idempotent
+        assert ours.level == logging.INFO
+        ours.info("before vLLM configured logging")  # dropped, as without the plugin
+        vllm_logger.handlers = [Collect(level=logging.INFO)]  # vLLM's dictConfig, later
+        ours.info("settings read")
+        ours.debug("too detailed")
+        assert got == ["settings read"]
+    finally:
+        ours.handlers.clear()
+        ours.setLevel(logging.NOTSET)
