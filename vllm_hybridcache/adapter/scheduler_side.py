@@ -67,7 +67,15 @@ def unkeyed_inputs(request) -> bool:
 
 
 def default_message_end_ids(vllm_config) -> tuple[int, ...]:
-    """`<|im_end|>`'s id when the model's tokenizer has it (Qwen-style chat templates)."""
+    """`<|im_end|>`'s id when the model's tokenizer has it (Qwen-style chat templates).
+
+    Without it only grid cuts remain, and agent prompts, which diverge at message boundaries,
+    lose most of their reuse. So when the ids cannot be found (the tokenizer fails to load, or
+    has no `<|im_end|>`) we warn that message-end cuts are off, why, and how to set them.
+    """
+    model = getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
+    fix = ("set message_end_ids (VLLM_HYBRIDCACHE_MESSAGE_END_IDS) to the token ids that end a "
+           "chat message, or to -1 for grid cuts only")
     try:
         from transformers import AutoTokenizer
 
@@ -75,10 +83,15 @@ def default_message_end_ids(vllm_config) -> tuple[int, ...]:
         tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
                                             trust_remote_code=mc.trust_remote_code)
         tid = tok.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
-            return (tid,)
-    except Exception as e:  # tokenizer-less engines: grid cuts only
-        logger.info("hybridcache: no message-end token (%s); grid cuts only", e)
+    except Exception as e:
+        logger.warning("hybridcache: message-end cuts are off: the tokenizer of %s could not be "
+                       "loaded to look up <|im_end|> (%s: %s); prefills are cut on the grid "
+                       "only. To fix it, %s.", model, type(e).__name__, e, fix)
+        return ()
+    if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
+        return (tid,)
+    logger.warning("hybridcache: message-end cuts are off: the tokenizer of %s has no <|im_end|> "
+                   "token; prefills are cut on the grid only. To fix it, %s.", model, fix)
     return ()
 
 
