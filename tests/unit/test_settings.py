@@ -73,3 +73,93 @@ def test_memory_headroom_warning_names_the_fix():
     assert "memory_guard" in (memory_headroom_warning(gib, s) or "")
     # a small budget needs only itself above the floor
     assert memory_headroom_warning(4 * gib + gib // 2, CacheSettings(budget_bytes=gib // 4)) is None
+
+
+# ------------------------------------------------------------- environment variables
+
+
+@pytest.mark.parametrize("name,suggestion", [
+    ("VLLM_HYBRIDCACHE_BUDGET", "VLLM_HYBRIDCACHE_BUDGET_BYTES"),
+    ("VLLM_HYBRIDCACHE_GIRD", "VLLM_HYBRIDCACHE_GRID"),
+    ("vllm_hybridcache_grid", "VLLM_HYBRIDCACHE_GRID"),
+    ("VLLM_HYBRIDCACHE_FLASH_NEXT_OP", "VLLM_HYBRIDCACHE_FLASH_NEXT_OPS"),
+])
+def test_unknown_environment_variable_names_the_closest_valid_one(name, suggestion):
+    with pytest.raises(SettingsError) as e:
+        load_settings(environ={name: "1"})
+    assert f"unknown environment variable {name} (did you mean {suggestion}?)" in str(e.value)
+
+
+def test_unrelated_unknown_variable_gets_no_guess():
+    with pytest.raises(SettingsError, match=r"VLLM_HYBRIDCACHE_XYZZY; known"):
+        load_settings(environ={"VLLM_HYBRIDCACHE_XYZZY": "1"})
+
+
+def test_unknown_config_key_names_the_closest_setting():
+    with pytest.raises(SettingsError, match=r"'budget' \(did you mean 'budget_bytes'\?\)"):
+        load_settings({"budget": 1}, environ={})
+
+
+def test_variables_read_are_logged_at_start_up(caplog):
+    import logging
+
+    from vllm_hybridcache import config
+
+    config._announced.clear()
+    env = {"VLLM_HYBRIDCACHE_GRID": "256", "VLLM_HYBRIDCACHE_HOME": "/tmp/models",
+           "VLLM_OTHER": "x"}
+    with caplog.at_level(logging.INFO, logger="vllm_hybridcache"):
+        load_settings({"policy": "cost"}, environ=env)
+        load_settings({"policy": "cost"}, environ=env)  # once per process, not per call
+    msgs = [r.getMessage() for r in caplog.records if "variables read" in r.getMessage()]
+    assert len(msgs) == 1
+    assert "VLLM_HYBRIDCACHE_GRID=256, VLLM_HYBRIDCACHE_HOME=/tmp/models" in msgs[0]
+    assert "config keys: policy" in msgs[0] and "grid=256" in msgs[0]
+    assert "VLLM_OTHER" not in msgs[0]
+
+
+def _package_env_names() -> dict[str, set[str]]:
+    """Every VLLM_HYBRIDCACHE_* name written in the package (file -> names), config.py aside."""
+    import re
+    from pathlib import Path
+
+    import vllm_hybridcache
+    from vllm_hybridcache.config import ENV_PREFIX
+
+    root = Path(vllm_hybridcache.__file__).parent
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        if path.name == "config.py" and path.parent == root:
+            continue
+        names = set(re.findall(ENV_PREFIX + r"[A-Z0-9_]+", path.read_text(encoding="utf-8")))
+        names.discard(ENV_PREFIX)
+        if names:
+            found[str(path.relative_to(root))] = names
+    return found
+
+
+def test_every_variable_the_package_reads_is_a_known_name():
+    """One registry (config.KNOWN_ENV): a variable read elsewhere must be declared there."""
+    from vllm_hybridcache.config import KNOWN_ENV, SETTING_ENV
+
+    used = _package_env_names()
+    undeclared = {f: sorted(n - KNOWN_ENV) for f, n in used.items() if n - KNOWN_ENV}
+    assert not undeclared, f"declare these in config.PROCESS_ENV: {undeclared}"
+    assert "VLLM_HYBRIDCACHE_GRID" in SETTING_ENV
+
+
+def test_every_declared_process_variable_is_used():
+    from vllm_hybridcache.config import PROCESS_ENV
+
+    used = set().union(*_package_env_names().values())
+    assert not set(PROCESS_ENV) - used, "declared but read nowhere: remove from PROCESS_ENV"
+
+
+def test_every_known_variable_is_documented():
+    from pathlib import Path
+
+    from vllm_hybridcache.config import KNOWN_ENV, PROCESS_ENV
+
+    usage = (Path(__file__).parents[2] / "docs" / "usage.md").read_text(encoding="utf-8")
+    assert all(name in usage for name in PROCESS_ENV), "document it in docs/usage.md"
+    assert len(KNOWN_ENV) > len(PROCESS_ENV)
