@@ -34,6 +34,9 @@ HOME_ENV = ENV_PREFIX + "HOME"
 FLASH_NEXT_IMPL_ENV = ENV_PREFIX + "FLASH_NEXT_IMPL"
 FLASH_NEXT_OPS_ENV = ENV_PREFIX + "FLASH_NEXT_OPS"
 FLASH_NEXT_SKIP_ENV = ENV_PREFIX + "FLASH_NEXT_SKIP"
+COPY_BACKEND_ENV = ENV_PREFIX + "COPY_BACKEND"
+CSRC_ENV = ENV_PREFIX + "CSRC"
+CLANG_ENV = ENV_PREFIX + "CLANG"
 
 PROCESS_ENV: dict[str, str] = {
     ALLOW_UNSUPPORTED_VLLM_ENV: "1 = start on a vLLM outside the supported versions (warns)",
@@ -41,6 +44,9 @@ PROCESS_ENV: dict[str, str] = {
     FLASH_NEXT_IMPL_ENV: "Flash-Next implementation on GPUs: hybridcache (ours) or vllm",
     FLASH_NEXT_OPS_ENV: "Flash-Next kernel backend: reference, cpu or triton",
     FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
+    COPY_BACKEND_ENV: "snapshot copy kernels: auto, csrc, triton or torch",
+    CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
+    CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",
 }
 """Our environment variables that are not cache settings: name -> meaning."""
 
