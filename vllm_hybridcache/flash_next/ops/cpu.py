@@ -14,21 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hybridcache.compat import vllm_cpu_gdn_prefill, vllm_cpu_linear
 from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
-
-
-def _packed_forward(module: torch.nn.Linear):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return module.cpu_linear(x, module.weight, module.bias)
-
-    return forward
-
-
-def _has_vllm_cpu_gdn() -> bool:
-    try:
-        return hasattr(torch.ops._C, "chunk_gated_delta_rule_cpu")
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class CpuOps(ReferenceOps):
@@ -37,27 +24,23 @@ class CpuOps(ReferenceOps):
     name = "cpu"
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
         for module in model.modules():
             if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-                module.forward = _packed_forward(module)
+                module.forward = vllm_cpu_linear(module)
 
     def gdn_chunked_prefill(self, q, k, v, g, beta, cu_seqlens, initial_state, *,
                             use_qk_l2norm=True, chunk_size=64):
-        if q.dtype != torch.bfloat16 or not use_qk_l2norm or not _has_vllm_cpu_gdn():
+        kernel = vllm_cpu_gdn_prefill() if q.dtype == torch.bfloat16 and use_qk_l2norm else None
+        if kernel is None:
             return super().gdn_chunked_prefill(q, k, v, g, beta, cu_seqlens, initial_state,
                                                use_qk_l2norm=use_qk_l2norm,
                                                chunk_size=chunk_size)
-        from vllm import _custom_ops as vllm_ops
-
         n = cu_seqlens.numel() - 1
         if initial_state is None:
             state = torch.zeros(n, q.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32)
         else:
             state = initial_state.to(torch.float32).contiguous().clone()
-        out, _ = vllm_ops.chunk_gated_delta_rule_cpu(
+        out, _ = kernel(
             q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
             g.to(torch.float32).contiguous()[None], beta.to(q.dtype).contiguous()[None],
             state, True, cu_seqlens.to(torch.int32), False, True,
