@@ -38,7 +38,8 @@ def _engine(model_path: str, extra: dict | None):
     """The plugin with `extra` settings, or (None) stock vLLM with its prefix caching off: for
     hybrid models vLLM turns it on by default (`mamba_cache_mode=align`), which is not the
     cache-off floor."""
-    # collective_rpc ships _worker_totals (a function) to the worker: local benchmark only
+    # collective_rpc ships functions (the instrumentation's install_on_worker, worker_totals)
+    # to the workers: local benchmark only
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
@@ -49,15 +50,20 @@ def _engine(model_path: str, extra: dict | None):
                enforce_eager=True, seed=0, **cache)
 
 
-def _worker_totals(self) -> dict:
-    """Runs inside the worker process (vLLM's collective_rpc): its connector's copy totals."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+def _instrument(llm) -> None:
+    """Give the worker's connector an `Instrumentation` (copy totals); production engines have
+    none, so the benchmark installs one in the worker process."""
+    from vllm_hybridcache.instrumentation import install_on_worker
 
-    return dict(get_kv_transfer_group()._worker.totals)
+    if not all(llm.collective_rpc(install_on_worker)):
+        raise RuntimeError("the engine's workers have no hybridcache connector")
 
 
 def _totals(llm) -> dict:
-    return llm.collective_rpc(_worker_totals)[0]
+    """Rank 0's cumulative copy counts and seconds."""
+    from vllm_hybridcache.instrumentation import worker_totals
+
+    return llm.collective_rpc(worker_totals)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     # Both run vLLM's default multiprocess engine (an in-process engine is several times
     # slower on CPU and would distort the comparison).
     llm = _engine(path, {"grid": grid})
+    _instrument(llm)
     off = _engine(path, None)
     for engine in (llm, off):
         _ttft(engine, _prompt(512, 99))  # warm-up

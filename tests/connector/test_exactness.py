@@ -16,6 +16,7 @@ import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
 from vllm_hybridcache.adapter.domain import request_domain
+from vllm_hybridcache.instrumentation import instrument, instrumentation_of
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ C = [7 + (i * 11) % 3000 for i in range(GRID + 40)]                # unrelated
 def llm(inproc, embedded_model):
     with connector_engine(embedded_model("qwen3-next-tiny"),
                           extra={"grid": GRID, "message_end_min": 64}) as engine:
+        instrument(engine)          # state probes at each prefill's end: the "state" of run()
         yield engine
 
 
@@ -43,21 +45,13 @@ def run(llm, prompt, salt: str | None = None, prompt_logprobs: bool = False):
     if salt is not None:
         p["cache_salt"] = salt
     out = llm.generate([p], sp, use_tqdm=False)[0]
-    _sched, worker = engine_parts(llm)
     return {
         "tokens": list(out.outputs[0].token_ids),
         "cached": out.num_cached_tokens,
         "logprobs": [{k: v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs],
         "prompt_logprobs": out.prompt_logprobs,
-        "state": _take_probe(worker, out.request_id),
+        "state": instrumentation_of(llm).take_digests(out.request_id),
     }
-
-
-def _take_probe(worker, request_id: str):
-    """The state digests of one finished request (vLLM suffixes internal request ids)."""
-    keys = [k for k in worker.probe_results if k == request_id or k.startswith(request_id + "-")]
-    assert len(keys) <= 1
-    return worker.probe_results.pop(keys[0]) if keys else None
 
 
 def clear(llm):
@@ -132,18 +126,19 @@ def test_corrupted_link_is_caught(llm):
 def test_failed_restore_falls_back_to_cold(llm):
     clear(llm)
     cold = run(llm, A)
-    sched, worker = engine_parts(llm)
+    sched, _ = engine_parts(llm)
     failed_before = sched.tree.stats().restores_failed
 
     def boom(kind, job):
         if kind == "load":
             raise RuntimeError("injected restore failure")
 
-    worker.fault_injector = boom
+    inst = instrumentation_of(llm)
+    inst.fault = boom
     try:
         again = run(llm, A)
     finally:
-        worker.fault_injector = None
+        inst.fault = None
     assert sched.tree.stats().restores_failed == failed_before + 1
     assert again["tokens"] == cold["tokens"] and again["logprobs"] == cold["logprobs"]
     assert again["state"] == cold["state"]

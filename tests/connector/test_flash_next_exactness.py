@@ -9,6 +9,7 @@ import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_exactness import GRID, A, B, clear, run
+from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model):
     with connector_engine(embedded_model("flash-next-tiny"), extra={"grid": GRID}) as engine:
+        instrument(engine)          # state probes: the "state" of run()
         yield engine
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_exactness import GRID, A, B, clear, run
+from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,7 @@ def reference(model_path):
 def llm(reference, inproc, model_path):
     with connector_engine(model_path, extra={"grid": GRID}, dtype="float32",
                           speculative_config=SPEC) as engine:
+        instrument(engine)          # state probes: the "state" of run()
         yield engine
 
 

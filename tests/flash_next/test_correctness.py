@@ -14,6 +14,7 @@ from .helpers import (
     MAX_TOL,
     MEAN_TOL,
     HFOracle,
+    drop_indexer_selection,
     engine,
     logprob_distance,
     prompt_ids,
@@ -116,7 +117,14 @@ def test_negative_controls_fail_the_tolerance(skip, model_path, reference_logpro
 
     from vllm_hybridcache.flash_next.model import SKIP_ENV
 
-    with engine(model_path, env={SKIP_ENV: skip}, max_model_len=2048) as broken:
+    # PLE is skipped inside the model (env switch); the indexer's selection is dropped by
+    # rewiring the loaded model from here (vLLM ships the function to the worker, hence the
+    # insecure-serialization switch, for this engine only)
+    env = ({SKIP_ENV: skip} if skip == "ple"
+           else {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+    with engine(model_path, env=env, max_model_len=2048) as broken:
+        if skip == "indexer":
+            assert all(n > 0 for n in broken.apply_model(drop_indexer_selection))
         params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20, logprobs=20)
         out = broken.generate([TokensPrompt(prompt_token_ids=prompt_ids(1000, seed=1000))],
                               params, use_tqdm=False)[0]

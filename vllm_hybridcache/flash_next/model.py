@@ -32,9 +32,10 @@ from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ple import PLE
 from vllm_hybridcache.flash_next.qsa import QSAAttention
 
-# Skip switches for the negative control test (a dropped component must fail the tolerance).
-# Read once at model construction from VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP (comma list of
-# "ple", "indexer"); never set in production.
+# Skip switch for the negative control test (a dropped component must fail the tolerance).
+# Read once at model construction from VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP (comma list; "ple");
+# never set in production. (The indexer's negative control rewires the loaded model from the
+# test instead: tests/flash_next/helpers.py.)
 SKIP_ENV = "VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP"
 
 
@@ -226,12 +227,6 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.skips = _skips()
-        if "indexer" in self.skips:
-            self.ops = _DenseSelectionOps(self.ops)
-            for layer in self.model.modules():
-                if hasattr(layer, "ops"):
-                    layer.ops = self.ops
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -297,19 +292,3 @@ class FlashNextForConditionalGeneration(FlashNextForCausalLM):
             "Flash-Next in vllm-hybridcache supports text only for now; this request carries "
             "images/video. Use vLLM's in-tree Qwen4Exp on a supported GPU for vision.")
 
-
-class _DenseSelectionOps:
-    """Negative control only: the indexer keeps every visible token (selection dropped)."""
-
-    def __init__(self, inner: FlashNextOps) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def indexer_topk(self, q, raw_keys, key_cu_seqlens, query_seq_idx, query_pos, *args,
-                     budget, compress_ratio, **kw):
-        n = int(query_pos.max()) + 1 if query_pos.numel() else 1
-        idx = torch.arange(n, dtype=torch.int32).expand(q.shape[0], n).clone()
-        idx[idx > query_pos[:, None].to(torch.int32)] = -1
-        return idx
