@@ -438,3 +438,42 @@ def worker_connector() -> Any:
 
     return get_kv_transfer_group()
 
+
+# --------------------------------------------------------------------- engine utility calls
+
+
+@checked("0.32.0")
+def expose_connector_utility(name: str, fn: Callable[[Any, dict], Any]) -> None:
+    """Make `fn(scheduler_connector, request)` callable from the API server as utility `name`.
+
+    Why: `POST /v1/cache/clear?tier=` must reach the cache in the engine process with its
+    arguments, and vLLM 0.32.0's only public route there, `reset_prefix_cache(reset_connector=
+    True)`, takes none. vLLM 0.32.0 runs a client's utility call as the EngineCore method of
+    that name (`EngineCoreProc._handle_client_request`, looked up with getattr), so we add one
+    method to EngineCore; it runs on the engine's busy-loop thread, the scheduler's thread,
+    which is the only thread that may touch the cache. Checked on vLLM 0.32.0: the method
+    takes one plain argument (utility arguments are checked against its signature), and the
+    connector is reached through `EngineCore.scheduler.get_kv_connector()`.
+    """
+    from vllm.v1.engine.core import EngineCore
+
+    def utility(core: Any, request: dict) -> Any:
+        return fn(core.scheduler.get_kv_connector(), request)
+
+    utility.__name__ = name
+    setattr(EngineCore, name, utility)
+
+
+@checked("0.32.0")
+async def call_connector_utility(engine_client: Any, name: str, request: dict) -> list[Any]:
+    """Call utility `name` (see expose_connector_utility) on every engine; one result each.
+
+    vLLM 0.32.0's `AsyncLLM.engine_core` is the multiprocess client whose
+    `call_utility_all_async` sends a utility call to every engine core it manages. Raises
+    NotImplementedError when the client has no such path (another engine client type).
+    """
+    core = getattr(engine_client, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is None:
+        raise NotImplementedError(f"{type(engine_client).__name__} cannot call engine utilities")
+    return list(await call_all(name, request))

@@ -83,8 +83,8 @@ def _commit_cuts(side, req, tokens: list[int]) -> int:
     plan = side.build_plan(so)
     from vllm_hybridcache.adapter.plans import StepReport
 
-    side.apply_report(StepReport(saved={c.link_id: 0.0 for c in plan.captures},
-                                 saved_count={c.link_id: 1 for c in plan.captures}))
+    side.apply_report(StepReport(saved={c.addr: 0.0 for c in plan.captures},
+                                 saved_count={c.addr: 1 for c in plan.captures}))
     return len(plan.captures)
 
 

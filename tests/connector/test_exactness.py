@@ -262,7 +262,7 @@ def test_end_anchor_is_never_served_to_another_salt(llm):
 
 def _links(llm) -> set[int]:
     """Token depths of the committed links in the tree."""
-    from vllm_hybridcache.core.tree import COMMITTED
+    from vllm_hybridcache.core.tiers.ram_tree import COMMITTED
 
     sched, _ = engine_parts(llm)
     return {link.p for link in sched.tree._links.values() if link.state == COMMITTED}

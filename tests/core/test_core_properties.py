@@ -255,6 +255,10 @@ class TreeMachine(RuleBasedStateMachine):
         )
 
     @invariant()
+    def tree_recounts_clean(self) -> None:
+        self.tree.sanity_check()
+
+    @invariant()
     def parents_outlive_children(self) -> None:
         for lid in self.tree.link_ids():
             parent = self.tree.parent_of(lid)

@@ -109,6 +109,29 @@ def test_missing_link_raises_and_leaves_destination_untouched(make_tree, layout)
         store.restore_views_into(res.plan, {})
 
 
+def test_row_mismatch_names_the_link_at_fault(make_tree, layout):
+    """Defect 7a: a link holding other rows than the plan wants must be named (link_id), so
+    the worker reports it lost and the scheduler stops offering it; the error used to carry
+    only a message."""
+    tree, store = make_tree(), LinkStore(layout, pin_memory=False)
+    tokens = list(range(100))
+    r = tree.reserve(tokens, 64, D)
+    store.allocate(r.link_id, 10)  # not the 64 rows the plan will want
+    store.seal(r.link_id)
+    tree.commit(r.link_id)
+    plan = tree.lookup(tokens, D).plan
+    with pytest.raises(MissingLinkError) as e:
+        store.restore(plan, {}, lambda *a: None)
+    assert e.value.link_id == r.link_id and "holds 10 rows" in str(e.value)
+    with pytest.raises(MissingLinkError) as e:
+        store.restore_views_into(plan.chain, {})  # a bare chain, as the worker receives it
+    assert e.value.link_id == r.link_id
+    store.drop([r.link_id])
+    with pytest.raises(MissingLinkError) as e:
+        store.restore(plan.chain, {}, lambda *a: None)
+    assert e.value.link_id == r.link_id and MissingLinkError(None, "x").link_id is None
+
+
 def test_unsealed_link_is_not_restorable(make_tree, layout):
     tree, store = make_tree(), LinkStore(layout, pin_memory=False)
     tokens = list(range(100))

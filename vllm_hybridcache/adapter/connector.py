@@ -13,6 +13,7 @@ scheduler half (tree, planning) or the worker half (copies).
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,6 +33,28 @@ logger = logging.getLogger("vllm_hybridcache")
 
 CONNECTOR_NAME = "HybridSnapshotConnector"
 MODULE_PATH = "vllm_hybridcache.adapter.connector"
+CLEAR_UTILITY = "hybridcache_clear"  # engine utility behind POST /v1/cache/clear
+ALL = "all"
+
+
+def clear_utility(connector: Any, request: dict) -> dict[str, Any]:
+    """Engine side of `POST /v1/cache/clear`: clear one tier and/or kind of this engine's cache.
+
+    request: {"tier": name or "all", "kind": name or "all"}. Answers {"cleared": links,
+    "tiers": the tiers this engine has} or, for a tier or kind it does not have,
+    {"error": why, "tiers": ...}: the route turns that into a 400, never a silent no-op.
+    """
+    if not isinstance(connector, HybridSnapshotConnector) or connector._sched is None:
+        return {"error": "the hybridcache connector is not installed in this engine",
+                "tiers": []}
+    sched = connector._sched
+    tier, kind = request.get("tier", ALL), request.get("kind", ALL)
+    try:
+        n = sched.clear(None if tier == ALL else tier, None if kind == ALL else kind)
+    except ValueError as e:
+        return {"error": str(e), "tiers": sched.tier_names()}
+    logger.info("hybridcache: cleared %d links (tier %s, kind %s)", n, tier, kind)
+    return {"cleared": n, "tiers": sched.tier_names()}
 
 
 class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
@@ -43,11 +66,16 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = load_settings(extra)
         self._sched = None
         self._worker = None
+        # Stats snapshots are numbered per instance; the epoch tells an observer that a new
+        # instance (a restarted engine core) started its counters and numbering over.
         self._seq = 0
+        self._epoch = uuid.uuid4().hex
         if role == KVConnectorRole.SCHEDULER:
             from vllm_hybridcache.adapter.scheduler_side import SchedulerSide
+            from vllm_hybridcache.compat import expose_connector_utility
 
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.settings)
+            expose_connector_utility(CLEAR_UTILITY, clear_utility)
         else:
             from vllm_hybridcache.adapter.worker_side import WorkerSide
 
@@ -118,8 +146,7 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None or not self._sched.active:
             return None
         self._seq += 1
-        return HybridCacheStats(data=encode(self._sched.tree.stats(), self._seq,
-                                            session=self._sched.anchors.stats()))
+        return HybridCacheStats(data=encode(self._sched.cache.stats(), self._seq, self._epoch))
 
     # =================== segmentation (for the scheduler hook) ===================
     @property

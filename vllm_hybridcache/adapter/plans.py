@@ -1,6 +1,9 @@
 """What crosses the process boundary each step: scheduler -> workers, and back.
 
-Plain dataclasses of ints and lists (pickled by vLLM's IPC); no tensors, no tree objects.
+Plain dataclasses of ints, strings and lists (pickled by vLLM's IPC); no tensors, no tree
+objects. Every link is named by its address (tier, kind, link id): the worker executes in the
+store of `tier`, and echoes the address in its report so the scheduler routes the commit or
+abort to the tier that reserved it.
 """
 
 from __future__ import annotations
@@ -12,16 +15,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_hybridcache.core import RestorePlan
+from vllm_hybridcache.core import LinkAddr, LinkRef
 
 
 @dataclass
 class LoadJob:
-    """Restore a chain of links into one request's state slot and KV blocks."""
+    """Restore a chain of links of one tier into one request's state slot and KV blocks.
+
+    `chain`: (link id, first token, end token) root -> deepest; the deepest link's sections and
+    every link's view rows are restored. `fail`: set when the scheduler already knows the load
+    cannot happen (the chain changed between lookup and allocation): the worker reports it
+    failed, and vLLM, which already counts the tokens as loading, recomputes the request.
+    """
 
     req_id: str
-    plan: RestorePlan | None                   # chain root -> deepest; None = fail this load
+    tier: str
+    kind: str
+    chain: tuple[LinkRef, ...]
     block_ids: list[list[int]]                 # per KV-cache group
+    fail: str | None = None
+
+    def addr(self, link_id: int) -> LinkAddr:
+        return LinkAddr(self.tier, self.kind, link_id)
 
 
 @dataclass
@@ -32,19 +47,23 @@ class CaptureJob:
     reports the copy done (delay_free), then frees.
     """
 
-    link_id: int
+    addr: LinkAddr
     req_id: str
     row_start: int
     row_end: int
     block_ids: list[list[int]]
     finishing: bool = False
 
+    @property
+    def link_id(self) -> int:
+        return self.addr.link_id
+
 
 @dataclass
 class StepPlan(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     captures: list[CaptureJob] = field(default_factory=list)
-    drops: list[int] = field(default_factory=list)
+    drops: list[LinkAddr] = field(default_factory=list)
     # (req_id, prompt tokens, block ids) of prefills that end this step, when an instrumented
     # engine asks for state probes (tests; see vllm_hybridcache/instrumentation.py)
     probes: list[tuple[str, int, list[list[int]]]] = field(default_factory=list)
@@ -58,12 +77,12 @@ class StepReport(KVConnectorWorkerMetadata):
     per link and `workers` the number of reports merged.
     """
 
-    saved: dict[int, float] = field(default_factory=dict)      # link_id -> seconds (max)
-    saved_count: dict[int, int] = field(default_factory=dict)
-    failed_saves: set[int] = field(default_factory=set)
+    saved: dict[LinkAddr, float] = field(default_factory=dict)  # link -> seconds (max)
+    saved_count: dict[LinkAddr, int] = field(default_factory=dict)
+    failed_saves: set[LinkAddr] = field(default_factory=set)
     loaded: dict[str, float] = field(default_factory=dict)     # req_id -> seconds (max)
     failed_loads: set[str] = field(default_factory=set)
-    lost_links: set[int] = field(default_factory=set)          # payload missing on a worker
+    lost_links: set[LinkAddr] = field(default_factory=set)     # payload missing on a worker
     workers: int = 1
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:

@@ -1,12 +1,13 @@
-"""Scheduler side of the connector: owns the snapshot tree and plans every copy.
+"""Scheduler side of the connector: owns the cache (every tier) and plans every copy.
 
-Runs in the EngineCore process, on the scheduler's thread only (the tree is single-threaded by
-contract). Per step it (1) answers lookups for new requests, (2) turns hits into load jobs once
-vLLM has allocated blocks, (3) reserves a link for every prefill step that ends on a cut, and
-(4) commits or aborts links when the workers report the step's copies. Nothing is published
-before the workers confirm (commit gating), and a request whose steps left the segmentation
-(a step cut short by the token budget) captures nothing after that point: its later states are
-not cold-exact.
+Runs in the EngineCore process, on the scheduler's thread only (the tiers are single-threaded
+by contract). Each live request has one `_Live` entry, and the hooks touch only that entry and
+the cache facade. Per step it (1) answers lookups for new requests, (2) turns hits into load
+jobs once vLLM has allocated blocks, (3) reserves a link for every prefill step that ends on a
+cut, and (4) commits or aborts links when the workers report the step's copies. Nothing is
+published before the workers confirm (commit gating), and a request whose steps left the
+segmentation (a step cut short by the token budget) captures nothing after that point: its
+later states are not cold-exact.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import (
-    ANCHOR_ID_BASE,
-    AnchorHit,
-    LinkRef,
+    EndAnchors,
+    IdSource,
+    LinkKind,
     LookupResult,
     MissReason,
     PromptKeys,
-    RestorePlan,
-    SessionAnchors,
+    SnapshotCache,
     SnapshotTree,
+    Tier,
 )
 from vllm_hybridcache.segmentation import Segmentation, first_cut_after
 
@@ -39,18 +40,45 @@ logger = logging.getLogger("vllm_hybridcache")
 
 
 @dataclass
-class _Tracked:
-    """What the scheduler side keeps per live request."""
+class _Live:
+    """Everything the scheduler side knows about one live request, in one place.
+
+    Created by the first hook that sees the request; removed by request_finished, or, when a
+    restore is still in flight then, by the report that ends it (its pins must be released).
+    """
 
     domain: bytes
     keys: PromptKeys
     cuts: list[int]
     cut_set: frozenset[int]
-    block_ids: list[list[int]] = field(default_factory=list)
-    resume_at: int = 0          # tokens restored (0 = cold)
-    canonical: bool = True      # every step so far followed the segmentation
-    cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
     unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
+    # MTP route: the draft head's row at p - 1 read the prompt's token at p, or on vLLM's
+    # padded-batch path its last token; a link fits another prompt only if both match.
+    draft_route: bool = False
+    block_ids: list[list[int]] = field(default_factory=list)
+    # the answer given to vLLM by get_num_new_matched_tokens, until allocation acts on it
+    lookup: LookupResult | None = None
+    # the hit being restored (its tier and kind route the end of the restore); None when idle
+    restoring: LookupResult | None = None
+    resume_at: int = 0          # tokens restored (0 = cold)
+    canonical: bool = True      # every step so far followed the segmentation from cold state
+    cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
+    finished: bool = False      # vLLM is done with it; kept only until `restoring` ends
+    captures: int = 0           # links reserved for its prefill steps (end anchor excluded)
+
+    def draft_tag(self, end: int) -> tuple[int, int] | None:
+        """The tokens the draft head's boundary row read when this prompt's state at `end` was
+        captured (the token after the cut, the prompt's last token); -1 at the prompt's end,
+        where the row read the sampled token and fits no prompt. None off the MTP route."""
+        if not self.draft_route:
+            return None
+        toks = self.keys.tokens
+        n = len(self.keys)
+        return (int(toks[end]) if end < n else -1, int(toks[n - 1]))
+
+    def fits(self, p: int, tag: object) -> bool:
+        """Whether a link ending at p, reserved with `tag`, fits this prompt's draft rows."""
+        return tag == self.draft_tag(p)
 
 
 def unkeyed_inputs(request) -> bool:
@@ -125,6 +153,8 @@ def memory_headroom_warning(available: int, settings: CacheSettings) -> str | No
 
 
 class SchedulerSide:
+    """The cache's scheduler half: one SnapshotCache, one _Live entry per request."""
+
     def __init__(self, vllm_config, kv_cache_config, settings: CacheSettings) -> None:
         self.settings = settings
         self.reason_inactive: str | None = None
@@ -141,31 +171,32 @@ class SchedulerSide:
             self.reason_inactive = "budget_bytes=0"
         layout = self.parts.layout if self.parts is not None else None
         self.segmentation = resolve_segmentation(settings, vllm_config)
-        self.tree = SnapshotTree(layout, settings.tree_config()) if layout is not None else None
         anchors = settings.session_anchors
         if vllm_config.speculative_config is not None and anchors:
             # Decode with drafts leaves rejected rows and draft state behind; not gated yet.
             logger.info("hybridcache: end anchors off with speculative decoding")
             anchors = 0
-        self.anchors = (SessionAnchors(layout, anchors, settings.session_budget_bytes)
-                        if layout is not None else None)
-        self._anchor_hits: dict[str, AnchorHit] = {}
-        self._anchor_restoring: dict[str, int] = {}
-        self._finishing: list[CaptureJob] = []
+        self.cache: SnapshotCache | None = None
+        if layout is not None:
+            ids = IdSource()  # one worker store holds both kinds: ids unique across tiers
+            self.cache = SnapshotCache([
+                SnapshotTree(layout, settings.tree_config(), next_id=ids),
+                EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids),
+            ])
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
         # target's hidden state there and one more token: in a partial prefill, vLLM feeds the
         # prompt token at p (`prepare_next_token_ids_cpu`) or, on its padded-batch path, the
         # prompt's last token (`prepare_next_token_ids_padded`). A link at cut p therefore fits a
-        # prompt only if both tokens match the capturing prompt's: recorded per link, checked on
-        # lookup. Chat prompts all end in the same generation prompt, so in practice only the
-        # token after the cut costs reuse.
+        # prompt only if both tokens match the capturing prompt's: each link carries them as its
+        # tag, and the tree's lookup ends a chain at the first link that does not fit. Chat
+        # prompts all end in the same generation prompt, so in practice only the token after
+        # the cut costs reuse.
         self._draft_route = self.base_domain.get("route") == "mtp"
-        self._draft_tokens: dict[int, tuple[int, int]] = {}
-        self._reqs: dict[str, _Tracked] = {}
-        self._lookups: dict[str, LookupResult] = {}
-        self._restoring: dict[str, RestorePlan] = {}
+        self._live: dict[str, _Live] = {}
+        # jobs for the next plan (loads planned at allocation, end anchors at finish)
         self._loads: list[LoadJob] = []
+        self._finishing: list[CaptureJob] = []
         # tests only (vllm_hybridcache/instrumentation.py): with `probe_states`, each plan asks
         # the workers for the state of every prefill that ends in its step. None in production.
         self.instrumentation: Instrumentation | None = None
@@ -185,112 +216,80 @@ class SchedulerSide:
 
     @property
     def active(self) -> bool:
-        return self.tree is not None and self.reason_inactive is None
+        return self.cache is not None and self.reason_inactive is None
+
+    @property
+    def tree(self) -> SnapshotTree | None:
+        """The RAM tier's tree links (introspection: tests, stats)."""
+        return None if self.cache is None else self.cache.tier(Tier.RAM, LinkKind.TREE)
+
+    @property
+    def anchors(self) -> EndAnchors | None:
+        """The RAM tier's end anchors (introspection: tests, stats)."""
+        return None if self.cache is None else self.cache.tier(Tier.RAM, LinkKind.ANCHOR)
 
     # -------------------------------------------------------------- requests
-    def _track(self, request) -> _Tracked:
-        tr = self._reqs.get(request.request_id)
-        if tr is None:
+    def _track(self, request) -> _Live:
+        entry = self._live.get(request.request_id)
+        if entry is None:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
-            tr = _Tracked(domain=request_domain(self.base_domain, request),
-                          keys=self.tree.keys(prompt), cuts=cuts, cut_set=frozenset(cuts),
-                          unkeyed=unkeyed_inputs(request))
-            self._reqs[request.request_id] = tr
-        return tr
+            entry = _Live(domain=request_domain(self.base_domain, request),
+                          keys=self.cache.keys(prompt), cuts=cuts, cut_set=frozenset(cuts),
+                          unkeyed=unkeyed_inputs(request), draft_route=self._draft_route)
+            self._live[request.request_id] = entry
+        return entry
 
     def cuts_for(self, request) -> list[int] | None:
         """The request's prompt cuts (for the scheduler hook); None when inactive."""
         if not self.active:
             return None
-        tr = self._track(request)
-        return None if tr.unkeyed else tr.cuts
+        entry = self._track(request)
+        return None if entry.unkeyed else entry.cuts
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.active or num_computed_tokens > 0 or request.prompt_token_ids is None:
             return 0, False
         if request.num_tokens > request.num_prompt_tokens:
             return 0, False  # resumed after preemption with output: recompute, never guess
-        tr = self._track(request)
-        if tr.cold_only:
-            return 0, False
-        if tr.unkeyed:
-            self._lookups[request.request_id] = LookupResult(
-                False, 0, None, MissReason.UNKEYED_INPUT.value, len(tr.keys),
-                request.num_prompt_tokens - 1)
+        entry = self._track(request)
+        if entry.cold_only:
             return 0, False
         limit = request.num_prompt_tokens - 1
-        res = self._lookup(tr, limit)
-        self._lookups[request.request_id] = res
-        self._anchor_hits.pop(request.request_id, None)
-        anchor = self.anchors.lookup(tr.keys.tokens, tr.domain, limit)
-        if anchor is not None and anchor.tokens >= res.tokens:
-            if anchor.pending:
-                return None, False  # its copy lands with the next step: ask again then
-            self._anchor_hits[request.request_id] = anchor
-            return anchor.tokens, True
+        if entry.unkeyed:
+            entry.lookup = self.cache.miss(MissReason.UNKEYED_INPUT, len(entry.keys), limit)
+            return 0, False
+        res = self.cache.lookup(entry.keys, entry.domain, limit,
+                                entry.fits if entry.draft_route else None)
+        if res.pending:
+            entry.lookup = None
+            return None, False  # its copy lands with the next step: ask again then
+        entry.lookup = res
         return (res.tokens, True) if res.hit else (0, False)
 
-    def _lookup(self, tr: _Tracked, limit: int) -> LookupResult:
-        """The tree's deepest link, cut back (MTP route) to the deepest chain whose every link
-        saw this prompt's draft-row tokens (the token after its cut, the prompt's last token)."""
-        res = self.tree.lookup(tr.keys, tr.domain, limit)
-        if not self._draft_route:
-            return res
-        tokens = tr.keys.tokens
-        last = int(tokens[-1])
-        while res.hit and res.plan is not None:
-            bad = next((ref for ref in res.plan.chain
-                        if self._draft_tokens.get(ref.link_id) != (int(tokens[ref.end]), last)),
-                       None)
-            if bad is None:
-                break
-            self.tree.record_shortened()
-            res = self.tree.lookup(tr.keys, tr.domain, bad.end - 1)
-        return res
-
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        res = self._lookups.pop(request.request_id, None)
-        if res is None:
+        entry = self._live.get(request.request_id)
+        if entry is None or entry.lookup is None:
             return
-        anchor = self._anchor_hits.pop(request.request_id, None)
-        if num_external_tokens > 0 and anchor is not None:
-            self._restore_anchor(request, anchor, num_external_tokens,
-                                 [list(b) for b in blocks.get_block_ids()])
+        res, entry.lookup = entry.lookup, None
+        if num_external_tokens <= 0:
+            self.cache.record_lookup(res)
             return
-        if num_external_tokens > 0:
-            tr = self._track(request)
-            block_ids = [list(b) for b in blocks.get_block_ids()]
-            if res.hit and res.tokens == num_external_tokens and self.tree.begin_restore(res):
-                tr.resume_at = num_external_tokens
-                self._restoring[request.request_id] = res.plan
-                self._loads.append(LoadJob(req_id=request.request_id, plan=res.plan,
-                                           block_ids=block_ids))
-            else:
-                # vLLM already counts these tokens as loading: the chain changed since the
-                # lookup (evicted or cleared), so report a failed load and let vLLM recompute.
-                tr.cold_only = True
-                self._loads.append(LoadJob(req_id=request.request_id, plan=None,
-                                           block_ids=block_ids))
+        block_ids = [list(b) for b in blocks.get_block_ids()]
+        if res.hit and not self.cache.cold_exact(res):
+            entry.canonical = False  # session-exact state: never publish into the shared tree
+        if res.hit and res.tokens == num_external_tokens and self.cache.begin_restore(res):
+            entry.resume_at = num_external_tokens
+            entry.restoring = res
+            self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
+                                       chain=res.plan.chain, block_ids=block_ids))
         else:
-            self.tree.record_lookup(res)
-
-    def _restore_anchor(self, request, anchor: AnchorHit, n: int,
-                        block_ids: list[list[int]]) -> None:
-        tr = self._track(request)
-        # Session-exact state: this request never publishes into the shared tree.
-        tr.canonical = False
-        if anchor.tokens == n and self.anchors.begin_restore(anchor):
-            tr.resume_at = n
-            self._anchor_restoring[request.request_id] = anchor.anchor_id
-            plan = RestorePlan(chain=(LinkRef(anchor.anchor_id, 0, n),), tokens=n,
-                               part_bytes={}, total_bytes=self.anchors.nbytes(n))
-            self._loads.append(LoadJob(req_id=request.request_id, plan=plan,
-                                       block_ids=block_ids))
-        else:
-            tr.cold_only = True
-            self._loads.append(LoadJob(req_id=request.request_id, plan=None,
-                                       block_ids=block_ids))
+            # vLLM already counts these tokens as loading: the chain changed since the lookup
+            # (evicted or cleared), so report a failed load and let vLLM recompute.
+            entry.cold_only = True
+            self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
+                                       chain=(), block_ids=block_ids,
+                                       fail="the chain changed between lookup and allocation"))
 
     # -------------------------------------------------------------- per step
     def build_plan(self, so) -> StepPlan:
@@ -300,109 +299,101 @@ class SchedulerSide:
         if not self.active:
             return plan
         for data in so.scheduled_new_reqs:
-            tr = self._reqs.get(data.req_id)
-            if tr is None:
+            entry = self._live.get(data.req_id)
+            if entry is None:
                 continue
-            tr.block_ids = [list(b) for b in data.block_ids]
-            self._plan_step(tr, data.req_id, data.num_computed_tokens,
+            entry.block_ids = [list(b) for b in data.block_ids]
+            self._plan_step(entry, data.req_id, data.num_computed_tokens,
                             so.num_scheduled_tokens[data.req_id], plan)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            tr = self._reqs.get(req_id)
-            if tr is None:
+            entry = self._live.get(req_id)
+            if entry is None:
                 continue
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                tr.block_ids = [list(b) for b in new] if new is not None else tr.block_ids
-                tr.canonical = False  # resumed after preemption: recomputed, not captured
+                entry.block_ids = [list(b) for b in new] if new is not None else entry.block_ids
+                entry.canonical = False  # resumed after preemption: recomputed, not captured
             elif new is not None:
                 for g, ids in enumerate(new):
-                    tr.block_ids[g].extend(ids)
-            self._plan_step(tr, req_id, cached.num_computed_tokens[i],
+                    entry.block_ids[g].extend(ids)
+            self._plan_step(entry, req_id, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens[req_id], plan)
-        plan.drops = self.tree.drain_dropped() + self.anchors.drain_dropped()
-        for link_id in plan.drops:
-            self._draft_tokens.pop(link_id, None)
+        plan.drops = self.cache.drain_dropped()
         return plan
 
-    def _plan_step(self, tr: _Tracked, req_id: str, start: int, n: int, plan: StepPlan) -> None:
-        prompt_len = len(tr.keys)
+    def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
+        prompt_len = len(entry.keys)
         end = start + n
         if (self.instrumentation is not None and self.instrumentation.probe_states
                 and start < prompt_len <= end):
-            plan.probes.append((req_id, prompt_len, [list(b) for b in tr.block_ids]))
-        if start >= prompt_len or not tr.canonical or tr.unkeyed:
+            plan.probes.append((req_id, prompt_len, [list(b) for b in entry.block_ids]))
+        if start >= prompt_len or not entry.canonical or entry.unkeyed:
             return
-        if start != tr.resume_at and start not in tr.cut_set:
-            tr.canonical = False
+        if start != entry.resume_at and start not in entry.cut_set:
+            entry.canonical = False
             return
-        next_cut = first_cut_after(tr.cuts, start, prompt_len)
+        next_cut = first_cut_after(entry.cuts, start, prompt_len)
         if end < min(next_cut, prompt_len):
-            tr.canonical = False  # step clipped by the token budget: off the segmentation
+            entry.canonical = False  # step clipped by the token budget: off the segmentation
             return
-        if end not in tr.cut_set:
+        if end not in entry.cut_set:
             return
-        r = self.tree.reserve(tr.keys, end, tr.domain)
-        if r.link_id is None:
+        r = self.cache.reserve(LinkKind.TREE, entry.keys, end, entry.domain,
+                               tag=entry.draft_tag(end))
+        if r.addr is None:
             return
-        if self._draft_route:  # at the prompt's end the draft row read the sampled token:
-            toks = tr.keys.tokens  # -1 fits no prompt
-            nxt = int(toks[end]) if end < prompt_len else -1
-            self._draft_tokens[r.link_id] = (nxt, int(toks[prompt_len - 1]))
-        plan.captures.append(CaptureJob(link_id=r.link_id, req_id=req_id, row_start=r.start,
-                                        row_end=r.end, block_ids=[list(b) for b in tr.block_ids]))
+        entry.captures += 1
+        plan.captures.append(CaptureJob(addr=r.addr, req_id=req_id, row_start=r.start,
+                                        row_end=r.end,
+                                        block_ids=[list(b) for b in entry.block_ids]))
 
     def apply_report(self, report: StepReport | None) -> None:
         if report is None or not self.active:
             return
-        for link_id in report.failed_saves:
-            self._abort(link_id)
-        for link_id, seconds in report.saved.items():
-            if link_id in report.failed_saves:
+        for addr in report.failed_saves:
+            self.cache.abort(addr)
+        for addr, seconds in report.saved.items():
+            if addr in report.failed_saves:
                 continue
-            if report.saved_count.get(link_id, 1) >= report.workers:
-                if link_id >= ANCHOR_ID_BASE:
-                    self.anchors.commit(link_id, seconds)
-                else:
-                    self.tree.commit(link_id, seconds)
+            if report.saved_count.get(addr, 1) >= report.workers:
+                self.cache.commit(addr, seconds)
             else:
-                self._abort(link_id)
+                self.cache.abort(addr)
         for req_id in report.failed_loads:
-            anchor_id = self._anchor_restoring.pop(req_id, None)
-            if anchor_id is not None:
-                self.anchors.end_restore(anchor_id, False, 0.0)
-            plan = self._restoring.pop(req_id, None)
-            if plan is not None:
-                self.tree.end_restore(plan, False, 0.0)
-            tr = self._reqs.get(req_id)
-            if tr is not None:
-                tr.resume_at = 0  # vLLM recomputes the request from token 0
-                tr.cold_only = True
+            entry = self._live.get(req_id)
+            if entry is not None:
+                self._end_restore(req_id, entry, False, 0.0)
+                entry.resume_at = 0  # vLLM recomputes the request from token 0
+                entry.cold_only = True
         if report.lost_links:
-            self.tree.invalidate(sorted(report.lost_links))
+            self.cache.invalidate(report.lost_links)
         for req_id, seconds in report.loaded.items():
-            anchor_id = self._anchor_restoring.pop(req_id, None)
-            if anchor_id is not None:
-                self.anchors.end_restore(anchor_id, True, seconds)
-            plan = self._restoring.pop(req_id, None)
-            if plan is not None:
-                self.tree.end_restore(plan, True, seconds)
+            entry = self._live.get(req_id)
+            if entry is not None:
+                self._end_restore(req_id, entry, True, seconds)
 
-    def _abort(self, link_id: int) -> None:
-        if link_id >= ANCHOR_ID_BASE:
-            self.anchors.abort(link_id)
-        else:
-            self.tree.abort(link_id)
+    def _end_restore(self, req_id: str, entry: _Live, ok: bool, seconds: float) -> None:
+        if entry.restoring is not None:
+            self.cache.end_restore(entry.restoring, ok, seconds)
+            entry.restoring = None
+        if entry.finished:
+            del self._live[req_id]
 
     def request_finished(self, request, block_ids=None) -> bool:
-        """Forget the request; keep its end anchor. True: vLLM must keep its blocks until the
-        workers have copied the anchor (reported back as a finished send)."""
-        self._reqs.pop(request.request_id, None)
-        self._anchor_hits.pop(request.request_id, None)
-        res = self._lookups.pop(request.request_id, None)
-        if res is not None and self.active:
-            self.tree.record_lookup(res)
-        if not self.active or block_ids is None or not self.anchors.enabled:
+        """Forget the request (once no restore of it is in flight); keep its end anchor.
+        True: vLLM must keep its blocks until the workers have copied the anchor (reported
+        back as a finished send)."""
+        entry = self._live.get(request.request_id)
+        if entry is not None:
+            if entry.lookup is not None and self.active:
+                self.cache.record_lookup(entry.lookup)
+                entry.lookup = None
+            if entry.restoring is None:
+                del self._live[request.request_id]
+            else:
+                entry.finished = True
+        if not self.active or block_ids is None or not self.cache.admits(LinkKind.ANCHOR):
             return False
         from vllm.v1.request import RequestStatus
 
@@ -413,17 +404,22 @@ class SchedulerSide:
                 or not block_ids or any(len(b) == 0 for b in block_ids)):
             return False
         domain = request_domain(self.base_domain, request)
-        anchor_id = self.anchors.reserve(list(request.all_token_ids)[:n], domain)
-        if anchor_id is None:
+        r = self.cache.reserve(LinkKind.ANCHOR, list(request.all_token_ids)[:n], n, domain)
+        if r.addr is None:
             return False
-        self._finishing.append(CaptureJob(link_id=anchor_id, req_id=request.request_id,
-                                          row_start=0, row_end=n,
+        self._finishing.append(CaptureJob(addr=r.addr, req_id=request.request_id,
+                                          row_start=r.start, row_end=r.end,
                                           block_ids=[list(b) for b in block_ids],
                                           finishing=True))
         return True
 
-    def clear(self) -> int:
-        if self.tree is None:
+    def clear(self, tier: str | None = None, kind: str | None = None) -> int:
+        """Drop the links of `tier`/`kind` (None: all); payloads go to the workers as drops in
+        the next plan. ValueError names a tier or kind this cache does not have."""
+        if self.cache is None:
             return 0
-        # payloads go to the workers as drops in the next plan
-        return self.tree.clear() + self.anchors.clear()
+        return self.cache.clear(tier, kind)
+
+    def tier_names(self) -> list[str]:
+        """The tiers this engine's cache has (what a clear may name)."""
+        return [] if self.cache is None else self.cache.tier_names()

@@ -1,10 +1,18 @@
 """Cache stats on their way to Prometheus and /v1/cache/stats.
 
-The scheduler side sends the tree's cumulative `CacheStats` snapshot as connector stats every
+The scheduler side sends every tier's cumulative `CacheStats` snapshot as connector stats every
 step; vLLM carries it to the API-server process (process 0), where `HybridCacheProm.observe`
 turns counter growth into Prometheus increments, sets the gauges, and keeps the latest snapshot
 per engine for the HTTP route. Sending cumulative snapshots (not deltas) makes a lost or merged
 message harmless: the next one carries the whole truth.
+
+Every series has two labels: `tier`, where the bytes live (`ram` today), and `kind`, what kind
+of link it counts (`tree`: cold-exact prefill cuts; `anchor`: end-of-request states).
+
+Payload: {"epoch": id of the connector instance, "seq": n, "tiers": {tier: {kind: stats}}}.
+`seq` counts snapshots of one instance; an engine core that restarts builds a new connector,
+whose counters and `seq` start over under a new `epoch`, and the observer counts its snapshots
+as growth from zero instead of dropping them as old.
 """
 
 from __future__ import annotations
@@ -15,10 +23,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_hybridcache.core import CacheStats, MissReason, SkipReason
-
-TIER = "ram"
-SESSION_TIER = "session"  # end anchors (live continuation)
+from vllm_hybridcache.core import CacheStats, LinkKind, MissReason, SkipReason, Tier
 
 _latest_lock = threading.Lock()
 _latest: dict[int, dict[str, Any]] = {}
@@ -35,11 +40,29 @@ def _remember(engine_idx: int, data: dict[str, Any]) -> None:
         _latest[engine_idx] = data
 
 
-def encode(stats: CacheStats, seq: int, session: CacheStats | None = None) -> dict[str, Any]:
-    tiers = {TIER: msgspec.to_builtins(stats)}
-    if session is not None:
-        tiers[SESSION_TIER] = msgspec.to_builtins(session)
-    return {"seq": seq, "tiers": tiers}
+def encode(stats: dict[tuple[str, str], CacheStats], seq: int, epoch: str) -> dict[str, Any]:
+    """The connector-stats payload of one snapshot of every (tier, kind)."""
+    tiers: dict[str, dict[str, Any]] = {}
+    for (tier, kind), st in stats.items():
+        tiers.setdefault(tier, {})[kind] = msgspec.to_builtins(st)
+    return {"epoch": epoch, "seq": seq, "tiers": tiers}
+
+
+def _series(data: dict[str, Any]):
+    """(tier, kind, stats) of every series in a payload."""
+    for tier, kinds in data.get("tiers", {}).items():
+        for kind, st in kinds.items():
+            yield tier, kind, st
+
+
+def newer(cur: dict[str, Any], prev: dict[str, Any]) -> bool:
+    """Whether payload `cur` supersedes `prev` (same instance and later, or another instance:
+    a restarted engine, whose snapshots arrive after the old one's)."""
+    if not prev:
+        return True
+    if cur.get("epoch") != prev.get("epoch"):
+        return True
+    return cur.get("seq", 0) > prev.get("seq", -1)
 
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
@@ -50,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 
 @dataclass
 class HybridCacheStats(KVConnectorStats):
-    """Connector stats payload: {"seq": n, "tiers": {tier: CacheStats as builtins}}."""
+    """Connector stats payload: {"epoch", "seq", "tiers": {tier: {kind: CacheStats}}}."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -59,63 +82,74 @@ class HybridCacheStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> HybridCacheStats:
         # Cumulative snapshots: the newer one carries everything.
-        if not self.data or other.data.get("seq", -1) >= self.data.get("seq", -1):
+        if not self.data or other.data.get("seq", -1) == self.data.get("seq", -1) or newer(
+                other.data, self.data):
             return HybridCacheStats(data=dict(other.data))
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        ram = self.data.get("tiers", {}).get(TIER, {})
+        tot: dict[str, int] = {}
+        for _, _, st in _series(self.data):
+            for key in ("hits", "lookups", "tokens_served", "links", "bytes_held"):
+                tot[key] = tot.get(key, 0) + st.get(key, 0)
         return {
-            "hybridcache hits": ram.get("hits", 0),
-            "hybridcache lookups": ram.get("lookups", 0),
-            "hybridcache tokens served": ram.get("tokens_served", 0),
-            "hybridcache links": ram.get("links", 0),
-            "hybridcache MiB": round(ram.get("bytes_held", 0) / 2**20, 1),
+            "hybridcache hits": tot.get("hits", 0),
+            "hybridcache lookups": tot.get("lookups", 0),
+            "hybridcache tokens served": tot.get("tokens_served", 0),
+            "hybridcache links": tot.get("links", 0),
+            "hybridcache MiB": round(tot.get("bytes_held", 0) / 2**20, 1),
         }
 
     def is_empty(self) -> bool:
         return not self.data
 
 
-# name -> (help, source field); counters grow, gauges are set
+# name -> (help, source field); counters grow, gauges are set. Every series carries `tier`
+# (where the bytes live) and `kind` (tree: prefill-cut links; anchor: end-of-request states).
+_BY = " By tier (where the bytes live) and kind (tree or anchor link)."
 COUNTERS: dict[str, tuple[str, str]] = {
-    "vllm:hybridcache_lookups": ("Snapshot-cache lookups, by tier.", "lookups"),
-    "vllm:hybridcache_hits": ("Snapshot-cache lookups that found an exact link, by tier.", "hits"),
+    "vllm:hybridcache_lookups": ("Snapshot-cache lookups, counted under the kind that answered "
+                                 "(misses under tree)." + _BY, "lookups"),
+    "vllm:hybridcache_hits": ("Snapshot-cache lookups that found an exact link." + _BY, "hits"),
     "vllm:hybridcache_prompt_tokens": ("Prompt tokens of requests looked up in the snapshot "
-                                       "cache.", "prompt_tokens"),
+                                       "cache." + _BY, "prompt_tokens"),
     "vllm:hybridcache_cached_tokens": ("Prompt tokens served from the snapshot cache (restored "
-                                       "instead of prefilled), by tier.", "tokens_served"),
+                                       "instead of prefilled)." + _BY, "tokens_served"),
     "vllm:hybridcache_restore_failures": ("Restores that failed and fell back to a cold "
-                                          "prefill.", "restores_failed"),
-    "vllm:hybridcache_captures": ("Links captured and committed, by tier.", "captures"),
-    "vllm:hybridcache_capture_bytes": ("Bytes copied into the snapshot cache.", "capture_bytes"),
-    "vllm:hybridcache_restore_bytes": ("Bytes restored from the snapshot cache.",
+                                          "prefill." + _BY, "restores_failed"),
+    "vllm:hybridcache_captures": ("Links captured and committed." + _BY, "captures"),
+    "vllm:hybridcache_capture_bytes": ("Bytes copied into the snapshot cache." + _BY,
+                                       "capture_bytes"),
+    "vllm:hybridcache_restore_bytes": ("Bytes restored from the snapshot cache." + _BY,
                                        "restore_bytes"),
-    "vllm:hybridcache_evictions": ("Links evicted to stay within the budget, by tier.",
+    "vllm:hybridcache_evictions": ("Links evicted to stay within the budget." + _BY,
                                    "evictions"),
-    "vllm:hybridcache_aborts": ("Reserved links dropped because their step or copy failed.",
-                                "aborts"),
+    "vllm:hybridcache_aborts": ("Reserved links dropped because their step or copy failed."
+                                + _BY, "aborts"),
     "vllm:hybridcache_shortened_lookups": ("Lookups served from a shallower link than the "
                                            "deepest match, because the deeper link's state "
-                                           "depends on a token after its cut (MTP draft head).",
-                                           "shortened"),
+                                           "depends on a token after its cut (MTP draft head)."
+                                           + _BY, "shortened"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
-    "vllm:hybridcache_links": ("Links held in the snapshot cache, by tier.", "links"),
-    "vllm:hybridcache_bytes": ("Bytes held by the snapshot cache, by tier.", "bytes_held"),
-    "vllm:hybridcache_budget_bytes": ("Byte budget of the snapshot cache, by tier.",
+    "vllm:hybridcache_links": ("Links held in the snapshot cache." + _BY, "links"),
+    "vllm:hybridcache_bytes": ("Bytes held by the snapshot cache." + _BY, "bytes_held"),
+    "vllm:hybridcache_budget_bytes": ("Byte budget of the snapshot cache." + _BY,
                                       "budget_bytes"),
 }
 MISSES = ("vllm:hybridcache_misses", "Snapshot-cache misses by reason (no_prefix, evicted, "
-          "verify_failed, domain_mismatch, disabled, unkeyed_input).")
+          "verify_failed, domain_mismatch, disabled, unkeyed_input)." + _BY)
 SKIPS = ("vllm:hybridcache_capture_skips", "Captures skipped by reason (budget, memory_guard, "
-         "too_large, parent_refused, disabled).")
+         "too_large, parent_refused, disabled)." + _BY)
 HISTOGRAMS: dict[str, tuple[str, str]] = {
-    "vllm:hybridcache_capture_seconds": ("Seconds to copy one link into the cache.",
+    "vllm:hybridcache_capture_seconds": ("Seconds to copy one link into the cache." + _BY,
                                          "capture_seconds"),
-    "vllm:hybridcache_restore_seconds": ("Seconds to restore one chain of links.",
+    "vllm:hybridcache_restore_seconds": ("Seconds to restore one chain of links." + _BY,
                                          "restore_seconds"),
 }
+# the (tier, kind) series exported as zeros before any snapshot arrives
+SERIES: tuple[tuple[str, str], ...] = tuple(
+    (t.value, k.value) for t in Tier for k in LinkKind)
 
 
 class HybridCacheProm(KVConnectorPromMetrics):
@@ -123,14 +157,14 @@ class HybridCacheProm(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._prev: dict[int, dict[str, Any]] = {}
-        tl = [*labelnames, "tier"]
+        self._prev: dict[int, dict[str, Any]] = {}  # engine -> last payload counted
+        tl = [*labelnames, "tier", "kind"]
         self._counters = {n: self._counter_cls(name=n, documentation=h, labelnames=tl)
                           for n, (h, _) in COUNTERS.items()}
         self._gauges = {n: self._gauge_cls(name=n, documentation=h, labelnames=tl,
                                            multiprocess_mode="mostrecent")
                         for n, (h, _) in GAUGES.items()}
-        rl = [*labelnames, "tier", "reason"]
+        rl = [*tl, "reason"]
         self._misses = self._counter_cls(name=MISSES[0], documentation=MISSES[1], labelnames=rl)
         self._skips = self._counter_cls(name=SKIPS[0], documentation=SKIPS[1], labelnames=rl)
         from vllm_hybridcache.core.stats import SECONDS_BOUNDS
@@ -138,39 +172,47 @@ class HybridCacheProm(KVConnectorPromMetrics):
         self._hists = {n: self._histogram_cls(name=n, documentation=h, labelnames=tl,
                                               buckets=list(SECONDS_BOUNDS))
                        for n, (h, _) in HISTOGRAMS.items()}
-        for idx, values in per_engine_labelvalues.items():  # export zeros from the start
-            for c in self._counters.values():
-                c.labels(*values, TIER)
-            for r in MissReason:
-                self._misses.labels(*values, TIER, r.value)
-            for r in SkipReason:
-                self._skips.labels(*values, TIER, r.value)
-            del idx
+        for values in per_engine_labelvalues.values():  # export zeros from the start
+            for tier, kind in SERIES:
+                for c in self._counters.values():
+                    c.labels(*values, tier, kind)
+                for r in MissReason:
+                    self._misses.labels(*values, tier, kind, r.value)
+                for r in SkipReason:
+                    self._skips.labels(*values, tier, kind, r.value)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Count the growth since this engine's previous snapshot.
+
+        A snapshot of an older `seq` of the same instance is dropped (already counted). One of
+        another `epoch` comes from a restarted engine core: its counters started over, so all
+        of it is growth (measured from zero), and the old instance's snapshots are done.
+        """
         data = transfer_stats_data
         if "tiers" not in data:
             return
         prev_all = self._prev.get(engine_idx, {})
-        if prev_all and data.get("seq", 0) <= prev_all.get("seq", -1):
+        if not newer(data, prev_all):
             return
+        if prev_all.get("epoch") != data.get("epoch"):
+            prev_all = {}  # a new connector instance: its counters count from zero
         values = self.per_engine_labelvalues[engine_idx]
-        for tier, cur in data["tiers"].items():
-            prev = prev_all.get("tiers", {}).get(tier, {})
+        for tier, kind, cur in _series(data):
+            prev = prev_all.get("tiers", {}).get(tier, {}).get(kind, {})
             for name, (_, key) in COUNTERS.items():
                 delta = cur.get(key, 0) - prev.get(key, 0)
                 if delta > 0:
-                    self._counters[name].labels(*values, tier).inc(delta)
+                    self._counters[name].labels(*values, tier, kind).inc(delta)
             for name, (_, key) in GAUGES.items():
-                self._gauges[name].labels(*values, tier).set(cur.get(key, 0))
+                self._gauges[name].labels(*values, tier, kind).set(cur.get(key, 0))
             for metric, key in ((self._misses, "misses"), (self._skips, "skips")):
                 for reason, n in cur.get(key, {}).items():
                     delta = n - prev.get(key, {}).get(reason, 0)
                     if delta > 0:
-                        metric.labels(*values, tier, reason).inc(delta)
+                        metric.labels(*values, tier, kind, reason).inc(delta)
             for name, (_, key) in HISTOGRAMS.items():
-                self._observe_hist(self._hists[name].labels(*values, tier), cur.get(key),
-                                   prev.get(key))
+                self._observe_hist(self._hists[name].labels(*values, tier, kind),
+                                   cur.get(key), prev.get(key))
         self._prev[engine_idx] = data
         _remember(engine_idx, data)
 

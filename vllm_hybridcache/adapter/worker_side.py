@@ -17,7 +17,7 @@ import torch
 
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.core import LinkStore, MissingLinkError
+from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
 
 if TYPE_CHECKING:
     from vllm_hybridcache.instrumentation import Instrumentation
@@ -69,15 +69,15 @@ class WorkerSide:
     def _load(self, job: LoadJob) -> None:
         if self.instrumentation is not None:
             self.instrumentation.before_load(job)
-        if job.plan is None:
-            raise MissingLinkError("the chain changed between lookup and allocation")
+        if job.fail is not None:
+            raise MissingLinkError(None, job.fail)
         dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
 
         def sink(name: str, start: int, rows: torch.Tensor) -> None:
             gid, acc = self._rows[name]
             acc.scatter(job.block_ids[gid], start, rows)
 
-        self.store.restore(job.plan, dst, sink)
+        self.store.restore(job.chain, dst, sink)
 
     def start_load(self, plan: StepPlan) -> None:
         for job in plan.loads:
@@ -89,9 +89,10 @@ class WorkerSide:
                 if self.instrumentation is not None:
                     self.instrumentation.after_load(job, dt)
             except Exception as e:
-                logger.warning("hybridcache: restore of %s failed, recomputing: %s", job.req_id, e)
-                if isinstance(e, MissingLinkError) and isinstance(e.args[0], int):
-                    self._report.lost_links.add(e.args[0])
+                logger.warning("hybridcache: restore of %s failed, recomputing: %s", job.req_id, e,
+                               exc_info=not isinstance(e, MissingLinkError))
+                if isinstance(e, MissingLinkError) and e.link_id is not None:
+                    self._report.lost_links.add(job.addr(e.link_id))  # never offered again
                 self._report.failed_loads.add(job.req_id)
                 self._failed_recving.add(job.req_id)
             self._recving.add(job.req_id)
@@ -115,18 +116,19 @@ class WorkerSide:
             try:
                 self._capture(job)
                 dt = time.perf_counter() - t0
-                self._report.saved[job.link_id] = dt
+                self._report.saved[job.addr] = dt
                 if self.instrumentation is not None:
                     self.instrumentation.after_capture(job, dt)
-                self._report.saved_count[job.link_id] = 1
+                self._report.saved_count[job.addr] = 1
             except Exception as e:
-                logger.warning("hybridcache: capture of link %d failed: %s", job.link_id, e)
+                logger.warning("hybridcache: capture of link %d failed: %s", job.link_id, e,
+                               exc_info=True)
                 self.store.discard(job.link_id)
-                self._report.failed_saves.add(job.link_id)
+                self._report.failed_saves.add(job.addr)
             if job.finishing:
                 self._sending.add(job.req_id)  # vLLM may free the request's blocks now
-        if plan.drops:
-            self.store.drop(plan.drops)
+        if plan.drops:  # this worker holds the RAM tier's payloads, whatever their kind
+            self.store.drop([a.link_id for a in plan.drops if a.tier == Tier.RAM])
         if plan.probes and self.instrumentation is not None:
             for req_id, tokens, block_ids in plan.probes:
                 self.instrumentation.on_prefill_end(self, req_id, tokens, block_ids)

@@ -1,12 +1,17 @@
-"""Cache core: keys, snapshot tree, eviction, payload store, stats. Imports no vLLM.
+"""Cache core: keys, tiers, the cache facade, eviction, payload store, stats. Imports no vLLM.
 
-Scheduler side: SnapshotTree (metadata, decisions). Worker side: LinkStore (payload bytes).
-They talk only through plain data (link ids, row ranges) that the adapter ships in vLLM's
-per-step metadata. See docs/cache-core.md.
+Scheduler side: SnapshotCache (core/cache.py), a facade over CacheTier objects (core/tiers/:
+the RAM SnapshotTree and the EndAnchors today), all metadata and decisions. Worker side:
+LinkStore (payload bytes). They talk only through plain data (link addresses, row ranges) that
+the adapter ships in vLLM's per-step metadata. See docs/cache-core.md.
 
 API notes beyond the contract (additions only; nothing renamed or removed):
 - lookup/reserve accept a PromptKeys (tree.keys(tokens)) instead of raw tokens, to hash a prompt
   once per request; lookup's limit defaults to len(tokens).
+- Tiers: every lookup result, reservation and dropped id carries its (tier, kind); the facade
+  routes by that pair. Link ids come from one IdSource shared by the tiers (unique, never
+  reused); routing never reads their value. lookup takes `fits(p, tag)` and reserve a `tag`
+  (the MTP route's draft-row tokens); a refused deeper link marks the result `shortened`.
 - begin_restore returns bool: False when the chain changed since lookup (recorded as an
   `evicted` miss; prefill cold). end_restore raises KeyError for a plan that is not active.
 - commit returns bool (False: unknown/dropped id); abort returns the number of links dropped.
@@ -27,7 +32,7 @@ API notes beyond the contract (additions only; nothing renamed or removed):
   link_info, link_ids; eviction policies expose add/discard/accessed/victim.
 """
 
-from .anchors import ANCHOR_ID_BASE, AnchorHit, SessionAnchors
+from .cache import SnapshotCache
 from .config import GiB, TreeConfig
 from .eviction import CostPolicy, EvictionPolicy, LRUPolicy, make_policy
 from .keys import BLOCK, Hasher, PromptKeys, blake2b_128, make_domain
@@ -35,20 +40,37 @@ from .layout import SectionSpec, StateLayout, ViewSpec
 from .slabs import SlabArena
 from .stats import CacheStats, Histogram, MissReason, SkipReason
 from .store import LinkBuffers, LinkStore, MissingLinkError
-from .tree import LinkRef, LookupResult, Reservation, RestorePlan, SnapshotTree
+from .tiers import (
+    CacheTier,
+    EndAnchors,
+    Fits,
+    IdSource,
+    LinkAddr,
+    LinkKind,
+    LinkRef,
+    LookupResult,
+    Reservation,
+    RestorePlan,
+    SnapshotTree,
+    Tier,
+)
 
 __all__ = [
-    "ANCHOR_ID_BASE",
     "BLOCK",
-    "AnchorHit",
     "CacheStats",
+    "CacheTier",
     "CostPolicy",
+    "EndAnchors",
     "EvictionPolicy",
+    "Fits",
     "GiB",
     "Hasher",
     "Histogram",
+    "IdSource",
     "LRUPolicy",
+    "LinkAddr",
     "LinkBuffers",
+    "LinkKind",
     "LinkRef",
     "LinkStore",
     "LookupResult",
@@ -58,11 +80,12 @@ __all__ = [
     "Reservation",
     "RestorePlan",
     "SectionSpec",
-    "SessionAnchors",
     "SkipReason",
     "SlabArena",
+    "SnapshotCache",
     "SnapshotTree",
     "StateLayout",
+    "Tier",
     "TreeConfig",
     "ViewSpec",
     "blake2b_128",

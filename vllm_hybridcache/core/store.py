@@ -13,14 +13,14 @@ thread of its worker process). See docs/cache-core.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
 from .layout import StateLayout, torch_dtype
 from .slabs import Block, SlabArena
-from .tree import RestorePlan
+from .tiers.base import LinkRef, RestorePlan
 
 __all__ = ["LinkBuffers", "LinkStore", "MissingLinkError"]
 
@@ -28,10 +28,30 @@ ALIGN = 64
 DEFAULT_SLAB_BYTES = 256 << 20  # power of two: torch's pinned allocator holds it exactly
 
 ViewSink = Callable[[str, int, torch.Tensor], None]
+# What a restore reads: a RestorePlan, or just its chain (what the worker receives).
+Chain = RestorePlan | Sequence[LinkRef]
 
 
 class MissingLinkError(KeyError):
-    """A plan names a link this store does not hold (sealed); the adapter prefills cold."""
+    """A plan names a link this store cannot restore; the adapter prefills cold.
+
+    `link_id` names the link at fault (absent, unsealed, or holding other rows than the plan
+    wants), so the adapter can have the scheduler drop it instead of offering it again; None
+    when no particular link is at fault (the chain changed before the load was planned).
+    """
+
+    def __init__(self, link_id: int | None, detail: str | None = None) -> None:
+        self.link_id = link_id
+        self.detail = detail or (f"link {link_id} is not held" if link_id is not None
+                                 else "no link to restore")
+        super().__init__(self.detail)
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def _chain(plan: Chain) -> tuple[LinkRef, ...]:
+    return plan.chain if isinstance(plan, RestorePlan) else tuple(plan)
 
 
 class LinkBuffers(NamedTuple):
@@ -154,41 +174,47 @@ class LinkStore:
         self.drop((link_id,))
 
     # ------------------------------------------------------------------ restore
-    def _check(self, plan: RestorePlan) -> list[_Entry]:
+    def _check(self, chain: tuple[LinkRef, ...]) -> list[_Entry]:
+        if not chain:
+            raise MissingLinkError(None, "empty restore chain")
         entries = []
-        for ref in plan.chain:
+        for ref in chain:
             e = self._entries.get(ref.link_id)
             if e is None or not e.sealed:
                 raise MissingLinkError(ref.link_id)
             want = self.layout.view_rows(ref.start, ref.end)
             if e.rows != want:
-                raise MissingLinkError(f"link {ref.link_id} holds {e.rows} rows, plan wants "
-                                       f"{want}")
+                raise MissingLinkError(ref.link_id, f"link {ref.link_id} holds {e.rows} rows, "
+                                       f"plan wants {want}")
             entries.append(e)
         return entries
 
     def restore(
         self,
-        plan: RestorePlan,
+        plan: Chain,
         section_dst: Mapping[str, torch.Tensor],
         view_sink: ViewSink,
         non_blocking: bool = False,
     ) -> int:
         """Copy the deepest link's sections into section_dst[name] and hand every link's view
+        rows to view_sink. `plan` is a RestorePlan or its chain of LinkRefs (root first).
+
+        The deepest link's sections go to section_dst[name]; every link's view
         rows to view_sink(name, start_row, rows) (a view of the stored rows, no copy), in chain
         order; start_row is ref.start // layout.view_block_tokens (a token, or a block index
         when rows are blocks; a later link's copy of a shared boundary block comes later and
         supersedes the earlier one). Every link is checked before the first byte moves, so a
         MissingLinkError leaves the destinations untouched. Returns the bytes handed over.
         """
-        entries = self._check(plan)
+        chain = _chain(plan)
+        entries = self._check(chain)
         last = entries[-1]
         moved = 0
         for name, o, n, dt, shape in self._sec:
             src = last.buf[o : o + n].view(dt).view(shape)
             section_dst[name].copy_(src, non_blocking=non_blocking)
             moved += n
-        for ref, e in zip(plan.chain, entries, strict=True):
+        for ref, e in zip(chain, entries, strict=True):
             if e.rows == 0:
                 continue
             lo = ref.start // self.layout.view_block_tokens
@@ -198,12 +224,13 @@ class LinkStore:
         return moved
 
     def restore_views_into(
-        self, plan: RestorePlan, dst: Mapping[str, torch.Tensor], non_blocking: bool = False
+        self, plan: Chain, dst: Mapping[str, torch.Tensor], non_blocking: bool = False
     ) -> int:
         """Copy every view's rows of the chain into dst[name] at row ref.start //
         view_block_tokens (dst: [n >= rows of the prefix, *row_shape]), in chain order.
         Sections are not touched. Returns the bytes copied."""
-        entries = self._check(plan)
+        chain = _chain(plan)
+        entries = self._check(chain)
         moved = 0
         # Contiguous destinations are written as raw bytes: one slice + one copy per link and
         # view, no typed views to build (this keeps assembly close to a plain copy).
@@ -222,14 +249,14 @@ class LinkStore:
                 for name, o, n in offs:
                     srcs[name].append(e.buf[o : o + n])
                     moved += n
-            start = plan.chain[0].start
+            start, end = chain[0].start, chain[-1].end
             for name, bpr, _, _ in self._views:
                 if srcs[name]:
                     out = flat[name]
                     assert out is not None
-                    torch.cat(srcs[name], out=out[start * bpr : plan.tokens * bpr])
+                    torch.cat(srcs[name], out=out[start * bpr : end * bpr])
             return moved
-        for ref, e in zip(plan.chain, entries, strict=True):
+        for ref, e in zip(chain, entries, strict=True):
             if e.rows == 0:
                 continue
             lo = ref.start // self.layout.view_block_tokens  # first stored row (token/block)

@@ -1,4 +1,4 @@
-"""SnapshotTree: the scheduler-side half of the cache. Metadata only, no payload bytes.
+"""SnapshotTree: the RAM tier's cold-exact links (tier `ram`, kind `tree`). Metadata only.
 
 A link at cut p holds every section at p and the view rows [parent.p, p), where the parent is
 the deepest link stored on the same prefix and domain when the link was reserved. The tree keeps
@@ -21,77 +21,30 @@ import msgspec
 import numpy as np
 import psutil
 
-from .config import TreeConfig
-from .eviction import EvictionPolicy, make_policy
-from .keys import Hasher, PromptKeys, blake2b_128
-from .layout import StateLayout
-from .stats import CacheStats, MissReason, SkipReason, StatsRecorder
+from ..config import TreeConfig
+from ..eviction import EvictionPolicy, make_policy
+from ..keys import Hasher, PromptKeys, blake2b_128
+from ..layout import StateLayout
+from ..stats import CacheStats, MissReason, SkipReason, StatsRecorder
+from .base import (
+    CacheTier,
+    Fits,
+    IdSource,
+    LinkKind,
+    LinkRef,
+    LookupResult,
+    Reservation,
+    RestorePlan,
+    Tier,
+    Tokens,
+)
 
-__all__ = ["LinkRef", "LookupResult", "Reservation", "RestorePlan", "SnapshotTree"]
+__all__ = ["COMMITTED", "PENDING", "SnapshotTree"]
 
-Tokens = Sequence[int] | np.ndarray | PromptKeys
 Key = tuple[bytes, int, bytes]  # (domain, p, digest)
 
 PENDING = 0
 COMMITTED = 1
-
-
-class LinkRef(msgspec.Struct, frozen=True, array_like=True):
-    """One link of a restore chain and the view rows [start, end) it holds."""
-
-    link_id: int
-    start: int
-    end: int
-
-
-class RestorePlan(msgspec.Struct, frozen=True):
-    """What a restore moves: the chain root -> deepest and the bytes per part.
-
-    Sections are copied from the deepest link only; view rows come from every link in order, and
-    their concatenation is exactly the rows [0, tokens) of the prefix.
-    """
-
-    chain: tuple[LinkRef, ...]
-    tokens: int
-    part_bytes: dict[str, int]
-    total_bytes: int
-
-    @property
-    def deepest(self) -> int:
-        return self.chain[-1].link_id
-
-    @property
-    def link_ids(self) -> tuple[int, ...]:
-        return tuple(r.link_id for r in self.chain)
-
-
-class LookupResult(msgspec.Struct, frozen=True):
-    """Outcome of SnapshotTree.lookup (pure; record it with begin_restore / record_lookup)."""
-
-    hit: bool
-    tokens: int  # depth served, 0 on a miss
-    plan: RestorePlan | None
-    miss_reason: str | None  # a MissReason value on a miss
-    prompt_tokens: int = 0
-    limit: int = 0
-    verify_collisions: int = 0  # digests that matched with different tokens on the way
-
-
-class Reservation(msgspec.Struct, frozen=True):
-    """Outcome of SnapshotTree.reserve.
-
-    link_id is the new pending link to fill with view rows [start, end) and every section at
-    end, or None: then skip_reason says why it was refused, or existing_id names the link that
-    already holds this exact key (a dedup: nothing to capture, not a skip).
-    """
-
-    link_id: int | None
-    parent_id: int | None
-    start: int
-    end: int
-    skip_reason: str | None = None
-    existing_id: int | None = None
-    nbytes: int = 0
 
 
 class _Node:
@@ -136,12 +89,12 @@ class _Root(_Node):
 class _Link(_Node):
     __slots__ = (
         "digest", "domain", "doomed", "freq", "hits", "id", "last_access", "nbytes", "parent",
-        "pins", "start", "state", "tokens",
+        "pins", "start", "state", "tag", "tokens",
     )
 
     def __init__(
         self, link_id: int, domain: bytes, p: int, parent: _Node, tokens: bytes, digest: bytes,
-        nbytes: int, now: float,
+        nbytes: int, now: float, tag: object = None,
     ) -> None:
         super().__init__(p)
         self.id = link_id
@@ -156,7 +109,8 @@ class _Link(_Node):
         self.hits = 0
         self.last_access = now
         self.freq = 0.0  # decayed use count, kept by the eviction policy
-        self.doomed = False
+        self.doomed = False  # detached while pinned: payload dropped when the last pin goes
+        self.tag = tag  # opaque, from reserve(); only a lookup's `fits` predicate reads it
 
     @property
     def key(self) -> Key:
@@ -211,13 +165,18 @@ class _KeyMemory:
         self._pos.clear()
 
 
-class SnapshotTree:
+class SnapshotTree(CacheTier):
     """Scheduler-side snapshot tree (see module docstring and docs/cache-core.md).
 
     hasher: digest function for prefix keys (default blake2b-128); tests inject a weak one.
     available_memory: () -> bytes of host memory available (default psutil).
     clock: () -> seconds, for LRU order and ages (default time.monotonic).
+    next_id: the id source shared with the cache's other tiers (default: ids from 1).
     """
+
+    tier = Tier.RAM
+    kind = LinkKind.TREE
+    cold_exact = True
 
     def __init__(
         self,
@@ -226,6 +185,7 @@ class SnapshotTree:
         hasher: Hasher | None = None,
         available_memory: Callable[[], int] | None = None,
         clock: Callable[[], float] | None = None,
+        next_id: Callable[[], int] | None = None,
     ) -> None:
         self.layout = layout
         self.config = config if config is not None else TreeConfig()
@@ -243,7 +203,7 @@ class SnapshotTree:
         self._ghosts = _KeyMemory(self.config.ghost_capacity)
         self._tombs = _KeyMemory(self.config.tombstone_capacity)
         self._dropped: list[int] = []
-        self._next_id = 1
+        self._next_id = next_id if next_id is not None else IdSource()
         self._bytes_held = 0
         self._bytes_pending = 0
         self._n_pending = 0
@@ -252,6 +212,10 @@ class SnapshotTree:
         self._rec = StatsRecorder()
 
     # ------------------------------------------------------------------ queries
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
     def keys(self, tokens: Sequence[int] | np.ndarray) -> PromptKeys:
         """Digest cache for one prompt; pass it to lookup/reserve to hash a prompt only once."""
         return PromptKeys(tokens, self._hasher)
@@ -276,15 +240,19 @@ class SnapshotTree:
         return link_id in self._links
 
     def _deepest(
-        self, keys: PromptKeys, root: _Root, limit: int, committed_only: bool
-    ) -> tuple[_Link | None, int]:
+        self, keys: PromptKeys, root: _Root, limit: int, committed_only: bool,
+        fits: Fits | None = None,
+    ) -> tuple[_Link | None, int, int]:
         """Deepest link under `root` whose whole token chain equals keys.tokens[:p], p <= limit.
 
         Walks down from the root through links whose own tokens match the prompt, so every link
-        on the returned chain has been compared token for token. Returns (link, collisions).
+        on the returned chain has been compared token for token. A link that matches but does
+        not `fits` is neither taken nor descended into: every link of the returned chain fits.
+        Returns (link, collisions, deepest cut refused by fits, 0 if none).
         """
         best: _Link | None = None
         collisions = 0
+        refused = 0
         dom = root.domain
         index = self._index
         raw = keys.raw
@@ -310,11 +278,14 @@ class SnapshotTree:
                     if raw[child.start * 8 : q * 8] != child.tokens:
                         collisions += 1
                         continue
+                    if fits is not None and not fits(q, child.tag):
+                        refused = max(refused, q)
+                        continue
                     if best is None or q > best.p:
                         best = child
                     if child.kids:
                         stack.append(child)
-        return best, collisions
+        return best, collisions, refused
 
     def _other_domain_has(self, keys: PromptKeys, domain: bytes, limit: int) -> bool:
         raw = keys.raw
@@ -341,11 +312,16 @@ class SnapshotTree:
                 self.layout.view_rows(r.start, r.end) for r in chain)
         return RestorePlan(tuple(chain), link.p, parts, sum(parts.values()))
 
-    def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None) -> LookupResult:
+    def lookup(
+        self, tokens: Tokens, domain: bytes, limit: int | None = None, fits: Fits | None = None
+    ) -> LookupResult:
         """Deepest committed link whose tokens are a prefix of tokens[:limit], and its plan.
 
         Pure: no stats, no LRU touch, no pins (vLLM may ask several times for one request).
         The adapter passes limit = len(prompt) - 1 so a hit always leaves a token to prefill.
+        `fits(p, tag)` refuses links whose state depends on more than the tokens before p (with
+        MTP, the draft head's row at p - 1 reads the token at p): the chain ends before such a
+        link, and the result says `shortened` when the refused link was deeper than the hit.
         """
         keys = self._as_keys(tokens)
         n = len(keys)
@@ -353,12 +329,14 @@ class SnapshotTree:
         if not self.config.enabled:
             return LookupResult(False, 0, None, MissReason.DISABLED.value, n, lim)
         root = self._roots.get(domain)
-        best, collisions = (None, 0)
+        best, collisions, refused = (None, 0, 0)
         if root is not None:
-            best, collisions = self._deepest(keys, root, lim, committed_only=True)
+            best, collisions, refused = self._deepest(keys, root, lim, True, fits)
+        shortened = refused > (best.p if best is not None else 0)
         if best is not None:
             plan = self._plan(best)
-            return LookupResult(True, best.p, plan, None, n, lim, collisions)
+            return LookupResult(True, best.p, plan, None, n, lim, collisions,
+                                shortened=shortened)
         if collisions:
             reason = MissReason.VERIFY_FAILED
         elif self._ghosts.match(keys, domain, 0, lim):
@@ -367,22 +345,19 @@ class SnapshotTree:
             reason = MissReason.DOMAIN_MISMATCH
         else:
             reason = MissReason.NO_PREFIX
-        return LookupResult(False, 0, None, reason.value, n, lim, collisions)
+        return LookupResult(False, 0, None, reason.value, n, lim, collisions,
+                            shortened=shortened)
 
     # ------------------------------------------------------------------ restores
-    def record_shortened(self) -> None:
-        """Count a lookup whose deepest link the adapter refused for a shallower one.
-
-        The tree matches tokens before a cut; an adapter may know that a link's state also
-        depends on something after it (with MTP, the draft head's row at p - 1 reads the token
-        at p) and look up again with a lower limit. Counted so a user sees the reuse it costs.
-        """
-        self._rec.s.shortened += 1
-
     def record_lookup(self, res: LookupResult) -> None:
-        """Count a lookup outcome without restoring (e.g. the adapter chose not to use it)."""
+        """Count a lookup outcome without restoring (e.g. the adapter chose not to use it).
+
+        A `shortened` lookup (a deeper link refused by `fits`) is counted so a user sees the
+        reuse the predicate costs.
+        """
         s = self._rec.s
         s.lookups += 1
+        s.shortened += res.shortened
         s.prompt_tokens += res.prompt_tokens
         s.verify_collisions += res.verify_collisions
         if res.hit and res.plan is not None:
@@ -470,12 +445,13 @@ class SnapshotTree:
             self._refresh(link)
 
     # ------------------------------------------------------------------ captures
-    def reserve(self, tokens: Tokens, p: int, domain: bytes) -> Reservation:
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: object = None) -> Reservation:
         """Reserve a pending link at cut p of `tokens` (a prompt or a prefix of it, len >= p).
 
         The parent is the deepest committed or pending link on the same prefix and domain; the
         new link will hold view rows [parent.p, p). Refusals are counted by SkipReason; a key
-        that is already present returns existing_id and no new link (a dedup, not a skip).
+        that is already present returns existing_id and no new link (a dedup, not a skip; the
+        existing link keeps its tag). `tag` is kept for lookups' `fits` predicate.
         """
         keys = self._as_keys(tokens)
         if not 1 <= p <= len(keys):
@@ -489,7 +465,7 @@ class SnapshotTree:
         root = self._roots.get(domain)
         parent: _Link | None = None
         if root is not None:
-            parent, collisions = self._deepest(keys, root, p, committed_only=False)
+            parent, collisions, _ = self._deepest(keys, root, p, committed_only=False)
             s.verify_collisions += collisions
         start = parent.p if parent is not None else 0
         parent_id = parent.id if parent is not None else None
@@ -518,10 +494,9 @@ class SnapshotTree:
             root = self._roots[domain] = _Root(domain)
         pnode: _Node = parent if parent is not None else root
         link = _Link(
-            self._next_id, root.domain, p, pnode, keys.token_bytes(start, p), key[2], nbytes,
-            self._clock(),
+            self._next_id(), root.domain, p, pnode, keys.token_bytes(start, p), key[2], nbytes,
+            self._clock(), tag,
         )
-        self._next_id += 1
         self._attach(link, root)
         self._tombs.discard(key)
         self._ghosts.discard(key)
@@ -738,3 +713,48 @@ class SnapshotTree:
 
     def link_ids(self) -> list[int]:
         return list(self._links)
+
+    def sanity_check(self) -> None:
+        """Recount every structure from scratch and compare (tests call it after each step).
+
+        Checks the byte and count gauges, the budget, parent/child and index consistency,
+        that the eviction candidates are exactly the committed unpinned leaves, that no
+        committed link hangs under a pending one unseen by lookups' rules, and that every
+        doomed link is still pinned (its payload must not have been handed out yet).
+        """
+        links = self._links
+        held = sum(link.nbytes for link in links.values())
+        pending = [link for link in links.values() if link.state == PENDING]
+        assert held == self._bytes_held, (held, self._bytes_held)
+        assert sum(link.nbytes for link in pending) == self._bytes_pending
+        assert len(pending) == self._n_pending
+        pinned = [link for link in (*links.values(), *self._doomed.values()) if link.pins > 0]
+        assert len(pinned) == self._n_pinned, (len(pinned), self._n_pinned)
+        assert sum(link.nbytes for link in pinned) == self._bytes_pinned
+        assert self._bytes_held <= self.config.budget_bytes or not self.config.enabled
+        for link in self._doomed.values():
+            assert link.doomed and link.pins > 0 and link.id not in links
+        per_root: Counter[bytes] = Counter()
+        for link in links.values():
+            assert not link.doomed
+            per_root[link.domain] += 1
+            parent = link.parent
+            if isinstance(parent, _Link):
+                assert parent.id in links, f"link {link.id} outlives its parent {parent.id}"
+                assert parent.domain == link.domain and parent.p == link.start < link.p
+            else:
+                assert parent is self._roots.get(link.domain) and link.start == 0
+            assert parent.kids is not None and parent.kids[link.p].get(link.id) is link
+            assert link in self._index[link.key]
+            assert len(link.tokens) == (link.p - link.start) * 8
+            leaf = link.state == COMMITTED and link.nkids == 0 and link.pins == 0
+            assert (link.id in self.policy) == leaf, f"link {link.id}: candidate != leaf"
+        for node in (*self._roots.values(), *links.values()):
+            assert node.nkids == sum(len(at) for at in (node.kids or {}).values())
+        assert {d: r.links for d, r in self._roots.items()} == dict(per_root)
+        assert sum(len(b) for b in self._index.values()) == len(links)
+        assert sum(self._root_pos.values()) == sum(len(b) for b in self._root_index.values())
+        for ids in self._active:
+            for lid in ids:
+                link = links.get(lid) or self._doomed.get(lid)
+                assert link is None or link.pins > 0, f"link {lid} of an active restore unpinned"

@@ -1,0 +1,181 @@
+"""SnapshotCache: one facade over every tier, so a new tier plugs in as one CacheTier object.
+
+The adapter talks to this facade only. A lookup asks every tier and keeps the deepest hit;
+everything handed out (lookup results, reservations, dropped ids) carries the tier and kind
+that own it, and every later call (begin/end restore, commit, abort, invalidate, clear, stats)
+is routed by that pair, never by the value of a link id. The tiers share one id source, so a
+worker store holding the payloads of several tiers never sees two links with one id.
+
+Single-threaded like the tiers: the scheduler thread of vLLM's EngineCore process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .keys import PromptKeys
+from .stats import CacheStats, MissReason
+from .tiers.base import (
+    CacheTier,
+    Fits,
+    LinkAddr,
+    LinkKind,
+    LookupResult,
+    Reservation,
+    Tokens,
+)
+
+__all__ = ["SnapshotCache"]
+
+Route = tuple[str, str]  # (tier, kind)
+
+
+class SnapshotCache:
+    """The cache as the adapter sees it: an ordered list of tiers behind one set of calls.
+
+    Order matters twice: the first tier is the *primary* one (it names the miss reason when
+    nothing hits, and records misses), and on a tie in depth a later tier's hit wins (end
+    anchors come after the tree: an anchor as deep as a tree link is this conversation's own
+    state, kept for it).
+    """
+
+    def __init__(self, tiers: Sequence[CacheTier]) -> None:
+        if not tiers:
+            raise ValueError("a cache needs at least one tier")
+        self._tiers: dict[Route, CacheTier] = {}
+        for t in tiers:
+            route = (t.tier.value, t.kind.value)
+            if route in self._tiers:
+                raise ValueError(f"two tiers for {route}")
+            self._tiers[route] = t
+        self._primary = tiers[0]
+
+    # ------------------------------------------------------------------ routing
+    def tier(self, tier: str, kind: str) -> CacheTier | None:
+        """The tier holding links of `kind` in `tier`, or None."""
+        return self._tiers.get((str(tier), str(kind)))
+
+    def _route(self, tier: str, kind: str) -> CacheTier:
+        t = self._tiers.get((str(tier), str(kind)))
+        if t is None:
+            raise KeyError(f"no tier {tier!r} of kind {kind!r}")
+        return t
+
+    def routes(self) -> list[Route]:
+        """Every (tier, kind) pair this cache has, in order."""
+        return list(self._tiers)
+
+    def tier_names(self) -> list[str]:
+        """Distinct tiers (where bytes live), in order: what a clear may name."""
+        return list(dict.fromkeys(t for t, _ in self._tiers))
+
+    def admits(self, kind: LinkKind | str) -> bool:
+        """Whether some enabled tier takes new links of this kind."""
+        return any(t.enabled for (_, k), t in self._tiers.items() if k == str(kind))
+
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> PromptKeys:
+        """One digest cache per prompt, with the primary tier's hasher (reused by every tier)."""
+        return self._primary.keys(tokens)
+
+    # ------------------------------------------------------------------ lookups and restores
+    def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
+               fits: Fits | None = None) -> LookupResult:
+        """The deepest hit of any tier (pending hits included: the caller asks again), else the
+        primary tier's miss. Pure, like every tier's lookup."""
+        best: LookupResult | None = None
+        primary: LookupResult | None = None
+        for t in self._tiers.values():
+            res = t.lookup(tokens, domain, limit, fits)
+            if t is self._primary:
+                primary = res
+            if res.hit and (best is None or res.tokens >= best.tokens):
+                best = res
+        assert primary is not None
+        return best if best is not None else primary
+
+    def miss(self, reason: MissReason, prompt_tokens: int, limit: int) -> LookupResult:
+        """A miss the adapter decides without looking (e.g. `unkeyed_input`), answered by the
+        primary tier so that recording it counts it there."""
+        p = self._primary
+        return LookupResult(False, 0, None, reason.value, prompt_tokens, limit,
+                            tier=p.tier.value, kind=p.kind.value)
+
+    def record_lookup(self, res: LookupResult) -> None:
+        self._route(res.tier, res.kind).record_lookup(res)
+
+    def begin_restore(self, res: LookupResult) -> bool:
+        return self._route(res.tier, res.kind).begin_restore(res)
+
+    def end_restore(self, res: LookupResult, ok: bool, seconds: float = 0.0) -> None:
+        """End a restore begun with begin_restore(res). KeyError if it is not active."""
+        if res.plan is None:
+            raise KeyError("a miss has no restore to end")
+        self._route(res.tier, res.kind).end_restore(res.plan, ok, seconds)
+
+    def cold_exact(self, res: LookupResult) -> bool:
+        """Whether a request resumed from this result may still publish tree links."""
+        return self._route(res.tier, res.kind).cold_exact
+
+    # ------------------------------------------------------------------ publication
+    def reserve(self, kind: LinkKind | str, tokens: Tokens, p: int, domain: bytes,
+                tag: Any = None) -> Reservation:
+        """A pending link of `kind` in the first tier that holds that kind (new links are
+        admitted in the fastest tier; slower tiers receive them from it)."""
+        for (_, k), t in self._tiers.items():
+            if k == str(kind):
+                return t.reserve(tokens, p, domain, tag)
+        raise KeyError(f"no tier holds links of kind {kind!r}")
+
+    def commit(self, addr: LinkAddr, seconds: float = 0.0) -> bool:
+        return self._route(addr.tier, addr.kind).commit(addr.link_id, seconds)
+
+    def abort(self, addr: LinkAddr) -> int:
+        return self._route(addr.tier, addr.kind).abort(addr.link_id)
+
+    def invalidate(self, addrs: Iterable[LinkAddr]) -> int:
+        """Drop links a worker reported lost, each in its own tier."""
+        by_route: dict[Route, list[int]] = {}
+        for a in addrs:
+            by_route.setdefault((a.tier, a.kind), []).append(a.link_id)
+        return sum(self._route(*r).invalidate(sorted(ids)) for r, ids in by_route.items())
+
+    # ------------------------------------------------------------------ housekeeping
+    def clear(self, tier: str | None = None, kind: str | None = None) -> int:
+        """Drop every link of the tiers matching `tier` and `kind` (None: any). Unknown names
+        raise ValueError, so a caller never believes it cleared what does not exist."""
+        if tier is not None and tier not in self.tier_names():
+            raise ValueError(f"unknown tier {tier!r}; this cache has {self.tier_names()}")
+        kinds = {k for _, k in self._tiers}
+        if kind is not None and kind not in kinds:
+            raise ValueError(f"unknown kind {kind!r}; this cache has {sorted(kinds)}")
+        return sum(t.clear() for (ti, k), t in self._tiers.items()
+                   if (tier is None or ti == tier) and (kind is None or k == kind))
+
+    def drain_dropped(self) -> list[LinkAddr]:
+        """Every tier's dropped ids, addressed, for the workers to free."""
+        return [LinkAddr(ti, k, lid) for (ti, k), t in self._tiers.items()
+                for lid in t.drain_dropped()]
+
+    def stats(self) -> dict[Route, CacheStats]:
+        return {route: t.stats() for route, t in self._tiers.items()}
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(t.bytes_held for t in self._tiers.values())
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tiers.values())
+
+    def sanity_check(self) -> None:
+        """Every tier's own invariants, plus the facade's: no link id is held by two tiers of
+        one place (a worker store keys payloads by id alone)."""
+        seen: dict[str, set[int]] = {}
+        for (ti, _), t in self._tiers.items():
+            t.sanity_check()
+            ids = set(t.link_ids())
+            held = seen.setdefault(ti, set())
+            assert not ids & held, f"link ids held twice in tier {ti}: {sorted(ids & held)}"
+            held |= ids
