@@ -77,6 +77,14 @@ HC_HD inline void copy_tile(const int64_t* table, int64_t row, int64_t tile, int
   const int64_t begin = (tile - r[HC_FIRST_TILE]) * tile_words;
   int64_t end = begin + tile_words;
   if (end > words) end = words;
+#if !defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+  // Host: a worker owns the whole tile, and libc's memcpy moves it at full bandwidth (the word
+  // loop below is the same copy; g++ does not always turn it into one).
+  if (step == 1 && lane == 0) {
+    if (end > begin) __builtin_memcpy(dst + begin, src + begin, (end - begin) * sizeof(W));
+    return;
+  }
+#endif
   for (int64_t i = begin + lane; i < end; i += step) dst[i] = src[i];
 }
 
