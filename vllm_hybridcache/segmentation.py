@@ -2,7 +2,7 @@
 
 Cold and resumed prefills of the same prompt cut at the same positions, so a link captured at a
 cut and restored later leaves the resumed request to run exactly the forward steps a cold
-prefill runs: this is what makes restores exact (design.md, "Segmentation").
+prefill runs: this is what makes restores exact (docs/architecture.md, "Vocabulary").
 
 Cuts are every multiple of the grid G, plus (optionally) the position right after a
 message-end token (`<|im_end|>`) when at least M tokens follow the previous cut. Whether a

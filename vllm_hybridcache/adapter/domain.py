@@ -1,4 +1,4 @@
-"""Domains: what must be equal for two cache keys to be comparable (design.md, "Domain")."""
+"""Domains: what must be equal for two cache keys to be comparable (docs/architecture.md, "Vocabulary")."""
 
 from __future__ import annotations
 
