@@ -1,4 +1,9 @@
-"""Domains: what must be equal for two cache keys to be comparable (docs/architecture.md, "Vocabulary")."""
+"""Domains: what must be equal for two cache keys to be comparable.
+
+See docs/architecture.md ("Vocabulary"): inside one engine, the domain separates what changes
+a state's meaning (tenant, adapter, route); adapter/fingerprint.py adds what changes the
+arithmetic between engines.
+"""
 
 from __future__ import annotations
 
