@@ -28,7 +28,10 @@ state digests recorded by the connector's `Instrumentation`.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +50,12 @@ MAMBA_LAYER = "gdn.0"
 ATTN_LAYER = "attn.1"
 
 
+@functools.cache
 def _model_dir() -> str:
     """A folder holding only a config.json, enough for vLLM's `ModelConfig` (no weights, no
-    tokenizer: the harness never loads a model)."""
+    tokenizer: the harness never loads a model). One per process, removed at exit."""
     d = Path(tempfile.mkdtemp(prefix="hc-harness-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
