@@ -37,6 +37,7 @@ FLASH_NEXT_SKIP_ENV = ENV_PREFIX + "FLASH_NEXT_SKIP"
 COPY_BACKEND_ENV = ENV_PREFIX + "COPY_BACKEND"
 CSRC_ENV = ENV_PREFIX + "CSRC"
 CLANG_ENV = ENV_PREFIX + "CLANG"
+GPU_TARGET_ENV = ENV_PREFIX + "GPU_TARGET"
 
 PROCESS_ENV: dict[str, str] = {
     ALLOW_UNSUPPORTED_VLLM_ENV: "1 = start on a vLLM outside the supported versions (warns)",
@@ -47,6 +48,7 @@ PROCESS_ENV: dict[str, str] = {
     COPY_BACKEND_ENV: "snapshot copy kernels: auto, csrc, triton or torch",
     CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
     CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",
+    GPU_TARGET_ENV: "set by the ROCm image: the GPU target its kernels were built for (a label)",
 }
 """Our environment variables that are not cache settings: name -> meaning."""
 

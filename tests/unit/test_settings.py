@@ -148,11 +148,33 @@ def test_every_variable_the_package_reads_is_a_known_name():
     assert "VLLM_HYBRIDCACHE_GRID" in SETTING_ENV
 
 
+def _deployment_env_names() -> dict[str, set[str]]:
+    """VLLM_HYBRIDCACHE_* names the images and compose files set (file -> names)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).parents[2]
+    files = [*repo.glob("Dockerfile*"), *(repo / "deploy").rglob("*.y*ml")]
+    found = {str(f.relative_to(repo)): set(re.findall(r"VLLM_HYBRIDCACHE_[A-Z0-9_]+",
+                                                      f.read_text(encoding="utf-8")))
+             for f in files}
+    return {f: n for f, n in found.items() if n}
+
+
+def test_deployment_files_set_only_known_variables():
+    """An image or compose file setting an unknown name would stop every start-up."""
+    from vllm_hybridcache.config import KNOWN_ENV
+
+    unknown = {f: sorted(n - KNOWN_ENV) for f, n in _deployment_env_names().items()
+               if n - KNOWN_ENV}
+    assert not unknown, f"declare these in config.PROCESS_ENV or drop them: {unknown}"
+
+
 def test_every_declared_process_variable_is_used():
     from vllm_hybridcache.config import PROCESS_ENV
 
-    used = set().union(*_package_env_names().values())
-    assert not set(PROCESS_ENV) - used, "declared but read nowhere: remove from PROCESS_ENV"
+    used = set().union(*_package_env_names().values(), *_deployment_env_names().values())
+    assert not set(PROCESS_ENV) - used, "declared but set or read nowhere: remove it"
 
 
 def test_every_known_variable_is_documented():
