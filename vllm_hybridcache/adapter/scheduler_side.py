@@ -45,6 +45,9 @@ class _Live:
 
     Created by the first hook that sees the request; removed by request_finished, or, when a
     restore is still in flight then, by the report that ends it (its pins must be released).
+    Captures are not kept here: each CaptureJob carries the address of the link it fills, and
+    the workers' report commits or aborts it by that address (an end anchor's capture is
+    reserved as the request finishes and settles after the entry is gone).
     """
 
     domain: bytes
@@ -64,7 +67,6 @@ class _Live:
     canonical: bool = True      # every step so far followed the segmentation from cold state
     cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
     finished: bool = False      # vLLM is done with it; kept only until `restoring` ends
-    captures: int = 0           # links reserved for its prefill steps (end anchor excluded)
 
     def draft_tag(self, end: int) -> tuple[int, int] | None:
         """The tokens the draft head's boundary row read when this prompt's state at `end` was
@@ -343,7 +345,6 @@ class SchedulerSide:
                                tag=entry.draft_tag(end))
         if r.addr is None:
             return
-        entry.captures += 1
         plan.captures.append(CaptureJob(addr=r.addr, req_id=req_id, row_start=r.start,
                                         row_end=r.end,
                                         block_ids=[list(b) for b in entry.block_ids]))
