@@ -133,3 +133,14 @@ def test_padded_rows_and_unaddressable_rows(csrc_backend) -> None:
     assert torch.equal(padded, _expected_rows(t, 0, [4, 1, 9]))
     assert not wide[:, 256:].any()
     assert not acc._addressable(wide[:, ::2])
+
+
+def test_selfcheck_on_cpu(cpu_twin) -> None:
+    """The on-box check (`python -m vllm_hybridcache.ops.selfcheck`) runs here on the CPU: the
+    twin and torch bit-exact, Triton reported unavailable rather than failing."""
+    from vllm_hybridcache.ops import selfcheck
+
+    res = {r["backend"]: r for r in selfcheck.run(torch.device("cpu"), layers=2, heads=2,
+                                                  dim=32, block=16, tokens=100, reps=1)}
+    assert res["csrc"]["exact"] is True and res["torch"]["exact"] is True
+    assert res["triton"]["loaded"] is False
