@@ -102,10 +102,14 @@ def _runner(name: str, device: torch.device) -> Runner | None:
 @cache
 def _select(device: torch.device, forced: str) -> tuple[str, Runner | None]:
     if forced not in ("", "auto"):
-        return forced, _runner(forced, device)
+        runner = _runner(forced, device)
+        logger.info("hybridcache: snapshot copies on %s use %s (%s)", device, forced, ENV_VAR)
+        return forced, runner
     for name in preference(platform_of(device)):
         try:
-            return name, _runner(name, device)
+            runner = _runner(name, device)
+            logger.info("hybridcache: snapshot copies on %s use %s", device, name)
+            return name, runner
         except Exception as e:
             logger.warning("hybridcache: %s copy backend unavailable on %s (%s); trying the next",
                            name, device, e)
