@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hybridcache.core.diskdir import LOCK_NAME, LinkDirectory
+from vllm_hybridcache.core.disk.directory import LOCK_NAME, LinkDirectory
+from vllm_hybridcache.core.disk.linkfile import LinkFileProblem
 from vllm_hybridcache.core.keys import PromptKeys
-from vllm_hybridcache.core.linkfile import LinkFileProblem
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(1, 33))

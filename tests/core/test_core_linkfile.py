@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hybridcache.core.linkfile import (
+from vllm_hybridcache.core.disk.linkfile import (
     ALIGN,
     LinkFileError,
     LinkFileProblem,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .keys import PromptKeys
+from ..keys import PromptKeys
 from .linkfile import (
     TMP_PREFIX,
     LinkFileError,
