@@ -235,13 +235,17 @@ class _ToVllmHandlers(logging.Handler):
 
     vLLM configures its logging (dictConfig of the "vllm" logger) after plugins load, so the
     handlers cannot be copied at registration. Without any (VLLM_CONFIGURE_LOGGING=0),
-    warnings still reach stderr as they would with no handler at all.
+    warnings still reach stderr as they would with no handler at all. When the root logger
+    has handlers (an application's logging set-up, pytest's capture) the record reaches them
+    by propagation, so this handler stays out of the way rather than print it twice.
     """
 
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(record, "hybridcache_routed", False):  # a routed parent logger, again
             return
         record.hybridcache_routed = True
+        if logging.getLogger().handlers:
+            return
         handlers = logging.getLogger("vllm").handlers
         if not handlers:
             if record.levelno >= logging.lastResort.level:

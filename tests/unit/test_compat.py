@@ -364,6 +364,8 @@ def test_plugin_logs_print_through_vllms_handlers(monkeypatch):
 
     vllm_logger = logging.getLogger("vllm")
     monkeypatch.setattr(vllm_logger, "handlers", [])
+    root_handlers = list(logging.getLogger().handlers)  # pytest's capture: absent in a server
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
     try:
         assert compat.route_logs_through_vllm(name) is True
@@ -377,6 +379,9 @@ def test_plugin_logs_print_through_vllms_handlers(monkeypatch):
         child = logging.getLogger(name + ".child")  # a routed parent does not print it twice
         compat.route_logs_through_vllm(child.name)
         child.info("once")
+        assert got == ["settings read", "once"]
+        logging.getLogger().handlers = root_handlers  # the root prints it: we stay out
+        ours.info("printed by the root's handlers")
         assert got == ["settings read", "once"]
     finally:
         for logger in (ours, logging.getLogger(name + ".child")):
