@@ -51,12 +51,14 @@ MODEL_PATH=$(docker run --rm -v "${VOLUME}:/cache" --entrypoint vllm-hybridcache
   make-model "${MODEL}" | tail -n1)
 echo "${MODEL_PATH}" | tee -a "${OUT}/report.txt"
 
-serve() {  # $1: label, rest: docker env flags
-  local label=$1; shift
+serve() {  # $1: label, $2: cache budget in bytes ("" = default), rest: extra vLLM flags
+  local label=$1 budget=$2; shift 2
+  local env_args=()
+  if [[ -n "${budget}" ]]; then env_args=(-e "VLLM_HYBRIDCACHE_BUDGET_BYTES=${budget}"); fi
   cleanup
   docker run -d --name "${NAME}" "${GPU_ARGS[@]}" -p "127.0.0.1:${PORT}:8000" \
-    -v "${VOLUME}:/cache" "$@" "${IMAGE}" "${MODEL_PATH}" --served-model-name "${MODEL}" \
-    --max-model-len 16384 >/dev/null
+    -v "${VOLUME}:/cache" "${env_args[@]}" "${IMAGE}" "${MODEL_PATH}" \
+    --served-model-name "${MODEL}" --max-model-len 16384 "$@" >/dev/null
   for _ in $(seq 1 180); do
     if curl -fs "http://127.0.0.1:${PORT}/health" >/dev/null 2>&1; then
       log "${label}: server up"; return 0
@@ -68,7 +70,7 @@ serve() {  # $1: label, rest: docker env flags
 }
 
 URL="http://127.0.0.1:${PORT}"
-serve cache-on
+serve cache-on ""
 log "exactness: warm == cold"
 EXACT=0
 python3 deploy/smoke_client.py exact --url "${URL}" --model "${MODEL}" \
@@ -79,7 +81,9 @@ python3 deploy/smoke_client.py ttft --url "${URL}" --model "${MODEL}" --label on
 curl -fs "${URL}/metrics" | grep -E '^vllm:hybridcache_(hits|lookups|cached_tokens)_total' \
   >>"${OUT}/report.txt" || true
 
-serve cache-off -e VLLM_HYBRIDCACHE_BUDGET_BYTES=0
+# Cache off = the plugin's budget 0 plus vLLM's own prefix caching off (for hybrid models vLLM
+# would otherwise turn on its align mode, which Flash-Next's recurrent layers do not support).
+serve cache-off 0 --no-enable-prefix-caching
 python3 deploy/smoke_client.py ttft --url "${URL}" --model "${MODEL}" --label off \
   --out "${OUT}/off.json"
 

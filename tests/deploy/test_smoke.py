@@ -28,7 +28,7 @@ def test_smoke_script_steps() -> None:
     text = (DEPLOY / "smoke.sh").read_text()
     for step in ("docker build -f Dockerfile.rocm", '--build-arg GPU_TARGET="${GPU_TARGET}"',
                  "vllm_hybridcache.ops.selfcheck", "make-model", "smoke_client.py exact",
-                 "--label on", "VLLM_HYBRIDCACHE_BUDGET_BYTES=0", "--label off",
+                 "--label on", "serve cache-off 0 --no-enable-prefix-caching", "--label off",
                  "smoke_client.py report", "/dev/kfd", "/dev/dri"):
         assert step in text, step
 
