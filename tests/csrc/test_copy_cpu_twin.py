@@ -128,11 +128,11 @@ def test_padded_rows_and_unaddressable_rows(csrc_backend) -> None:
     acc = PagedBlocks(t, 10, 256)
     wide = torch.zeros(3, 512, dtype=torch.uint8)
     padded = wide[:, :256]
-    assert acc._addressable(padded)
+    assert acc.addressable(padded)
     acc.gather([4, 1, 9], 0, padded)
     assert torch.equal(padded, _expected_rows(t, 0, [4, 1, 9]))
     assert not wide[:, 256:].any()
-    assert not acc._addressable(wide[:, ::2])
+    assert not acc.addressable(wide[:, ::2])
 
 
 def test_selfcheck_on_cpu(cpu_twin) -> None:

@@ -128,7 +128,7 @@ class PagedBlocks:
     def block(self, block_id: int) -> torch.Tensor:
         return self.tensor.select(self.block_dim, block_id)
 
-    def _addressable(self, rows: torch.Tensor) -> bool:
+    def addressable(self, rows: torch.Tensor) -> bool:
         """Whether a kernel can read/write ``rows`` ([n, block_bytes] bytes) by address."""
         if (self._run is None or rows.dim() != 2 or rows.shape[1] != self.block_bytes
                 or rows.stride(1) != 1 or rows.element_size() != 1):
@@ -150,7 +150,7 @@ class PagedBlocks:
 
     def gather(self, block_ids: list[int], first: int, out: torch.Tensor) -> None:
         """Copy the request's blocks [first, first + len(out)) into out ([n, block_bytes])."""
-        if out.shape[0] and self._addressable(out):
+        if out.shape[0] and self.addressable(out):
             self._run(self.table(block_ids, first, out, gather=True))
             return
         for i in range(out.shape[0]):
@@ -159,7 +159,7 @@ class PagedBlocks:
 
     def scatter(self, block_ids: list[int], first: int, blocks: torch.Tensor) -> None:
         """Write stored blocks (uint8 [n, block_bytes]) into the request's blocks from `first`."""
-        if blocks.shape[0] and self._addressable(blocks):
+        if blocks.shape[0] and self.addressable(blocks):
             self._run(self.table(block_ids, first, blocks, gather=False))
             return
         for i in range(blocks.shape[0]):
