@@ -19,6 +19,30 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# Test-only switch: `HYBRIDCACHE_TEST_CPU_ISA=avx2` runs the AVX2 kernels an AVX2-only x86-64
+# machine runs, on an AVX-512/AMX machine, for engines built in this process. vLLM picks its
+# kernel library (`_C_AVX2`), its CPU attention ISA and its GDN path from torch.cpu's feature
+# probes, which read CPUID and ignore ATEN_CPU_CAPABILITY, so the probes answer False here; torch's
+# own kernels follow ATEN_CPU_CAPABILITY and oneDNN's follow ONEDNN_MAX_CPU_ISA. Set it before
+# anything imports vLLM's kernels (it is read when this file loads). Production code has no
+# such switch.
+_EMULATED_ISA = os.environ.get("HYBRIDCACHE_TEST_CPU_ISA", "")
+if _EMULATED_ISA:
+    if _EMULATED_ISA != "avx2":
+        raise pytest.UsageError(f"HYBRIDCACHE_TEST_CPU_ISA={_EMULATED_ISA}: only avx2 is known")
+    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    import torch
+
+    for _probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                   "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        setattr(torch.cpu, _probe, lambda: False)
+
+
+def emulated_cpu_isa() -> str | None:
+    """The ISA `HYBRIDCACHE_TEST_CPU_ISA` emulates in this process (None: the machine's own)."""
+    return _EMULATED_ISA or None
+
 
 @pytest.fixture(scope="session")
 def embedded_model():

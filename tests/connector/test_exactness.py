@@ -187,27 +187,12 @@ def test_message_end_links_are_cold_exact_and_shared(llm, embedded_model):
     assert y_warm["state"] == y_cold["state"]
 
 
-def greedy_gate(warm: dict, cold: dict, tie_nats: float = 0.04) -> int:
-    """Positions where a session-resumed run picks the cold run's greedy token.
-
-    A resumed state descends from decode steps, so its logits differ from a cold prefill's in
-    the last bits. bf16 logits of these random-weight models are coarse, and exact ties between
-    the top two tokens are common; the gate therefore accepts a different pick only where the
-    cold run's own choice was a tie (within one bf16 step, `tie_nats`), and stops there (the
-    continuations legitimately differ from then on). Any other difference fails.
-    """
-    for i, (w, c) in enumerate(zip(warm["tokens"], cold["tokens"], strict=True)):
-        if w != c:
-            top = cold["logprobs"][i]
-            assert w in top and top[c] - top[w] <= tie_nats, (
-                f"position {i}: resumed run picked {w}, cold run {c} by a clear margin")
-            return i
-    return len(cold["tokens"])
-
-
-def test_live_continuation_passes_the_greedy_gate(llm):
+def test_live_continuation_resumes_at_each_end_anchor(llm):
     """Five turns, each the previous prompt + its answer + a new message: every turn resumes at
-    the previous turn's end anchor and picks the greedy tokens of a cold run of its prompt."""
+    the previous turn's end anchor (GDN sections and attention blocks of qwen3-next). The
+    anchor's state comes from decode steps, so its tokens are compared with cold runs by the
+    greedy gate in float32 (test_end_anchors.py): in bf16 the decode-vs-prefill drift depends
+    on the CPU's kernels (up to 0.16 nats here with AVX2 kernels) and flips near-ties."""
     clear(llm)
     prompt = [200 + (i * 31) % 2500 for i in range(300)]
     turns = []
@@ -221,34 +206,6 @@ def test_live_continuation_passes_the_greedy_gate(llm):
         prev_p, prev = turns[t - 1]
         assert out["cached"] == len(prev_p) + len(prev["tokens"]) - 1   # the end anchor
     assert session.hits == 5 and session.tokens_served == sum(o["cached"] for _, o in turns)
-    agreed = []
-    for p, out in turns[1:]:
-        clear(llm)
-        agreed.append(greedy_gate(out, run(llm, p)))
-    assert sum(agreed) >= len(agreed) * len(turns[0][1]["tokens"]) // 2, agreed
-
-
-def test_greedy_gate_catches_a_corrupted_anchor(llm):
-    """Negative control: a corrupted end anchor is caught (by the gate, or by first-token
-    logprobs moving far beyond the decode-vs-prefill noise of ~2e-4 nats)."""
-    clear(llm)
-    p = [200 + (i * 41) % 2500 for i in range(300)]
-    first = run(llm, p)
-    nxt = p + first["tokens"] + [11 + (i * 3) % 500 for i in range(30)]
-    clear(llm)
-    cold = run(llm, nxt)
-    clear(llm)
-    run(llm, p)
-    _, worker = engine_parts(llm)
-    run(llm, [1, 2, 3])  # one more step: the anchor's copy lands and is committed
-    for link_id in list(worker.store._entries):
-        for t in worker.store.buffers(link_id).sections.values():
-            t.mul_(-1.0).add_(0.5)
-    warm = run(llm, nxt)
-    assert warm["cached"] == len(p) + len(first["tokens"]) - 1
-    with pytest.raises(AssertionError):
-        greedy_gate(warm, cold)
-        assert warm["logprobs"][0] == pytest.approx(cold["logprobs"][0], abs=1e-3)
 
 
 def test_end_anchor_is_never_served_to_another_salt(llm):
