@@ -127,6 +127,24 @@ class StatsRecorder:
     def skip(self, reason: str) -> None:
         self.s.skips[reason] = self.s.skips.get(reason, 0) + 1
 
+    def lookup(self, *, prompt_tokens: int, hit_tokens: int, chain_links: int,
+               miss_reason: str | None, shortened: bool = False,
+               verify_collisions: int = 0) -> None:
+        """Count one recorded lookup: a hit of `hit_tokens` over `chain_links` links when
+        chain_links > 0, else a miss by reason (no_prefix when none is given)."""
+        s = self.s
+        s.lookups += 1
+        s.prompt_tokens += prompt_tokens
+        s.shortened += shortened
+        s.verify_collisions += verify_collisions
+        if chain_links > 0:
+            s.hits += 1
+            s.hit_tokens += hit_tokens
+            s.hit_chain_links += chain_links
+            s.hit_depth.observe(float(hit_tokens))
+        else:
+            self.miss(miss_reason or MissReason.NO_PREFIX.value)
+
     def snapshot(self) -> CacheStats:
         s = self.s
         return msgspec.structs.replace(

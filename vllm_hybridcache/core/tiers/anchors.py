@@ -37,6 +37,7 @@ from .base import (
     RestorePlan,
     Tier,
     Tokens,
+    record_lookup,
 )
 
 __all__ = ["EndAnchors"]
@@ -129,17 +130,7 @@ class EndAnchors(CacheTier):
                             kind=self.kind.value, shortened=shortened)
 
     def record_lookup(self, res: LookupResult) -> None:
-        s = self._rec.s
-        s.lookups += 1
-        s.prompt_tokens += res.prompt_tokens
-        s.shortened += res.shortened
-        if res.hit and res.plan is not None:
-            s.hits += 1
-            s.hit_tokens += res.tokens
-            s.hit_chain_links += len(res.plan.chain)
-            s.hit_depth.observe(float(res.tokens))
-        else:
-            self._rec.miss(res.miss_reason or MissReason.NO_PREFIX.value)
+        record_lookup(self._rec, res)
 
     def begin_restore(self, res: LookupResult) -> bool:
         """Pin the anchor of a hit; False (recorded as an `evicted` miss) if it is gone, not

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from ..keys import PromptKeys
-from ..stats import CacheStats
+from ..stats import CacheStats, StatsRecorder
 
 __all__ = [
     "CacheTier",
@@ -36,6 +36,7 @@ __all__ = [
     "RestorePlan",
     "Tier",
     "Tokens",
+    "record_lookup",
 ]
 
 Tokens = Sequence[int] | np.ndarray | PromptKeys
@@ -49,6 +50,7 @@ class Tier(StrEnum):
     """Where a link's bytes live (the `tier` label of every metric)."""
 
     RAM = "ram"
+    DISK = "disk"
 
 
 class LinkKind(StrEnum):
@@ -167,6 +169,15 @@ class CacheTier(ABC):
     tier: Tier
     kind: LinkKind
     cold_exact: bool  # whether a request resumed from this tier may publish tree links
+    # A slow tier (disk) serves a hit only when it is strictly deeper than every faster tier's:
+    # on a tie the bytes are already in RAM, and reading them again costs time for nothing.
+    slow: bool = False
+
+    def sources(self, plan: RestorePlan) -> tuple[str, ...]:
+        """What the worker must read before it restores `plan` (one entry per chain link), or
+        () when the payloads are already in its store (RAM tiers). Valid between a successful
+        begin_restore and end_restore."""
+        return ()
 
     @property
     @abstractmethod
@@ -247,6 +258,14 @@ class CacheTier(ABC):
     @abstractmethod
     def bytes_held(self) -> int:
         """Payload bytes of committed and pending links (what the budget bounds)."""
+
+
+def record_lookup(rec: StatsRecorder, res: LookupResult) -> None:
+    """Count a lookup outcome in a tier's recorder (every tier counts lookups alike)."""
+    chain = len(res.plan.chain) if res.hit and res.plan is not None else 0
+    rec.lookup(prompt_tokens=res.prompt_tokens, hit_tokens=res.tokens, chain_links=chain,
+               miss_reason=res.miss_reason, shortened=res.shortened,
+               verify_collisions=res.verify_collisions)
 
 
 class IdSource:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -37,9 +38,10 @@ from .base import (
     RestorePlan,
     Tier,
     Tokens,
+    record_lookup,
 )
 
-__all__ = ["COMMITTED", "PENDING", "SnapshotTree"]
+__all__ = ["COMMITTED", "PENDING", "LinkRecord", "SnapshotTree"]
 
 Key = tuple[bytes, int, bytes]  # (domain, p, digest)
 
@@ -115,6 +117,19 @@ class _Link(_Node):
     @property
     def key(self) -> Key:
         return (self.domain, self.p, self.digest)
+
+
+class LinkRecord(NamedTuple):
+    """A committed link as another tier stores it (see SnapshotTree.link_record)."""
+
+    link_id: int
+    domain: bytes
+    start: int
+    end: int
+    digest: bytes
+    parent_digest: bytes  # b"" for a root link (start 0)
+    tokens: bytes  # own tokens [start, end) as int64 bytes
+    tag: object
 
 
 class _KeyMemory:
@@ -355,18 +370,7 @@ class SnapshotTree(CacheTier):
         A `shortened` lookup (a deeper link refused by `fits`) is counted so a user sees the
         reuse the predicate costs.
         """
-        s = self._rec.s
-        s.lookups += 1
-        s.shortened += res.shortened
-        s.prompt_tokens += res.prompt_tokens
-        s.verify_collisions += res.verify_collisions
-        if res.hit and res.plan is not None:
-            s.hits += 1
-            s.hit_tokens += res.tokens
-            s.hit_chain_links += len(res.plan.chain)
-            s.hit_depth.observe(float(res.tokens))
-        else:
-            self._rec.miss(res.miss_reason or MissReason.NO_PREFIX.value)
+        record_lookup(self._rec, res)
 
     def begin_restore(self, res: LookupResult) -> bool:
         """Record the lookup; on a hit whose chain is still intact, pin the chain and return True.
@@ -700,6 +704,17 @@ class SnapshotTree(CacheTier):
         """The rows [start, end) of a live link, or None."""
         link = self._links.get(link_id)
         return None if link is None else LinkRef(link.id, link.start, link.p)
+
+    def link_record(self, link_id: int) -> LinkRecord | None:
+        """What a copy of a committed link elsewhere (a link file) must name: its domain, rows,
+        own tokens, digest and its parent's; None for an unknown or pending link."""
+        link = self._links.get(link_id)
+        if link is None or link.state != COMMITTED:
+            return None
+        parent = link.parent
+        return LinkRecord(link.id, link.domain, link.start, link.p, link.digest,
+                          parent.digest if isinstance(parent, _Link) else b"", link.tokens,
+                          link.tag)
 
     def parent_of(self, link_id: int) -> int | None:
         link = self._links.get(link_id)
