@@ -18,6 +18,7 @@ import torch
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
+from vllm_hybridcache.ops.link_copy import gather_link
 
 if TYPE_CHECKING:
     from vllm_hybridcache.instrumentation import Instrumentation
@@ -103,11 +104,13 @@ class WorkerSide:
             self.instrumentation.before_capture(job)
         layout = self.parts.layout
         bufs = self.store.allocate(job.link_id, layout.view_rows(job.row_start, job.row_end))
-        for name, (gid, t) in self._sections.items():
-            bufs.sections[name].copy_(t[job.block_ids[gid][0]])
         first = job.row_start // layout.view_block_tokens
-        for name, (gid, acc) in self._rows.items():
-            acc.gather(job.block_ids[gid], first, bufs.views[name])
+        # state slots and every layer's KV blocks: one launch per link (ops/link_copy.py)
+        gather_link(
+            [(t[job.block_ids[gid][0]], bufs.sections[name])
+             for name, (gid, t) in self._sections.items()],
+            [(acc, job.block_ids[gid], first, bufs.views[name])
+             for name, (gid, acc) in self._rows.items()])
         self.store.seal(job.link_id)
 
     def save(self, plan: StepPlan) -> None:
