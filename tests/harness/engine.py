@@ -423,20 +423,14 @@ def cache_stats(engine: HarnessEngine, kind: str = "tree") -> dict[str, Any]:
     """
     payload = engine.connector.get_kv_connector_stats()
     assert payload is not None, "the connector is inactive"
-    ram = payload.data["tiers"]["ram"]
-    if "links" not in ram:                  # {"tiers": {"ram": {"tree": ..., "anchor": ...}}}
-        return dict(ram[kind])
-    # the earlier layout: {"tiers": {"ram": tree stats, "session": anchor stats}}
-    return dict(ram if kind == "tree" else payload.data["tiers"]["session"])
+    return dict(payload.data["tiers"]["ram"][kind])   # {"tiers": {tier: {kind: stats}}}
 
 
 def load_chain(job) -> list[int]:
     """Link ids a `LoadJob` restores, root first; empty for a load planned to fail."""
-    if hasattr(job, "chain"):
-        return [] if job.fail is not None else [r.link_id for r in job.chain]
-    return [r.link_id for r in job.plan.chain] if job.plan is not None else []
+    return [] if job.fail is not None else [r.link_id for r in job.chain]
 
 
 def dropped_ids(plan) -> set[int]:
     """Link ids a `StepPlan` tells the workers to drop."""
-    return {getattr(d, "link_id", d) for d in plan.drops}
+    return {addr.link_id for addr in plan.drops}
