@@ -3,8 +3,9 @@
 // (hipified by torch.utils.cpp_extension, compiled by hipcc for PYTORCH_ROCM_ARCH) in the image,
 // or with a CUDA torch by nvcc. The table travels to the device in the same stream, so the copy
 // is ordered after the forward that wrote the KV blocks.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "snapshot_copy_kernel.cuh"
@@ -20,12 +21,13 @@ void snapshot_copy(const torch::Tensor& table, int64_t tiles, int64_t tile_words
               "segment table must be a contiguous int64 tensor [rows, 4]");
   const int64_t rows = table.size(0);
   if (rows == 0) return;
-  const at::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   const torch::Tensor dev = table.to(torch::Device(torch::kCUDA, device_index), true);
   const int64_t* t = dev.data_ptr<int64_t>();
   const dim3 grid(static_cast<unsigned int>(tiles));
   const dim3 block(HC_THREADS);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = cur.stream();
   switch (word_bytes) {
     case 16: hc_snapshot_copy_w16<<<grid, block, 0, stream>>>(t, rows, tile_words); break;
     case 8: hc_snapshot_copy_w8<<<grid, block, 0, stream>>>(t, rows, tile_words); break;
@@ -35,7 +37,7 @@ void snapshot_copy(const torch::Tensor& table, int64_t tiles, int64_t tile_words
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Keep the device copy of the table alive until the kernel has read it.
-  dev.record_stream(at::cuda::getCurrentCUDAStream());
+  dev.record_stream(cur.unwrap());
 }
 
 }  // namespace
