@@ -117,8 +117,8 @@ def test_greedy_gate_catches_a_corrupted_anchor(llm):
     warm = run(llm, nxt)
     assert warm["cached"] == len(p) + len(first["tokens"]) - 1
     # measured: the first position moves by < 1e-3 nats (the random tiny model's recurrent
-    # layers barely reach the logits through 30 new tokens), the decode positions after it by
-    # 0.04-0.05 nats, ~2e4 times the float32 drift
+    # layers barely reach the logits through 30 new tokens), the second by 0.037 nats, ~1.5e4
+    # times the float32 drift
     with pytest.raises(AssertionError, match=r"position \d: logprobs moved"):
         greedy_gate(warm, cold)
 
