@@ -84,14 +84,16 @@ class SnapshotCache:
     def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
                fits: Fits | None = None) -> LookupResult:
         """The deepest hit of any tier (pending hits included: the caller asks again), else the
-        primary tier's miss. Pure, like every tier's lookup."""
+        primary tier's miss. On a tie a later tier wins unless it is `slow` (a disk hit only
+        counts when it is deeper than what RAM holds). Pure, like every tier's lookup."""
         best: LookupResult | None = None
         primary: LookupResult | None = None
         for t in self._tiers.values():
             res = t.lookup(tokens, domain, limit, fits)
             if t is self._primary:
                 primary = res
-            if res.hit and (best is None or res.tokens >= best.tokens):
+            if res.hit and (best is None or res.tokens > best.tokens
+                            or (res.tokens == best.tokens and not t.slow)):
                 best = res
         assert primary is not None
         return best if best is not None else primary
@@ -114,6 +116,12 @@ class SnapshotCache:
         if res.plan is None:
             raise KeyError("a miss has no restore to end")
         self._route(res.tier, res.kind).end_restore(res.plan, ok, seconds)
+
+    def sources(self, res: LookupResult) -> tuple[str, ...]:
+        """What the worker reads before restoring this hit (files of a disk tier), else ()."""
+        if res.plan is None:
+            return ()
+        return self._route(res.tier, res.kind).sources(res.plan)
 
     def cold_exact(self, res: LookupResult) -> bool:
         """Whether a request resumed from this result may still publish tree links."""

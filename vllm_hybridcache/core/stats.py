@@ -105,6 +105,8 @@ class CacheStats(msgspec.Struct, kw_only=True):
     evicted_bytes: int = 0
     invalidated: int = 0  # links dropped by invalidate() (payload lost on the worker)
     cleared: int = 0  # links dropped by clear()
+    expired: int = 0  # links dropped for being unused longer than a TTL (disk tier)
+    swept: int = 0  # foreign fingerprint folders and stale temporaries deleted (disk tier)
     # gauges
     links: int = 0  # committed links
     links_pending: int = 0

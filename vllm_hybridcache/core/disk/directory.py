@@ -80,6 +80,7 @@ class DirectoryStats:
     swept_dirs: int = 0
     kept_foreign_dirs: int = 0
     swept_temporaries: int = 0
+    orphans: int = 0  # files deleted at a scan because a link below them was missing
 
 
 class LinkDirectory:
@@ -111,6 +112,9 @@ class LinkDirectory:
         self._children: dict[Path, set[Path]] = {}
         self._lock_fd: int | None = None
         self.stats = DirectoryStats()
+        # called with every file this instance deletes (so another process's index of the
+        # same files can forget it: the disk tier forwards them to its writer thread)
+        self.on_delete: Callable[[Path], None] | None = None
 
     # ------------------------------------------------------------------ life cycle
     def open(self) -> None:
@@ -190,6 +194,13 @@ class LinkDirectory:
         self._children = {}
         for entry in index.values():
             self._add(entry)
+        # A file whose parent is gone (refused above, evicted, its write skipped) can never
+        # serve: a chain is usable only when every link below it is on disk.
+        orphans = [e.path for e in self._index.values()
+                   if e.parent is not None and e.parent not in self._index]
+        for p in orphans:
+            if p in self._index:
+                self.stats.orphans += self._delete_subtree(p)
         self._expire(now)
         self._account()
 
@@ -325,6 +336,8 @@ class LinkDirectory:
     def _delete(self, path: Path) -> None:
         path.unlink(missing_ok=True)
         self._forget(path)
+        if self.on_delete is not None:
+            self.on_delete(path)
 
     def _forget(self, path: Path) -> None:
         entry = self._index.pop(path, None)
@@ -359,6 +372,29 @@ class LinkDirectory:
             self.stats.evictions += 1
             total -= victim.nbytes
         return True
+
+    def delete(self, paths: list[Path]) -> int:
+        """Delete files (and every indexed file that chains through them), e.g. ones another
+        process found damaged; returns how many this index knew or found. Missing ones are
+        only forgotten."""
+        n = 0
+        for p in paths:
+            n += self._delete_subtree(Path(p))
+        return n
+
+    def evict(self, nbytes: int) -> int:
+        """Delete the least valuable leaves until `nbytes` are freed; returns the bytes freed."""
+        now = self._clock()
+        freed = 0
+        while freed < nbytes:
+            leaves = [e for e in self._index.values() if e.path not in self._children]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda e: e.value(now))
+            self._delete(victim.path)
+            self.stats.evictions += 1
+            freed += victim.nbytes
+        return freed
 
     def clear(self) -> int:
         """Delete every file of this fingerprint; returns how many."""

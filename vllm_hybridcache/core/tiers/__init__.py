@@ -3,8 +3,9 @@
 - base.py: the interface, the Tier/LinkKind enums, the plain data they hand out.
 - ram_tree.py: SnapshotTree, cold-exact links at prefill cuts in host RAM (ram/tree).
 - anchors.py: EndAnchors, session-exact end-of-request states in host RAM (ram/anchor).
+- disk.py: DiskTier, cold-exact links as files on a local disk (disk/tree).
 
-A disk or cluster tier is one more module here implementing CacheTier, registered with the
+A cluster tier is one more module here implementing CacheTier, registered with the
 facade (core/cache.py); nothing in the adapter routes by anything but (tier, kind).
 """
 
@@ -21,15 +22,18 @@ from .base import (
     RestorePlan,
     Tier,
 )
-from .ram_tree import SnapshotTree
+from .disk import DiskTier
+from .ram_tree import LinkRecord, SnapshotTree
 
 __all__ = [
     "CacheTier",
+    "DiskTier",
     "EndAnchors",
     "Fits",
     "IdSource",
     "LinkAddr",
     "LinkKind",
+    "LinkRecord",
     "LinkRef",
     "LookupResult",
     "Reservation",

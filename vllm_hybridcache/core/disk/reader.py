@@ -1,0 +1,57 @@
+"""Staging a disk hit: link files read into the worker's RAM store, verified, then restored.
+
+Why through the store: a restore from RAM is the path every exactness test covers, so a disk
+hit is made into one. The worker reads each file of the chain into freshly allocated store
+buffers under the ids the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32
+as it reads, seals them, and restores with `LinkStore.restore` as for a RAM hit. Nothing is
+restored unless every file of the chain passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..store import LinkStore, MissingLinkError
+from ..tiers.base import LinkRef
+from .linkfile import LinkFileError, LinkFileProblem, read_header, read_parts
+
+__all__ = ["DiskReadError", "stage_chain"]
+
+
+class DiskReadError(MissingLinkError):
+    """A file of the chain was refused; `link_id` names its link, `problem` says why (a
+    LinkFileProblem value, `gone` for a file deleted meanwhile, `io_error`)."""
+
+    def __init__(self, link_id: int, problem: str, detail: str) -> None:
+        super().__init__(link_id, f"disk link {link_id} refused ({problem}): {detail}")
+        self.problem = problem
+
+
+def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
+                fingerprint: bytes) -> int:
+    """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
+    read. On any problem every link staged by this call is dropped and DiskReadError raised."""
+    if len(chain) != len(sources):
+        raise ValueError(f"{len(chain)} links but {len(sources)} files")
+    layout = store.layout
+    staged: list[int] = []
+    n = 0
+    for ref, src in zip(chain, sources, strict=True):
+        path = Path(src)
+        try:
+            header, base = read_header(path, fingerprint)
+            if (header.start, header.end) != (ref.start, ref.end):
+                raise LinkFileError(LinkFileProblem.MISMATCH,
+                                    f"{path}: holds [{header.start}, {header.end}), the plan "
+                                    f"wants [{ref.start}, {ref.end})")
+            bufs = store.allocate(ref.link_id, layout.view_rows(ref.start, ref.end))
+            staged.append(ref.link_id)
+            n += read_parts(path, header, base, {**bufs.sections, **bufs.views})
+            store.seal(ref.link_id)
+        except (LinkFileError, OSError) as e:
+            store.drop(staged)
+            problem = (e.problem.value if isinstance(e, LinkFileError)
+                       else "gone" if isinstance(e, FileNotFoundError) else "io_error")
+            raise DiskReadError(ref.link_id, problem, str(e)) from e
+    return n

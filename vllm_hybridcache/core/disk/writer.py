@@ -1,0 +1,242 @@
+"""LinkWriter: the disk tier's background writer (worker side, one thread, one LinkDirectory).
+
+Why a thread: a link file is tens of MiB and an fsync; the model runner must never wait for
+one. The worker hands the writer the typed tensors of a committed RAM link (no copy: the bytes
+are already in host memory, captured once out of the KV blocks) and goes on; the writer thread
+writes them into a link file. Until the writer is done with a link, its buffers must stay
+alive and unchanged: the worker defers the store's drop of every id for which `busy(id)` is
+true and drops it once `take_done()` returns it (a pinned store reuses freed slab ranges at
+once, so an early drop would let new bytes be written under an old link's checksum).
+
+Bounded: at most `max_queue` writes wait. When the writer falls behind, `submit` refuses the
+write and counts it (`dropped`): a later prompt recomputes that link, no request ever waits.
+Deletions and clears that the scheduler decided travel through the same ordered queue (never
+dropped), so the thread's `LinkDirectory` is the only index that changes files (see
+directory.py: one thread owns an instance).
+
+Stats are cumulative (`snapshot()`): files and bytes held, writes and their bytes and seconds,
+skips by reason, writes dropped, evictions and expiries, read failures recorded by the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from ..stats import SECONDS_BOUNDS, Histogram
+from .directory import LinkDirectory
+
+__all__ = ["QUEUE_MAX", "DiskTarget", "LinkWriter", "WriteJob"]
+
+logger = logging.getLogger("vllm_hybridcache")
+
+QUEUE_MAX = 32  # writes waiting; at 38 MiB per link about 1.2 GiB of host RAM kept alive
+
+
+class DiskTarget(msgspec.Struct, frozen=True):
+    """Where and under which limits the worker writes (sent by the scheduler side)."""
+
+    root: str
+    fingerprint: bytes
+    budget_bytes: int
+    min_free_bytes: int
+    ttl_s: float
+
+
+class WriteJob(msgspec.Struct, frozen=True):
+    """One committed RAM link to copy into a link file (the RAM store holds its bytes under
+    `link_id`). Invariants: 0 <= start < end, len(tokens) == 8 * (end - start), parent_digest
+    is b"" exactly when start == 0."""
+
+    link_id: int
+    domain: bytes
+    digest: bytes
+    parent_digest: bytes
+    start: int
+    end: int
+    tokens: bytes
+    rows: int
+
+
+class LinkWriter:
+    """One background thread writing link files; see the module docstring."""
+
+    def __init__(self, target: DiskTarget, max_queue: int = QUEUE_MAX,
+                 directory: Callable[[DiskTarget], LinkDirectory] | None = None) -> None:
+        self.target = target
+        self.max_queue = max_queue
+        self._make_dir = directory or _open_directory
+        self._cv = threading.Condition()
+        # ("write", job, parts) | ("forget", [paths]) | ("clear",) | ("stop",), in order
+        self._items: deque[tuple[Any, ...]] = deque()
+        self._writes_waiting = 0  # write items in _items (what max_queue bounds)
+        self._busy: set[int] = set()  # ids whose buffers the thread may still read
+        self._done: list[int] = []  # ids no longer busy, not yet taken by the worker
+        self._stats: dict[str, Any] = {"dropped": 0, "files": 0, "bytes": 0, "writes": 0,
+                                       "write_bytes": 0, "skips": {}, "evictions": 0,
+                                       "expired": 0, "read_failures": {}, "error": ""}
+        self._hist = Histogram.empty(SECONDS_BOUNDS)
+        self._version = 0  # bumped on every stats change: the worker reports only news
+        self._thread = threading.Thread(target=self._run, name="hybridcache-disk-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producer side
+    def submit(self, job: WriteJob, parts: Mapping[str, torch.Tensor]) -> bool:
+        """Queue one write; False (counted as dropped) when `max_queue` writes already wait.
+        The caller must keep the tensors' memory alive and unchanged while `busy(job.link_id)`.
+        """
+        with self._cv:
+            if self._writes_waiting >= self.max_queue:
+                self._stats["dropped"] += 1
+                self._version += 1
+                return False
+            self._busy.add(job.link_id)
+            self._writes_waiting += 1
+            self._items.append(("write", job, dict(parts)))
+            self._cv.notify()
+        return True
+
+    def forget(self, paths: list[str]) -> None:
+        """Delete files (and their longer links) found damaged by another process."""
+        self._put(("forget", list(paths)))
+
+    def clear(self) -> None:
+        """Delete every file of this fingerprint, after the writes queued before."""
+        self._put(("clear",))
+
+    def note_read_failure(self, problem: str) -> None:
+        """Count a file the worker refused while reading it (checksum, truncated, ...)."""
+        with self._cv:
+            fails = self._stats["read_failures"]
+            fails[problem] = fails.get(problem, 0) + 1
+            self._version += 1
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify()
+
+    def busy(self, link_id: int) -> bool:
+        with self._cv:
+            return link_id in self._busy
+
+    def take_done(self) -> list[int]:
+        """Ids the thread has finished with since the last call (their drops may proceed)."""
+        with self._cv:
+            out, self._done = self._done, []
+            return out
+
+    @property
+    def version(self) -> int:
+        with self._cv:
+            return self._version
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative stats as builtins (plain data for the step report)."""
+        with self._cv:
+            out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
+            out["write_seconds"] = msgspec.to_builtins(self._hist.copy())
+            out["queued"] = self._writes_waiting
+            return out
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Finish the queued work (up to `timeout` seconds); True when the thread ended."""
+        self._put(("stop",))
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        directory: LinkDirectory | None = None
+        try:
+            directory = self._make_dir(self.target)
+        except Exception as e:  # the scheduler side opened it already: this is rare
+            logger.warning("hybridcache: disk writer cannot open %s (%s); writes are skipped",
+                           self.target.root, e)
+            with self._cv:
+                self._stats["error"] = f"{type(e).__name__}: {e}"
+        self._publish(directory)
+        while True:
+            with self._cv:
+                while not self._items:
+                    self._cv.wait()
+                item = self._items.popleft()
+                if item[0] == "write":
+                    self._writes_waiting -= 1
+            op = item[0]
+            if op == "stop":
+                break
+            try:
+                if op == "write":
+                    self._write(directory, item[1], item[2])
+                elif directory is not None and op == "forget":
+                    directory.delete([Path(p) for p in item[1]])
+                elif directory is not None and op == "clear":
+                    directory.clear()
+            except Exception as e:  # never let one bad write end the thread
+                logger.warning("hybridcache: disk writer: %s failed: %s", op, e, exc_info=True)
+                if op == "write":
+                    self._skip("writer_error")
+            finally:
+                if op == "write":
+                    with self._cv:
+                        self._busy.discard(item[1].link_id)
+                        self._done.append(item[1].link_id)
+                self._publish(directory)
+        if directory is not None:
+            directory.close()
+
+    def _write(self, directory: LinkDirectory | None, job: WriteJob,
+               parts: dict[str, torch.Tensor]) -> None:
+        if directory is None:
+            self._skip("no_directory")
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+        before = directory.stats.writes
+        t0 = time.perf_counter()
+        directory.write(domain=job.domain, digest=job.digest, parent_digest=job.parent_digest,
+                        start=job.start, end=job.end,
+                        tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
+                        parts=parts, nbytes=nbytes)
+        if directory.stats.writes > before:
+            with self._cv:
+                self._hist.observe(time.perf_counter() - t0)
+
+    def _skip(self, reason: str) -> None:
+        with self._cv:
+            skips = self._stats["skips"]
+            skips[reason] = skips.get(reason, 0) + 1
+            self._version += 1
+
+    def _publish(self, directory: LinkDirectory | None) -> None:
+        if directory is None:
+            return
+        st = directory.stats
+        with self._cv:
+            s = self._stats
+            s["files"], s["bytes"] = st.files, st.bytes
+            s["writes"], s["write_bytes"] = st.writes, st.write_bytes
+            s["evictions"], s["expired"] = st.evictions, st.expired
+            skips = dict(st.writes_skipped)
+            for reason, n in s["skips"].items():  # the thread's own reasons stay counted
+                if reason not in st.writes_skipped:
+                    skips[reason] = n
+            s["skips"] = skips
+            self._version += 1
+
+
+def _open_directory(target: DiskTarget) -> LinkDirectory:
+    d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
+                      target.min_free_bytes, target.ttl_s)
+    d.open()
+    return d

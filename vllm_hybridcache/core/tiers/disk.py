@@ -1,0 +1,311 @@
+"""DiskTier: cold-exact links kept as files on a local disk (tier `disk`, kind `tree`).
+
+Scheduler side, metadata and decisions only, like the RAM tiers. The bytes live in link files
+(core/disk/linkfile.py) under a directory several engines may share (core/disk/directory.py);
+the scheduler runs on the same host as the workers, so it finds a prompt's chain by statting
+the names of its cuts and verifying headers and tokens, without reading a payload byte.
+
+How a disk hit is served (docs/disk-tier.md):
+- `lookup` hands out a RestorePlan whose links carry fresh ids from the cache's shared id
+  source (one per file, root first). The facade takes it only when it is strictly deeper than
+  every RAM hit (`slow`).
+- `begin_restore` checks the files are still there and keeps them for `sources(plan)`: the
+  adapter ships the paths with the load job. The worker reads every file into its RAM store
+  under those ids (every part's CRC-32 verified before a byte reaches the engine), then
+  restores from RAM exactly like a RAM hit. A file that fails makes the load fail (vLLM
+  recomputes the request cold), the worker reports the link lost, and `invalidate` deletes the
+  file and every longer link of its chain.
+- `end_restore` hands the ids back through `drain_dropped`, so the worker frees the staged
+  bytes with the next step's drops.
+
+Writes are not reserved here: new links are captured into RAM (the facade admits new links in
+the first tier of their kind) and the adapter asks `write_job` for every RAM tree link that
+commits; a background thread in the worker writes the file (core/disk/writer.py). Its
+cumulative stats come back through `absorb_worker` and are part of `stats()`.
+
+With the MTP route (a lookup with a `fits` predicate), files are neither served nor written:
+a file does not carry the draft-row tag a link's fit depends on.
+
+Single-threaded: the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..disk.directory import LinkDirectory
+from ..disk.writer import WriteJob
+from ..keys import Hasher, PromptKeys, blake2b_128
+from ..layout import StateLayout
+from ..stats import CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
+from .base import (
+    CacheTier,
+    Fits,
+    IdSource,
+    LinkKind,
+    LinkRef,
+    LookupResult,
+    Reservation,
+    RestorePlan,
+    Tier,
+    Tokens,
+    record_lookup,
+)
+from .ram_tree import LinkRecord
+
+__all__ = ["DiskTier"]
+
+OFFERED_MAX = 4096  # ids handed out by lookups and not yet restored (vLLM may ask again)
+RECENT_MAX = 4096  # ids of ended restores whose files a late failure report may name
+
+
+class DiskTier(CacheTier):
+    """Scheduler-side disk tier (see the module docstring and docs/disk-tier.md).
+
+    directory: an opened LinkDirectory (swept, scanned, locked) of this engine's fingerprint.
+    cuts: the prompt's cut positions (the segmentation; files only ever sit at cuts).
+    """
+
+    tier = Tier.DISK
+    kind = LinkKind.TREE
+    cold_exact = True
+    slow = True
+
+    def __init__(self, layout: StateLayout, directory: LinkDirectory,
+                 cuts: Callable[[np.ndarray], list[int]],
+                 next_id: Callable[[], int] | None = None, hasher: Hasher | None = None) -> None:
+        self.layout = layout
+        self.dir = directory
+        self._cuts = cuts
+        self._next_id = next_id if next_id is not None else IdSource()
+        self._hasher: Hasher = hasher if hasher is not None else blake2b_128
+        # id -> file, for ids a lookup handed out (bounded: unused ones are forgotten)
+        self._offered: OrderedDict[int, Path] = OrderedDict()
+        # plan link ids -> files of an active restore (begun, not ended)
+        self._active: dict[tuple[int, ...], list[Path]] = {}
+        # id -> [its file, the longer files of its chain], for ended restores
+        self._recent: OrderedDict[int, list[Path]] = OrderedDict()
+        self._dropped: list[int] = []
+        self._forget: list[str] = []  # files deleted here, for the writer's index
+        self._clear_writer = False
+        directory.on_delete = lambda p: self._forget.append(str(p))
+        self._rec = StatsRecorder()
+        self._worker: dict[str, Any] = {}  # the writer's latest cumulative stats
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> PromptKeys:
+        return PromptKeys(tokens, self._hasher)
+
+    def _as_keys(self, tokens: Tokens) -> PromptKeys:
+        if isinstance(tokens, PromptKeys) and tokens.hasher is self._hasher:
+            return tokens
+        raw = tokens.tokens if isinstance(tokens, PromptKeys) else tokens
+        return PromptKeys(raw, self._hasher)
+
+    def _miss(self, reason: MissReason, n: int, lim: int) -> LookupResult:
+        return LookupResult(False, 0, None, reason.value, n, lim, tier=self.tier.value,
+                            kind=self.kind.value)
+
+    def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
+               fits: Fits | None = None) -> LookupResult:
+        """The deepest chain of files on the prompt's cuts <= limit, every header and token
+        verified. No stats or pins; a damaged file met on the way is deleted (it can never
+        serve anyone) and counted in the directory's refusals."""
+        keys = self._as_keys(tokens)
+        n = len(keys)
+        lim = n if limit is None else max(0, min(int(limit), n))
+        if fits is not None:
+            return self._miss(MissReason.NO_PREFIX, n, lim)
+        chain = self.dir.lookup(keys, domain, self._cuts(keys.tokens), lim)
+        if not chain or any(h.rows != self.layout.view_rows(h.start, h.end)
+                            for _, h, _ in chain):
+            return self._miss(MissReason.NO_PREFIX, n, lim)
+        refs = []
+        for path, header, _ in chain:
+            lid = self._next_id()
+            self._offered[lid] = path
+            refs.append(LinkRef(lid, header.start, header.end))
+        while len(self._offered) > OFFERED_MAX:
+            self._offered.popitem(last=False)
+        parts = {s.name: s.nbytes for s in self.layout.sections}
+        for v in self.layout.views:
+            parts[v.name] = v.bytes_per_row * sum(
+                self.layout.view_rows(r.start, r.end) for r in refs)
+        plan = RestorePlan(tuple(refs), refs[-1].end, parts, sum(parts.values()))
+        return LookupResult(True, plan.tokens, plan, None, n, lim, tier=self.tier.value,
+                            kind=self.kind.value)
+
+    # ------------------------------------------------------------------ restores
+    def record_lookup(self, res: LookupResult) -> None:
+        record_lookup(self._rec, res)
+
+    def begin_restore(self, res: LookupResult) -> bool:
+        """Record the lookup; True when every file of the chain is still there (the worker
+        verifies their bytes when it reads them)."""
+        if not res.hit or res.plan is None:
+            self.record_lookup(res)
+            return False
+        paths = [self._offered.pop(r.link_id, None) for r in res.plan.chain]
+        if any(p is None or not p.exists() for p in paths):
+            self.record_lookup(msgspec.structs.replace(
+                res, hit=False, tokens=0, plan=None, miss_reason=MissReason.EVICTED.value))
+            return False
+        self._active[res.plan.link_ids] = [p for p in paths if p is not None]
+        self.record_lookup(res)
+        return True
+
+    def sources(self, plan: RestorePlan) -> tuple[str, ...]:
+        return tuple(str(p) for p in self._active[plan.link_ids])
+
+    def end_restore(self, plan: RestorePlan, ok: bool, seconds: float = 0.0) -> None:
+        paths = self._active.pop(plan.link_ids)  # KeyError: not active
+        s = self._rec.s
+        if ok:
+            s.restores += 1
+            s.tokens_served += plan.tokens
+            s.restore_bytes += plan.total_bytes
+            s.restore_seconds.observe(seconds)
+            for p in paths:
+                self.dir.touch(p)
+        else:
+            s.restores_failed += 1
+        for i, ref in enumerate(plan.chain):
+            self._recent[ref.link_id] = paths[i:]
+        while len(self._recent) > RECENT_MAX:
+            self._recent.popitem(last=False)
+        self._dropped.extend(plan.link_ids)  # the worker frees the staged bytes
+
+    # ------------------------------------------------------------------ publication
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None) -> Reservation:
+        """Never used by the facade (new links are captured in RAM first); refused."""
+        self._rec.skip(SkipReason.DISABLED.value)
+        return Reservation(None, None, 0, p, SkipReason.DISABLED.value, tier=self.tier.value,
+                           kind=self.kind.value)
+
+    def commit(self, link_id: int, seconds: float = 0.0) -> bool:
+        return False
+
+    def abort(self, link_id: int) -> int:
+        return 0
+
+    def write_job(self, record: LinkRecord) -> WriteJob | None:
+        """The write of a committed RAM tree link, or None when it is not admitted.
+
+        Admission (docs/disk-tier.md): every committed cold-exact link whose file does not
+        exist yet, except on the MTP route (a tagged link). Writes that find the writer behind
+        are dropped and counted there.
+        """
+        if record.tag is not None:
+            return None
+        if self.dir.path_for(record.domain, record.end, record.digest).exists():
+            return None
+        return WriteJob(record.link_id, record.domain, record.digest, record.parent_digest,
+                        record.start, record.end, record.tokens,
+                        self.layout.view_rows(record.start, record.end))
+
+    # ------------------------------------------------------------------ housekeeping
+    def invalidate(self, link_ids: Sequence[int]) -> int:
+        """A worker refused a file while reading it: delete it and the longer links of the
+        chain that was being restored."""
+        n = 0
+        for lid in link_ids:
+            files = self._recent.pop(lid, None)
+            if files is None:
+                for ids, paths in self._active.items():
+                    if lid in ids:
+                        files = paths[ids.index(lid):]
+                        break
+            if files:
+                n += self.dir.delete(files)  # on_delete tells the writer's index
+        self._rec.s.invalidated += n
+        return n
+
+    def evict(self, nbytes: int) -> int:
+        freed = self.dir.evict(nbytes)
+        return freed
+
+    def clear(self) -> int:
+        """Delete every file of this engine's fingerprint (the writer's queued writes that
+        land afterwards are deleted by its own clear, which follows them in its queue)."""
+        n = self.dir.clear()
+        self._offered.clear()
+        self._clear_writer = True
+        self._forget.clear()
+        self._rec.s.cleared += n
+        return n
+
+    def drain_dropped(self) -> list[int]:
+        out, self._dropped = self._dropped, []
+        return out
+
+    def take_writer_ops(self) -> tuple[list[str], bool]:
+        """(files the writer must forget, whether it must clear) since the last call."""
+        forget, clear = self._forget, self._clear_writer
+        self._forget, self._clear_writer = [], False
+        return forget, clear
+
+    def absorb_worker(self, snapshot: dict[str, Any]) -> None:
+        """The writer's latest cumulative stats (see core/disk/writer.py)."""
+        self._worker = dict(snapshot)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> CacheStats:
+        """Lookups and restores as counted here; writes, skips (writes dropped when the writer
+        is behind: `queue_full`), files and bytes from the writer; misses by reason include
+        every file refused (header at lookup, parts at read) by its problem."""
+        snap = self._rec.snapshot()
+        w = self._worker
+        ds = self.dir.stats
+        snap.captures = int(w.get("writes", 0))
+        snap.capture_bytes = int(w.get("write_bytes", 0))
+        if w.get("write_seconds"):
+            snap.capture_seconds = msgspec.convert(w["write_seconds"], Histogram)
+        skips = dict(snap.skips)
+        for reason, n in w.get("skips", {}).items():
+            skips[reason] = skips.get(reason, 0) + n
+        if w.get("dropped"):
+            skips["queue_full"] = int(w["dropped"])
+        snap.skips = skips
+        misses = dict(snap.misses)
+        for src in (ds.refused, w.get("read_failures", {})):
+            for reason, n in src.items():
+                misses[reason] = misses.get(reason, 0) + n
+        snap.misses = misses
+        snap.evictions = ds.evictions + int(w.get("evictions", 0))
+        snap.expired = ds.expired + int(w.get("expired", 0))
+        snap.invalidated += ds.orphans
+        snap.swept = ds.swept_dirs + ds.swept_temporaries
+        snap.links = len(self)
+        snap.links_pinned = sum(len(ids) for ids in self._active)
+        snap.bytes_held = self.bytes_held
+        snap.budget_bytes = self.dir.budget_bytes
+        return snap
+
+    def sanity_check(self) -> None:
+        self.dir.sanity_check()
+        active = [i for ids in self._active for i in ids]
+        assert len(active) == len(set(active)), "an id in two active restores"
+        assert not set(active) & set(self._offered), "an active id still offered"
+
+    def link_ids(self) -> list[int]:
+        """Ids staged in the worker's store for active restores (the facade checks that they
+        never collide with another tier's)."""
+        return [i for ids in self._active for i in ids]
+
+    def __len__(self) -> int:
+        """Files held: the writer's count once it reported, else the start-up scan's."""
+        return int(self._worker["files"]) if "files" in self._worker else len(self.dir)
+
+    @property
+    def bytes_held(self) -> int:
+        return int(self._worker["bytes"]) if "bytes" in self._worker else self.dir.stats.bytes
