@@ -79,6 +79,12 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Session-exact, never shared across cache_salt; LRU.
     session_budget_bytes: host memory for end anchors (an anchor holds every KV block of its
         conversation, so it costs more than a tree link).
+    disk_dir: folder of the disk tier (link files that survive a restart); "" = tier off.
+        Must exist or be creatable and writable: a disk tier asked for and not usable stops
+        the start-up (docs/disk-tier.md).
+    disk_budget_bytes: bytes of link files kept under disk_dir by this engine's fingerprint.
+    disk_min_free_bytes: a write is skipped when the file system would keep less free space.
+    disk_ttl_s: files unused this long are deleted (0 = never).
     """
 
     enabled: bool = True
@@ -91,6 +97,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: str = _TREE.policy
     session_anchors: int = 32
     session_budget_bytes: int = 2 * GiB
+    disk_dir: str = ""
+    disk_budget_bytes: int = 64 * GiB
+    disk_min_free_bytes: int = 8 * GiB
+    disk_ttl_s: int = 7 * 86400
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -105,6 +115,13 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError(f"message_end_min must be >= 1, got {self.message_end_min}")
         if self.session_anchors < 0 or self.session_budget_bytes < 0:
             raise SettingsError("session_anchors and session_budget_bytes must be >= 0")
+        if self.disk_budget_bytes <= 0:
+            raise SettingsError(f"disk_budget_bytes must be > 0 (unset disk_dir to turn the disk "
+                                f"tier off), got {self.disk_budget_bytes}")
+        if self.disk_min_free_bytes < 0 or self.disk_ttl_s < 0:
+            raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
+        if self.disk_dir != self.disk_dir.strip():
+            raise SettingsError(f"disk_dir has leading or trailing spaces: {self.disk_dir!r}")
         if self.policy not in ("cost", "lru"):
             raise SettingsError(f"policy must be 'cost' or 'lru', got {self.policy!r}")
 
@@ -172,7 +189,7 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise SettingsError(
                 f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
-    if name == "policy":
+    if name in ("policy", "disk_dir"):
         return raw.strip()
     try:
         return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)

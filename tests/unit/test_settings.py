@@ -185,3 +185,18 @@ def test_every_known_variable_is_documented():
     usage = (Path(__file__).parents[2] / "docs" / "usage.md").read_text(encoding="utf-8")
     assert all(name in usage for name in PROCESS_ENV), "document it in docs/usage.md"
     assert len(KNOWN_ENV) > len(PROCESS_ENV)
+
+
+def test_disk_settings_from_environment_and_validation():
+    """The disk tier's settings: off by default, a folder from the environment, limits checked."""
+    assert CacheSettings().disk_dir == ""
+    s = load_settings(environ={"VLLM_HYBRIDCACHE_DISK_DIR": " /var/cache/hc ",
+                               "VLLM_HYBRIDCACHE_DISK_BUDGET_BYTES": "1e9",
+                               "VLLM_HYBRIDCACHE_DISK_TTL_S": "0"})
+    assert (s.disk_dir, s.disk_budget_bytes, s.disk_ttl_s) == ("/var/cache/hc", 10**9, 0)
+    for extra, message in (({"disk_budget_bytes": 0}, "disk_budget_bytes must be > 0"),
+                           ({"disk_min_free_bytes": -1}, "disk_min_free_bytes"),
+                           ({"disk_ttl_s": -1}, "disk_ttl_s"),
+                           ({"disk_dir": " /x"}, "spaces")):
+        with pytest.raises(SettingsError, match=message):
+            load_settings(extra, environ={})

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_hybridcache.core import LinkAddr, LinkRef
+from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 
 
 @dataclass
@@ -34,6 +35,10 @@ class LoadJob:
     chain: tuple[LinkRef, ...]
     block_ids: list[list[int]]                 # per KV-cache group
     fail: str | None = None
+    # files to read into the store under the chain's ids before restoring (a disk hit), one
+    # per chain link, and the fingerprint their headers must carry; () for RAM hits
+    sources: tuple[str, ...] = ()
+    fingerprint: bytes = b""
 
     def addr(self, link_id: int) -> LinkAddr:
         return LinkAddr(self.tier, self.kind, link_id)
@@ -67,6 +72,13 @@ class StepPlan(KVConnectorMetadata):
     # (req_id, prompt tokens, block ids) of prefills that end this step, when an instrumented
     # engine asks for state probes (tests; see vllm_hybridcache/instrumentation.py)
     probes: list[tuple[str, int, list[list[int]]]] = field(default_factory=list)
+    # disk tier: where the worker's writer writes (every plan, so a worker starts its writer
+    # on the first one), committed RAM links to write, files deleted by the scheduler side
+    # that the writer's index must forget, and whether to delete every file
+    disk_target: DiskTarget | None = None
+    disk_writes: list[WriteJob] = field(default_factory=list)
+    disk_forget: list[str] = field(default_factory=list)
+    disk_clear: bool = False
 
 
 @dataclass
@@ -74,7 +86,8 @@ class StepReport(KVConnectorWorkerMetadata):
     """Worker results of one step; aggregated over TP/PP workers.
 
     A capture counts as saved only if every worker saved its shard, so `saved` holds a count
-    per link and `workers` the number of reports merged.
+    per link and `workers` the number of reports merged. `disk`: the disk writer's cumulative
+    stats (core/disk/writer.py), when they changed; the disk tier runs with TP=1 only.
     """
 
     saved: dict[LinkAddr, float] = field(default_factory=dict)  # link -> seconds (max)
@@ -84,6 +97,7 @@ class StepReport(KVConnectorWorkerMetadata):
     failed_loads: set[str] = field(default_factory=set)
     lost_links: set[LinkAddr] = field(default_factory=set)     # payload missing on a worker
     workers: int = 1
+    disk: dict | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
         assert isinstance(other, StepReport)
@@ -97,4 +111,5 @@ class StepReport(KVConnectorWorkerMetadata):
             out.failed_saves |= src.failed_saves
             out.failed_loads |= src.failed_loads
             out.lost_links |= src.lost_links
+            out.disk = src.disk if src.disk is not None else out.disk
         return out

@@ -12,17 +12,26 @@ later states are not cold-exact.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
+from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import (
+    CacheTier,
+    DiskTier,
     EndAnchors,
     IdSource,
+    LinkAddr,
     LinkKind,
     LookupResult,
     MissReason,
@@ -31,12 +40,16 @@ from vllm_hybridcache.core import (
     SnapshotTree,
     Tier,
 )
+from vllm_hybridcache.core.disk import LinkDirectory
+from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.segmentation import Segmentation, first_cut_after
 
 if TYPE_CHECKING:
     from vllm_hybridcache.instrumentation import Instrumentation
 
 logger = logging.getLogger("vllm_hybridcache")
+
+WEIGHTS_MEMO = ".weights-digests.json"  # under disk_dir: weight digests by file stamp
 
 
 @dataclass
@@ -179,12 +192,17 @@ class SchedulerSide:
             logger.info("hybridcache: end anchors off with speculative decoding")
             anchors = 0
         self.cache: SnapshotCache | None = None
+        self.disk: DiskTier | None = None
+        self._disk_target: DiskTarget | None = None
+        self._disk_writes: list[WriteJob] = []
         if layout is not None:
-            ids = IdSource()  # one worker store holds both kinds: ids unique across tiers
-            self.cache = SnapshotCache([
-                SnapshotTree(layout, settings.tree_config(), next_id=ids),
-                EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids),
-            ])
+            ids = IdSource()  # one worker store holds every tier's payloads: ids unique
+            tiers: list[CacheTier] = [SnapshotTree(layout, settings.tree_config(), next_id=ids)]
+            if settings.disk_dir and self.reason_inactive is None:
+                self.disk = self._open_disk(vllm_config, layout, settings, ids)
+                tiers.append(self.disk)
+            tiers.append(EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids))
+            self.cache = SnapshotCache(tiers)
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
         # target's hidden state there and one more token: in a partial prefill, vLLM feeds the
@@ -215,6 +233,47 @@ class SchedulerSide:
                         "bytes, %d sections / %d views)", self.segmentation.grid,
                         list(self.segmentation.message_end_ids), settings.budget_bytes,
                         len(layout.sections), len(layout.views))
+
+    def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource
+                   ) -> DiskTier:
+        """The disk tier on `settings.disk_dir`, or a start-up error that says why not.
+
+        A disk tier that was asked for and cannot work stops the start-up rather than serving
+        on without it: a restart would then silently lose every link (docs/disk-tier.md).
+        """
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+            raise RuntimeError(
+                "hybridcache: the disk tier (disk_dir) works with one worker only for now "
+                f"(tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
+                f"{pc.pipeline_parallel_size}): each worker holds a shard of every link. Unset "
+                "VLLM_HYBRIDCACHE_DISK_DIR / disk_dir to run without it.")
+        root = Path(settings.disk_dir).expanduser()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fp = engine_fingerprint(
+                vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
+                msgspec.json.encode(self.segmentation).decode(), kernel_backend(vllm_config),
+                memo_file=root / WEIGHTS_MEMO)
+            directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
+                                      settings.disk_min_free_bytes, float(settings.disk_ttl_s))
+            directory.open()
+            probe = directory.dir / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise RuntimeError(
+                f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "
+                "give a writable folder or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir") from e
+        self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
+                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s))
+        st = directory.stats
+        logger.info("hybridcache: disk tier on %s (fingerprint %s): %d files, %d bytes; swept "
+                    "%d foreign folders (%d kept: in use), %d temporaries, %d damaged files",
+                    directory.dir, fp.hex[:16], st.files, st.bytes, st.swept_dirs,
+                    st.kept_foreign_dirs, st.swept_temporaries, sum(st.refused.values()))
+        seg = self.segmentation
+        return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids)
 
     @property
     def active(self) -> bool:
@@ -283,8 +342,11 @@ class SchedulerSide:
         if res.hit and res.tokens == num_external_tokens and self.cache.begin_restore(res):
             entry.resume_at = num_external_tokens
             entry.restoring = res
+            sources = self.cache.sources(res)
+            fp = self._disk_target.fingerprint if sources and self._disk_target else b""
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
-                                       chain=res.plan.chain, block_ids=block_ids))
+                                       chain=res.plan.chain, block_ids=block_ids,
+                                       sources=sources, fingerprint=fp))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup
             # (evicted or cleared), so report a failed load and let vLLM recompute.
@@ -322,6 +384,10 @@ class SchedulerSide:
             self._plan_step(entry, req_id, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens[req_id], plan)
         plan.drops = self.cache.drain_dropped()
+        if self.disk is not None:
+            plan.disk_target = self._disk_target
+            plan.disk_writes, self._disk_writes = self._disk_writes, []
+            plan.disk_forget, plan.disk_clear = self.disk.take_writer_ops()
         return plan
 
     def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
@@ -358,7 +424,8 @@ class SchedulerSide:
             if addr in report.failed_saves:
                 continue
             if report.saved_count.get(addr, 1) >= report.workers:
-                self.cache.commit(addr, seconds)
+                if self.cache.commit(addr, seconds):
+                    self._offer_to_disk(addr)
             else:
                 self.cache.abort(addr)
         for req_id in report.failed_loads:
@@ -373,6 +440,18 @@ class SchedulerSide:
             entry = self._live.get(req_id)
             if entry is not None:
                 self._end_restore(req_id, entry, True, seconds)
+        if report.disk is not None and self.disk is not None:
+            self.disk.absorb_worker(report.disk)
+
+    def _offer_to_disk(self, addr: LinkAddr) -> None:
+        """A RAM tree link just committed: queue its file write when the disk tier admits it
+        (its bytes are in the worker's store; the worker's writer thread copies them)."""
+        if self.disk is None or (addr.tier, addr.kind) != (Tier.RAM, LinkKind.TREE):
+            return
+        record = self.tree.link_record(addr.link_id)
+        job = self.disk.write_job(record) if record is not None else None
+        if job is not None:
+            self._disk_writes.append(job)
 
     def _end_restore(self, req_id: str, entry: _Live, ok: bool, seconds: float) -> None:
         if entry.restoring is not None:
@@ -419,7 +498,10 @@ class SchedulerSide:
         the next plan. ValueError names a tier or kind this cache does not have."""
         if self.cache is None:
             return 0
-        return self.cache.clear(tier, kind)
+        n = self.cache.clear(tier, kind)
+        if tier in (None, Tier.DISK) and kind in (None, LinkKind.TREE):
+            self._disk_writes.clear()  # queued before the clear: never written
+        return n
 
     def tier_names(self) -> list[str]:
         """The tiers this engine's cache has (what a clear may name)."""

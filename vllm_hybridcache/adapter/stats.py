@@ -6,8 +6,12 @@ turns counter growth into Prometheus increments, sets the gauges, and keeps the 
 per engine for the HTTP route. Sending cumulative snapshots (not deltas) makes a lost or merged
 message harmless: the next one carries the whole truth.
 
-Every series has two labels: `tier`, where the bytes live (`ram` today), and `kind`, what kind
-of link it counts (`tree`: cold-exact prefill cuts; `anchor`: end-of-request states).
+Every series has two labels: `tier`, where the bytes live (`ram` or `disk`), and `kind`, what
+kind of link it counts (`tree`: cold-exact prefill cuts; `anchor`: end-of-request states).
+For `tier="disk"` captures are file writes (bytes, seconds), restores are reads of files into
+RAM plus the restore (bytes, seconds), links and bytes are the files held, a file refused
+while reading is a miss by its problem (`checksum`, `truncated`, `foreign`, ...), a write the
+writer was too busy to take is a capture skip `queue_full` (see docs/disk-tier.md).
 
 Payload: {"epoch": id of the connector instance, "seq": n, "tiers": {tier: {kind: stats}}}.
 `seq` counts snapshots of one instance; an engine core that restarts builds a new connector,
@@ -130,6 +134,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                            "deepest match, because the deeper link's state "
                                            "depends on a token after its cut (MTP draft head)."
                                            + _BY, "shortened"),
+    "vllm:hybridcache_expired": ("Links deleted for being unused longer than the TTL (disk "
+                                 "tier)." + _BY, "expired"),
+    "vllm:hybridcache_swept": ("Folders of other engine fingerprints and stale temporary "
+                               "files deleted (disk tier)." + _BY, "swept"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "vllm:hybridcache_links": ("Links held in the snapshot cache." + _BY, "links"),
@@ -138,9 +146,11 @@ GAUGES: dict[str, tuple[str, str]] = {
                                       "budget_bytes"),
 }
 MISSES = ("vllm:hybridcache_misses", "Snapshot-cache misses by reason (no_prefix, evicted, "
-          "verify_failed, domain_mismatch, disabled, unkeyed_input)." + _BY)
+          "verify_failed, domain_mismatch, disabled, unkeyed_input; disk files refused: checksum, "
+          "truncated, foreign, not_a_link, format, mismatch, gone, io_error)." + _BY)
 SKIPS = ("vllm:hybridcache_capture_skips", "Captures skipped by reason (budget, memory_guard, "
-         "too_large, parent_refused, disabled)." + _BY)
+         "too_large, parent_refused, disabled; disk writes: queue_full, min_free, disk_full, "
+         "io_error)." + _BY)
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "vllm:hybridcache_capture_seconds": ("Seconds to copy one link into the cache." + _BY,
                                          "capture_seconds"),

@@ -9,6 +9,7 @@ failed capture is discarded and its link aborted.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -17,7 +18,9 @@ import torch
 
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
+from vllm_hybridcache.core import LinkStore, MissingLinkError
+from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.disk.writer import LinkWriter
 from vllm_hybridcache.ops.link_copy import gather_link
 
 if TYPE_CHECKING:
@@ -42,6 +45,12 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._sending: set[str] = set()
         self._failed_recving: set[str] = set()
+        # disk tier: the writer thread (started by the first plan naming a target), the ids
+        # whose drop waits for the writer to finish reading their buffers, and the writer
+        # stats version last reported
+        self._writer: LinkWriter | None = None
+        self._deferred_drops: set[int] = set()
+        self._disk_version = -1
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/instrumentation.py. None in production.
         self.instrumentation: Instrumentation | None = None
@@ -72,6 +81,8 @@ class WorkerSide:
             self.instrumentation.before_load(job)
         if job.fail is not None:
             raise MissingLinkError(None, job.fail)
+        if job.sources:
+            self._stage(job)
         dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
 
         def sink(name: str, start: int, rows: torch.Tensor) -> None:
@@ -80,7 +91,24 @@ class WorkerSide:
 
         self.store.restore(job.chain, dst, sink)
 
+    def _stage(self, job: LoadJob) -> None:
+        """Read a disk hit's files into the store under the chain's ids (core/disk/reader.py);
+        a refused file fails the load and is counted by its problem."""
+        try:
+            stage_chain(self.store, job.chain, job.sources, job.fingerprint)
+        except DiskReadError as e:
+            if self._writer is not None:
+                self._writer.note_read_failure(e.problem)
+            raise
+
+    def _disk_plan(self, plan: StepPlan) -> None:
+        """Start the writer on the first plan that names a disk target."""
+        if plan.disk_target is not None and self._writer is None:
+            self._writer = LinkWriter(plan.disk_target)
+            atexit.register(self._writer.close, 10.0)
+
     def start_load(self, plan: StepPlan) -> None:
+        self._disk_plan(plan)
         for job in plan.loads:
             t0 = time.perf_counter()
             try:
@@ -130,16 +158,47 @@ class WorkerSide:
                 self._report.failed_saves.add(job.addr)
             if job.finishing:
                 self._sending.add(job.req_id)  # vLLM may free the request's blocks now
-        if plan.drops:  # this worker holds the RAM tier's payloads, whatever their kind
-            self.store.drop([a.link_id for a in plan.drops if a.tier == Tier.RAM])
+        self._disk_plan(plan)
+        if self._writer is not None:
+            self._disk_writes(plan)
+        if plan.drops:  # this store holds every tier's payloads (disk hits staged in RAM)
+            ids = [a.link_id for a in plan.drops]
+            if self._writer is not None:  # the writer may still read some: drop those later
+                busy = {i for i in ids if self._writer.busy(i)}
+                self._deferred_drops |= busy
+                ids = [i for i in ids if i not in busy]
+            self.store.drop(ids)
         if plan.probes and self.instrumentation is not None:
             for req_id, tokens, block_ids in plan.probes:
                 self.instrumentation.on_prefill_end(self, req_id, tokens, block_ids)
 
+    def _disk_writes(self, plan: StepPlan) -> None:
+        """Hand committed RAM links to the writer (before this plan's drops, so their buffers
+        are alive), pass the scheduler's deletions on, and drop what the writer finished."""
+        w = self._writer
+        assert w is not None
+        for lid in w.take_done():
+            if lid in self._deferred_drops:
+                self._deferred_drops.discard(lid)
+                self.store.drop([lid])
+        if plan.disk_forget:
+            w.forget(plan.disk_forget)
+        if plan.disk_clear:
+            w.clear()
+        for job in plan.disk_writes:
+            if not self.store.has(job.link_id):
+                continue  # dropped before its write was planned: nothing to copy
+            bufs = self.store.buffers(job.link_id)
+            w.submit(job, {**bufs.sections, **bufs.views})
+
     # ---------------------------------------------------------------- results
     def take_report(self) -> StepReport | None:
         r = self._report
-        if not (r.saved or r.failed_saves or r.loaded or r.failed_loads or r.lost_links):
+        if self._writer is not None and self._writer.version != self._disk_version:
+            self._disk_version = self._writer.version
+            r.disk = self._writer.snapshot()
+        if not (r.saved or r.failed_saves or r.loaded or r.failed_loads or r.lost_links
+                or r.disk is not None):
             return None
         self._report = StepReport(workers=1)
         return r
