@@ -46,7 +46,7 @@ class Engine:
                                  next_id=ids)
         self.directory = LinkDirectory(root, fp, budget)
         self.directory.open()
-        self.disk = DiskTier(layout, self.directory, _cuts, next_id=ids)
+        self.disk = DiskTier(layout, self.directory, _cuts, next_id=ids, promote=self.tree.adopt)
         self.cache = SnapshotCache([self.tree, self.disk])
         self.store = LinkStore(layout, pin_memory=False)
         self.target = DiskTarget(str(root), fp, budget, 0, 0.0)
@@ -138,11 +138,50 @@ def test_restart_round_trip_restores_the_same_bytes(written, layout):
     stage_chain(e.store, res.plan.chain, sources, FP)
     assert e.restore_bytes(res.plan.chain) == expected
     e.cache.end_restore(res, True, 0.01)
-    # the staged bytes are freed with the next step's drops
-    assert {a.link_id for a in e.cache.drain_dropped()} == set(res.plan.link_ids)
+    # promoted: the RAM tree adopted the staged links, nothing is dropped, and the next lookup
+    # is served from RAM with the same bytes
+    assert e.cache.drain_dropped() == []
     st = e.cache.stats()[("disk", "tree")]
     assert (st.hits, st.restores, st.tokens_served, st.links) == (1, 1, 256, 3)
+    assert e.tree.stats().promoted == 3
+    again = e.cache.lookup(keys, DOM, len(keys) - 1)
+    assert (again.tier, again.tokens, again.plan.link_ids) == ("ram", 256, res.plan.link_ids)
+    assert e.restore_bytes(again.plan) == expected
     e.cache.sanity_check()
+
+
+def test_promotion_adopts_only_where_the_tree_would_put_a_link(written, layout):
+    """RAM already holds [0, 128) as one link: the disk's [0, 64) is adopted as a root link,
+    its [64, 128) is not (the tree has that cut), its [128, 256) goes under the tree's link."""
+    root, _, _ = written
+    e = _restart(root, layout)
+    keys = e.cache.keys(PROMPT)
+    r = e.tree.reserve(keys, 128, DOM)
+    e.store.allocate(r.link_id, layout.view_rows(0, 128))
+    e.store.seal(r.link_id)
+    e.tree.commit(r.link_id)
+    res = e.cache.lookup(keys, DOM)
+    assert (res.tier, res.tokens) == ("disk", 256)
+    assert e.cache.begin_restore(res)
+    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP)
+    e.cache.end_restore(res, True)
+    ids = res.plan.link_ids
+    assert [a.link_id for a in e.cache.drain_dropped()] == [ids[1]]
+    e.store.drop([ids[1]])
+    assert e.tree.parent_of(ids[2]) == r.link_id and e.tree.parent_of(ids[0]) is None
+    again = e.cache.lookup(keys, DOM)
+    assert (again.tier, again.plan.link_ids) == ("ram", (r.link_id, ids[2]))
+    e.cache.sanity_check()
+
+
+def test_a_failed_restore_promotes_nothing(written, layout):
+    root, _, _ = written
+    e = _restart(root, layout)
+    res = e.cache.lookup(e.cache.keys(PROMPT), DOM)
+    assert e.cache.begin_restore(res)
+    e.cache.end_restore(res, False)
+    assert sorted(a.link_id for a in e.cache.drain_dropped()) == sorted(res.plan.link_ids)
+    assert len(e.tree) == 0
 
 
 def test_negative_control_other_bytes_are_caught(written, layout, tmp_path_factory):

@@ -9,7 +9,8 @@ conversation's first link past the shared system prompt.
 
 Life 2: the second session's next turn resumes from the disk tier (cached tokens = the deepest
 cut an earlier prompt reached) and its tokens and logprobs equal a cold run of the same
-messages in the same engine (a unique `cache_salt` makes that run miss). The conversation's
+messages in the same engine (a unique `cache_salt` makes that run miss), and its links are
+promoted into the RAM tree. The conversation's
 next turn reads the damaged file: the load fails, vLLM recomputes it cold (same tokens and
 logprobs as a cold run), the miss is counted as `checksum`, the damaged file and its longer
 links are deleted, and the server goes on serving. `clear?tier=disk` deletes every file.
@@ -130,6 +131,8 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
             assert want > 0 and cached_tokens(body) == want
             st = _wait(srv, lambda s: s.get("tokens_served") == want)
             assert (st["hits"], st["restores"], st["tokens_served"]) == (1, 1, want)
+            ram = cache_stats(srv)["tiers"]["ram"]["kinds"]["tree"]
+            assert ram["promoted"] > 0  # the disk hit's links now live in the RAM tree
             assert st["misses"].get("not_a_link") == 1  # the garbage file, refused at start
             assert (domain_dir / "notes.txt").read_text() == "not a link"
             metrics = requests.get(srv.base_url + "/metrics").text

@@ -90,8 +90,12 @@ def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     side2.apply_report(_report(loaded={"b": 0.01}))
     st = side2.cache.stats()[("disk", "tree")]
     assert (st.hits, st.restores, st.tokens_served) == (1, 1, 128)
-    drops = side2.build_plan(_no_steps()).drops
-    assert [(a.tier, a.link_id) for a in drops] == [("disk", load.chain[0].link_id)]
+    # promoted: the RAM tree took the staged link (the worker keeps it), the next request on
+    # the prefix is a RAM hit
+    assert side2.build_plan(_no_steps()).drops == []
+    assert side2.tree.is_committed(load.chain[0].link_id)
+    assert side2.cache.lookup(side2.cache.keys([*TOKENS, 5]), side2._live["b"].domain).tier \
+        == "ram"
     side2.cache.sanity_check()
 
 

@@ -197,9 +197,10 @@ class SchedulerSide:
         self._disk_writes: list[WriteJob] = []
         if layout is not None:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
-            tiers: list[CacheTier] = [SnapshotTree(layout, settings.tree_config(), next_id=ids)]
+            tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
+            tiers: list[CacheTier] = [tree]
             if settings.disk_dir and self.reason_inactive is None:
-                self.disk = self._open_disk(vllm_config, layout, settings, ids)
+                self.disk = self._open_disk(vllm_config, layout, settings, ids, tree)
                 tiers.append(self.disk)
             tiers.append(EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids))
             self.cache = SnapshotCache(tiers)
@@ -234,8 +235,8 @@ class SchedulerSide:
                         list(self.segmentation.message_end_ids), settings.budget_bytes,
                         len(layout.sections), len(layout.views))
 
-    def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource
-                   ) -> DiskTier:
+    def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource,
+                   tree: SnapshotTree) -> DiskTier:
         """The disk tier on `settings.disk_dir`, or a start-up error that says why not.
 
         A disk tier that was asked for and cannot work stops the start-up rather than serving
@@ -273,7 +274,8 @@ class SchedulerSide:
                     directory.dir, fp.hex[:16], st.files, st.bytes, st.swept_dirs,
                     st.kept_foreign_dirs, st.swept_temporaries, sum(st.refused.values()))
         seg = self.segmentation
-        return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids)
+        return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids,
+                        promote=tree.adopt)
 
     @property
     def active(self) -> bool:

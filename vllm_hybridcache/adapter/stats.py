@@ -136,6 +136,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                            + _BY, "shortened"),
     "vllm:hybridcache_expired": ("Links deleted for being unused longer than the TTL (disk "
                                  "tier)." + _BY, "expired"),
+    "vllm:hybridcache_promoted": ("Links of a disk hit taken over by the RAM tree after the "
+                                  "restore (counted under tier ram)." + _BY, "promoted"),
     "vllm:hybridcache_swept": ("Folders of other engine fingerprints and stale temporary "
                                "files deleted (disk tier)." + _BY, "swept"),
 }

@@ -30,6 +30,9 @@ API notes beyond the contract (additions only; nothing renamed or removed):
   block index (ref.start // view_block_tokens).
 - Introspection for tests and the adapter: SnapshotTree.has, is_committed, parent_of,
   link_info, link_ids; eviction policies expose add/discard/accessed/victim.
+- Disk tier: DiskTier (core/tiers/disk.py) over core/disk/ (link files, directory, writer
+  thread, staging reader); CacheTier.slow and CacheTier.sources(plan); SnapshotTree.link_record
+  (what a link file names) and SnapshotTree.adopt (a disk hit promoted into RAM).
 """
 
 from .cache import SnapshotCache

@@ -106,6 +106,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     invalidated: int = 0  # links dropped by invalidate() (payload lost on the worker)
     cleared: int = 0  # links dropped by clear()
     expired: int = 0  # links dropped for being unused longer than a TTL (disk tier)
+    promoted: int = 0  # links taken over from a slower tier's restore (a disk hit into RAM)
     swept: int = 0  # foreign fingerprint folders and stale temporaries deleted (disk tier)
     # gauges
     links: int = 0  # committed links

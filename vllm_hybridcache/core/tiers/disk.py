@@ -15,8 +15,10 @@ How a disk hit is served (docs/disk-tier.md):
   restores from RAM exactly like a RAM hit. A file that fails makes the load fail (vLLM
   recomputes the request cold), the worker reports the link lost, and `invalidate` deletes the
   file and every longer link of its chain.
-- `end_restore` hands the ids back through `drain_dropped`, so the worker frees the staged
-  bytes with the next step's drops.
+- `end_restore` of a successful restore *promotes* the chain: the RAM tree adopts the staged
+  links where it would have put them (`SnapshotTree.adopt`), so the next request on this
+  prefix is served from RAM; the ids it does not take go back through `drain_dropped`, and
+  the worker frees them with the next step's drops.
 
 Writes are not reserved here: new links are captured into RAM (the facade admits new links in
 the first tier of their kind) and the adapter asks `write_job` for every RAM tree link that
@@ -61,6 +63,9 @@ from .ram_tree import LinkRecord
 
 __all__ = ["DiskTier"]
 
+# promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
+Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
+
 OFFERED_MAX = 4096  # ids handed out by lookups and not yet restored (vLLM may ask again)
 RECENT_MAX = 4096  # ids of ended restores whose files a late failure report may name
 
@@ -79,16 +84,21 @@ class DiskTier(CacheTier):
 
     def __init__(self, layout: StateLayout, directory: LinkDirectory,
                  cuts: Callable[[np.ndarray], list[int]],
-                 next_id: Callable[[], int] | None = None, hasher: Hasher | None = None) -> None:
+                 next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
+                 promote: Promote | None = None) -> None:
         self.layout = layout
         self.dir = directory
         self._cuts = cuts
+        self._promote = promote
         self._next_id = next_id if next_id is not None else IdSource()
         self._hasher: Hasher = hasher if hasher is not None else blake2b_128
-        # id -> file, for ids a lookup handed out (bounded: unused ones are forgotten)
-        self._offered: OrderedDict[int, Path] = OrderedDict()
-        # plan link ids -> files of an active restore (begun, not ended)
+        # id -> (file, the prompt's keys, domain), for ids a lookup handed out (bounded:
+        # unused ones are forgotten)
+        self._offered: OrderedDict[int, tuple[Path, PromptKeys, bytes]] = OrderedDict()
+        # plan link ids -> files of an active restore (begun, not ended), and what promotion
+        # needs (the prompt's keys and domain)
         self._active: dict[tuple[int, ...], list[Path]] = {}
+        self._active_keys: dict[tuple[int, ...], tuple[PromptKeys, bytes]] = {}
         # id -> [its file, the longer files of its chain], for ended restores
         self._recent: OrderedDict[int, list[Path]] = OrderedDict()
         self._dropped: list[int] = []
@@ -133,7 +143,7 @@ class DiskTier(CacheTier):
         refs = []
         for path, header, _ in chain:
             lid = self._next_id()
-            self._offered[lid] = path
+            self._offered[lid] = (path, keys, domain)
             refs.append(LinkRef(lid, header.start, header.end))
         while len(self._offered) > OFFERED_MAX:
             self._offered.popitem(last=False)
@@ -155,12 +165,15 @@ class DiskTier(CacheTier):
         if not res.hit or res.plan is None:
             self.record_lookup(res)
             return False
-        paths = [self._offered.pop(r.link_id, None) for r in res.plan.chain]
-        if any(p is None or not p.exists() for p in paths):
+        offered = [self._offered.pop(r.link_id, None) for r in res.plan.chain]
+        if any(o is None or not o[0].exists() for o in offered):
             self.record_lookup(msgspec.structs.replace(
                 res, hit=False, tokens=0, plan=None, miss_reason=MissReason.EVICTED.value))
             return False
-        self._active[res.plan.link_ids] = [p for p in paths if p is not None]
+        self._active[res.plan.link_ids] = [o[0] for o in offered if o is not None]
+        first = offered[0]
+        assert first is not None
+        self._active_keys[res.plan.link_ids] = (first[1], first[2])
         self.record_lookup(res)
         return True
 
@@ -169,6 +182,7 @@ class DiskTier(CacheTier):
 
     def end_restore(self, plan: RestorePlan, ok: bool, seconds: float = 0.0) -> None:
         paths = self._active.pop(plan.link_ids)  # KeyError: not active
+        keys, domain = self._active_keys.pop(plan.link_ids)
         s = self._rec.s
         if ok:
             s.restores += 1
@@ -183,7 +197,10 @@ class DiskTier(CacheTier):
             self._recent[ref.link_id] = paths[i:]
         while len(self._recent) > RECENT_MAX:
             self._recent.popitem(last=False)
-        self._dropped.extend(plan.link_ids)  # the worker frees the staged bytes
+        # Promotion: the staged links the RAM tree takes stay in the worker's store as RAM
+        # links; the worker frees the others with the next step's drops.
+        kept = set(self._promote(keys, domain, plan.chain)) if ok and self._promote else set()
+        self._dropped.extend(i for i in plan.link_ids if i not in kept)
 
     # ------------------------------------------------------------------ publication
     def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None) -> Reservation:

@@ -551,6 +551,60 @@ class SnapshotTree(CacheTier):
         self._refresh(link)
         return True
 
+    def adopt(self, tokens: Tokens, domain: bytes, chain: Sequence[LinkRef]) -> list[int]:
+        """Take links whose payloads a worker already holds sealed (a disk hit staged into its
+        store) as committed links; returns the ids adopted, root first.
+
+        Why: a disk hit is promoted into RAM, so the next request on the same prefix does not
+        read the files again. A link is adopted only where the tree would have put it: its
+        rows must start where the deepest link already on its prefix ends (or at 0); a link
+        the tree already holds at that cut is kept instead (not adopted), and the walk stops
+        at the first link that cannot be adopted (rows from another parent, or no room within
+        the budget and the memory guard), so adopted links always form a chain without holes.
+        The caller must drop the payloads of the ids not returned.
+        """
+        keys = self._as_keys(tokens)
+        adopted: list[int] = []
+        if not self.config.enabled:
+            return adopted
+        cfg = self.config
+        for ref in chain:
+            if ref.link_id in self._links or not 0 <= ref.start < ref.end <= len(keys):
+                break
+            root = self._roots.get(domain)
+            parent: _Link | None = None
+            if root is not None:
+                parent, _, _ = self._deepest(keys, root, ref.end, committed_only=False)
+            if parent is not None and parent.p == ref.end:
+                continue  # held already: the next link's rows start at it
+            if (parent.p if parent is not None else 0) != ref.start:
+                break
+            nbytes = self.layout.link_bytes(self.layout.view_rows(ref.start, ref.end))
+            if (nbytes > cfg.budget_bytes
+                    or (cfg.max_link_bytes and nbytes > cfg.max_link_bytes)
+                    or self._available() - nbytes < cfg.memory_floor_bytes
+                    or (self._bytes_held + nbytes > cfg.budget_bytes
+                        and not self._make_room(nbytes, parent))):
+                break
+            root = self._roots.get(domain)
+            if root is None:
+                root = self._roots[domain] = _Root(domain)
+            pnode: _Node = parent if parent is not None else root
+            link = _Link(ref.link_id, root.domain, ref.end, pnode,
+                         keys.token_bytes(ref.start, ref.end), keys.digest(ref.end), nbytes,
+                         self._clock())
+            self._attach(link, root)
+            link.state = COMMITTED
+            self._n_pending -= 1
+            self._bytes_pending -= nbytes
+            self.policy.accessed(link, self._clock())
+            self._refresh(link)
+            self._tombs.discard(link.key)
+            self._ghosts.discard(link.key)
+            self._rec.s.promoted += 1
+            adopted.append(ref.link_id)
+        return adopted
+
     def abort(self, link_id: int) -> int:
         """Drop a pending link and all its descendants (their step failed or was preempted).
 
