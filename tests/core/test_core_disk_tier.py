@@ -372,3 +372,49 @@ def test_writer_without_a_directory_skips_and_counts(tmp_path, layout):
     snap = w.snapshot()
     assert snap["skips"] == {"no_directory": 1} and "read-only" in snap["error"]
     assert w.take_done() == [1]
+
+
+def test_a_full_file_system_skips_writes_and_counts_them(tmp_path, layout):
+    """min_free: a write that would leave less free space is skipped (counted), and a real
+    ENOSPC from the file system is counted as disk_full; nothing is half written."""
+    import errno
+
+    free = {"bytes": 1 << 40}
+
+    def directory(target):
+        d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
+                          min_free_bytes=1 << 30, free_bytes=lambda p: free["bytes"])
+        d.open()
+        return d
+
+    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 1 << 30, 0.0), directory=directory)
+    keys = PromptKeys(PROMPT)
+    store = LinkStore(layout, pin_memory=False)
+
+    def job(i, s, e):
+        b = store.allocate(i, layout.view_rows(s, e))
+        return (WriteJob(i, DOM, keys.digest(e), keys.digest(s) if s else b"", s, e,
+                         keys.token_bytes(s, e), layout.view_rows(s, e)),
+                {**b.sections, **b.views})
+
+    free["bytes"] = (1 << 30) + 10  # less than a link above the floor
+    w.submit(*job(1, 0, 64))
+    assert w.close(30)
+    assert w.snapshot()["skips"] == {"min_free": 1} and not _files(tmp_path)
+
+    import vllm_hybridcache.core.disk.directory as directory_mod
+
+    def enospc(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    free["bytes"] = 1 << 40
+    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 1 << 30, 0.0), directory=directory)
+    real = directory_mod.write_link_file
+    directory_mod.write_link_file = enospc
+    try:
+        w.submit(*job(2, 0, 64))
+        assert w.close(30)
+    finally:
+        directory_mod.write_link_file = real
+    assert w.snapshot()["skips"] == {"disk_full": 1}
+    assert not _files(tmp_path) and not list(tmp_path.rglob(".tmp-*"))
