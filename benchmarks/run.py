@@ -2,7 +2,7 @@
 
     python -m benchmarks.run [--model qwen3-next-tiny] [--trace coding-agent] [--size ci]
                              [--systems native,nocache,ours] [--base-url NAME=URL ...]
-    python -m benchmarks.run --micro core|kernels|model|connector|segmentation|all [args for it]
+    python -m benchmarks.run --micro NAME[,NAME...]|all [args for it]   (names: --list)
     python -m benchmarks.run --list
 
 For every size asked for, each system's server is started once with the same model and settings,
@@ -55,6 +55,9 @@ MICRO: dict[str, tuple[str, str]] = {
     "connector": ("benchmarks.connector_bench", "KV connector capture / restore latency"),
     "segmentation": ("benchmarks.segmentation_bench",
                      "grid / message-end cut settings: reuse and prefill cost"),
+    "disk": ("benchmarks.disk_bench", "disk tier: link file write / verified read vs dd"),
+    "disk_restart": ("benchmarks.disk_restart_bench",
+                     "disk tier: next-turn latency after a restart (cold / RAM / disk)"),
 }
 
 

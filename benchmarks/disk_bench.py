@@ -1,0 +1,168 @@
+"""Disk tier bandwidth: link files written and read by the tier's code vs `dd` on the same folder.
+
+What it measures, in one run on one folder (so the device and its load are the same):
+- **write**: `LinkDirectory.write` of N links of the reference size (one link file each:
+  header, parts with a CRC-32 each, fsync, rename, directory fsync), against
+  `dd if=/dev/zero of=F bs=1M count=S oflag=direct conv=fsync` over the same bytes;
+- **read**: `stage_chain` of those files into a RAM `LinkStore` (header, every part read into
+  store buffers and its CRC-32 checked), against `dd if=F of=/dev/null bs=1M iflag=direct`.
+  Before every read pass the files' pages are dropped from the page cache
+  (`posix_fadvise(DONTNEED)` per file, which touches no other process's cache), so both read
+  the device;
+- the CPU side alone: the same staging from the page cache, and zlib's CRC-32 rate, which
+  bound the tier's read rate whatever the device.
+
+Usage: python -m benchmarks.run --micro disk --dir /path/on/the/disk [--links 16] [--mib 38]
+(or python -m benchmarks.disk_bench ...)
+Prints one JSON line; docs/benchmarks/disk.md records the results and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_hybridcache.core import (
+    LinkRef,
+    LinkStore,
+    PromptKeys,
+    SectionSpec,
+    StateLayout,
+    ViewSpec,
+)
+from vllm_hybridcache.core.disk import LinkDirectory
+from vllm_hybridcache.core.disk.reader import stage_chain
+from vllm_hybridcache.core.keys import make_domain
+
+FP = b"B" * 32
+DOM = make_domain(bench="disk")
+
+
+def layout_for(mib: int) -> tuple[StateLayout, int]:
+    """A layout whose 512-row link is about `mib` MiB: 1/4 sections, 3/4 rows (like the
+    reference hybrid layout: GDN state plus attention K/V)."""
+    total = mib << 20
+    sec = total // 4 // 4  # float32 elements
+    row = (total - sec * 4) // 512 // 2  # bfloat16 elements per row
+    lay = StateLayout(sections=(SectionSpec("gdn", (sec,), "float32"),),
+                      views=(ViewSpec("kv", (row,), "bfloat16"),))
+    return lay, 512
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dd(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(["dd", *args, "status=none"], check=True)
+    return time.perf_counter() - t0
+
+
+def run(folder: Path, links: int, mib: int) -> dict:
+    lay, rows = layout_for(mib)
+    store = LinkStore(lay, pin_memory=False)
+    work = Path(tempfile.mkdtemp(prefix="hc-disk-bench-", dir=folder))
+    try:
+        d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
+        d.open()
+        toks = np.arange(rows * links, dtype=np.int64) + 1000
+        keys = PromptKeys(toks)
+        # payloads: random bytes (incompressible, like real state), one buffer reused
+        src = store.allocate(0, rows)
+        gen = np.random.default_rng(0)
+        for t in (*src.sections.values(), *src.views.values()):
+            flat = t.reshape(-1).view(torch.uint8).numpy()
+            flat[:] = gen.integers(0, 256, flat.shape, dtype=np.uint8)
+        parts = {**src.sections, **src.views}
+        nbytes = sum(p.numel() * p.element_size() for p in parts.values())
+
+        t0 = time.perf_counter()
+        for i in range(links):
+            s, e = i * rows, (i + 1) * rows
+            assert d.write(domain=DOM, digest=keys.digest(e),
+                           parent_digest=keys.digest(s) if s else b"", start=s, end=e,
+                           tokens=toks[s:e], rows=rows, parts=parts, nbytes=nbytes)
+        t_write = time.perf_counter() - t0
+        files = [d.path_for(DOM, (i + 1) * rows, keys.digest((i + 1) * rows))
+                 for i in range(links)]
+        file_bytes = sum(p.stat().st_size for p in files)
+
+        chain = [LinkRef(100 + i, i * rows, (i + 1) * rows) for i in range(links)]
+        reads = []
+        for _ in range(3):
+            drop_cache(files)
+            t0 = time.perf_counter()
+            stage_chain(store, chain, [str(p) for p in files], FP)
+            reads.append(time.perf_counter() - t0)
+            store.drop([r.link_id for r in chain])
+
+        # the CPU side alone: the same staging from the page cache (copy + CRC + buffers)
+        cached = []
+        for _ in range(3):
+            stage_chain(store, chain, [str(p) for p in files], FP)  # warm the page cache
+            store.drop([r.link_id for r in chain])
+            t0 = time.perf_counter()
+            stage_chain(store, chain, [str(p) for p in files], FP)
+            cached.append(time.perf_counter() - t0)
+            store.drop([r.link_id for r in chain])
+        big = os.urandom(64 << 20)
+        t0 = time.perf_counter()
+        zlib.crc32(big)
+        crc_gib_s = 64 / 1024 / (time.perf_counter() - t0)
+
+        raw = work / "dd.bin"
+        mib_total = file_bytes >> 20
+        t_dd_write = dd(["if=/dev/zero", f"of={raw}", "bs=1M", f"count={mib_total}",
+                         "oflag=direct", "conv=fsync"])
+        dd_reads = []
+        for _ in range(3):
+            drop_cache([raw])
+            dd_reads.append(dd([f"if={raw}", "of=/dev/null", "bs=1M", "iflag=direct"]))
+        gib = 1 << 30
+        out = {
+            "folder": str(folder), "links": links, "link_bytes": nbytes,
+            "file_bytes": file_bytes,
+            "tier_write_gib_s": file_bytes / t_write / gib,
+            "dd_write_gib_s": (mib_total << 20) / t_dd_write / gib,
+            "tier_read_gib_s": file_bytes / min(reads) / gib,
+            "dd_read_gib_s": (mib_total << 20) / min(dd_reads) / gib,
+            "tier_read_page_cache_gib_s": file_bytes / min(cached) / gib,
+            "crc32_gib_s": crc_gib_s,
+        }
+        out["read_ratio"] = out["tier_read_gib_s"] / out["dd_read_gib_s"]
+        out["write_ratio"] = out["tier_write_gib_s"] / out["dd_write_gib_s"]
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
+                    help="a folder on the disk to measure (default: the temp folder)")
+    ap.add_argument("--links", type=int, default=16)
+    ap.add_argument("--mib", type=int, default=38, help="MiB per link (38: reference layout)")
+    args = ap.parse_args(argv)
+    print(json.dumps(run(args.dir, args.links, args.mib)))
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Restart scenario: next-turn latency after a server restart, served cold, from RAM, from disk.
+
+One server with the disk tier (`VLLM_HYBRIDCACHE_DISK_DIR`) on a fresh folder:
+1. life 1: a prompt of `--head` tokens plus a tail is prefilled (captures every grid cut, the
+   writer writes them); a second prompt with the same head and another tail measures the
+   **RAM-warm** latency; the server waits until every committed link is on disk and stops
+   (SIGTERM);
+2. life 2 on the same folder: after a short unrelated warm-up request (a new process's first
+   forward pays one-time costs), the head with a third tail measures the **disk** latency (the
+   head is read from link files, verified, restored, promoted); the same head with a unique
+   `cache_salt` measures **cold** (same engine, nothing to reuse).
+
+Each request asks for one token (`/v1/completions` with prompt token ids, `max_tokens=1`), so
+its latency is the time to first token plus one HTTP round trip. Token ids are seeded and
+avoid the message-end ids, so cuts fall on the grid only.
+
+Usage: python -m benchmarks.run --micro disk_restart [--model qwen3-next-tiny] [--head 16384]
+Prints one JSON line; docs/benchmarks/disk.md records the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from benchmarks.servers import SYSTEMS, ServerSettings, running_server
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return [int(x) for x in rng.integers(1000, min(vocab, 3000), n)]
+
+
+def _complete(base: str, ids: list[int], **extra) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    r = requests.post(base + "/v1/completions", json={
+        "model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0, **extra}, timeout=1800)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    return dt, r.json()
+
+
+def _disk_stats(base: str) -> dict:
+    return requests.get(base + "/v1/cache/stats").json()["tiers"].get("disk", {})
+
+
+def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -> dict:
+    from vllm_hybridcache.models import ensure_model
+
+    path = ensure_model(model)
+    rng = np.random.default_rng(0)
+    vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+    head_ids = _prompt(rng, head, vocab)
+    tails = [_prompt(rng, tail, vocab) for _ in range(4)]
+    settings = ServerSettings(model_path=str(path), served_name="m",
+                              max_model_len=head + tail + 64, port=port,
+                              kv_cache_space_gib=4)
+    env_keys = {"VLLM_HYBRIDCACHE_DISK_DIR": str(workdir / "disk"),
+                "VLLM_HYBRIDCACHE_GRID": str(grid), "VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0",
+                "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1"}
+    old = {k: os.environ.get(k) for k in env_keys}
+    os.environ.update(env_keys)
+    out: dict = {"model": model, "head": head, "tail": tail, "grid": grid}
+    try:
+        with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
+            out["first_prefill_s"], _ = _complete(srv.base_url, head_ids + tails[0])
+            out["ram_warm_s"], body = _complete(srv.base_url, head_ids + tails[1])
+            out["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:  # every committed link on disk
+                ram = requests.get(srv.base_url + "/v1/cache/stats").json()["tiers"]["ram"]
+                st = _disk_stats(srv.base_url)
+                if st.get("links", 0) >= ram["kinds"]["tree"]["captures"] > 0:
+                    break
+                time.sleep(1)
+            out["disk_files"] = st.get("links", 0)
+            out["disk_bytes"] = st.get("bytes_held", 0)
+        with running_server(SYSTEMS["ours"], settings, workdir / "life2.log") as srv:
+            out["restart_startup_s"] = srv.startup_s
+            # a short unrelated request first: the new process's first forward pays one-time
+            # costs that are not the disk tier's (life 1's RAM-warm request came after one)
+            _complete(srv.base_url, tails[3][:64], cache_salt="warm-up")
+            out["disk_s"], body = _complete(srv.base_url, head_ids + tails[2])
+            out["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            out["cold_s"], body = _complete(srv.base_url, head_ids + tails[3],
+                                            cache_salt=f"cold-{uuid.uuid4().hex}")
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
+            st = _disk_stats(srv.base_url)
+            out["disk_restore_seconds_sum"] = st.get("restore_seconds", {}).get("sum")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out["disk_over_ram"] = out["disk_s"] / out["ram_warm_s"]
+    out["disk_over_cold"] = out["disk_s"] / out["cold_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3-next-tiny")
+    ap.add_argument("--head", type=int, default=16384)
+    ap.add_argument("--tail", type=int, default=128)
+    ap.add_argument("--grid", type=int, default=2048)
+    ap.add_argument("--port", type=int, default=8420)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hc-restart-") as work:
+        print(json.dumps(run(args.model, args.head, args.tail, args.grid, args.port,
+                             Path(work))))
+    return 0
+
+
+if __name__ == "__main__":
+    main()
