@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,26 +21,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # Test-only switch: `HYBRIDCACHE_TEST_CPU_ISA=avx2` runs the AVX2 kernels an AVX2-only x86-64
-# machine runs, on an AVX-512/AMX machine, for engines built in this process. vLLM picks its
-# kernel library (`_C_AVX2`), its CPU attention ISA and its GDN path from torch.cpu's feature
-# probes, which read CPUID and ignore ATEN_CPU_CAPABILITY, so the probes answer False here; torch's
-# own kernels follow ATEN_CPU_CAPABILITY and oneDNN's follow ONEDNN_MAX_CPU_ISA. The patched
-# probes do not reach vLLM's spawned engine processes, so every `vllm_engine` is built in this
-# process (servers started as subprocesses by tests/serving and tests/benchmarks keep the
-# machine's ISA). Set it before anything imports vLLM's kernels (it is read when this file
-# loads). Production code has no such switch.
+# machine runs, on an AVX-512/AMX machine: in this process (set before anything imports vLLM's
+# kernels; this file loads first) and, through tests/isa_emulation/sitecustomize.py on
+# PYTHONPATH, in every process the tests spawn (engine cores, workers, servers). Production code
+# has no such switch.
+_ISA_DIR = str(Path(__file__).resolve().parent / "isa_emulation")
 _EMULATED_ISA = os.environ.get("HYBRIDCACHE_TEST_CPU_ISA", "")
 if _EMULATED_ISA:
-    if _EMULATED_ISA != "avx2":
-        raise pytest.UsageError(f"HYBRIDCACHE_TEST_CPU_ISA={_EMULATED_ISA}: only avx2 is known")
-    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
-    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import torch
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_ISA_DIR, os.environ.get("PYTHONPATH", "")) if p)
+    sys.path.insert(0, _ISA_DIR)
+    import sitecustomize
 
-    for _probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
-                   "_is_amx_tile_supported", "_is_amx_fp16_supported"):
-        setattr(torch.cpu, _probe, lambda: False)
+    sitecustomize.apply()
 
 
 def emulated_cpu_isa() -> str | None:
