@@ -418,3 +418,53 @@ def test_a_full_file_system_skips_writes_and_counts_them(tmp_path, layout):
         directory_mod.write_link_file = real
     assert w.snapshot()["skips"] == {"disk_full": 1}
     assert not _files(tmp_path) and not list(tmp_path.rglob(".tmp-*"))
+
+
+_WRITER_SCRIPT = """
+import sys, numpy as np, torch
+from pathlib import Path
+from vllm_hybridcache.core.disk import LinkDirectory
+from vllm_hybridcache.core.keys import PromptKeys
+root, fp, dom = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+d = LinkDirectory(root, fp, 1 << 40)
+d.open()
+i = 0
+while True:
+    toks = np.arange(i * 64, i * 64 + 64, dtype=np.int64)
+    keys = PromptKeys(toks)
+    parts = {"a": torch.full((1 << 20,), float(i)), "b": torch.full((64, 256), float(i))}
+    d.write(domain=dom, digest=keys.digest(64), parent_digest=b"", start=0, end=64,
+            tokens=toks, rows=64, parts=parts, nbytes=(1 << 22) + 64 * 1024)
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_kill_9_during_writes_never_leaves_a_torn_link_file(tmp_path):
+    """A writer killed with SIGKILL at an arbitrary moment: every `.link` file left is complete
+    and verifies; what was cut short is a temporary, swept at the next open."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from vllm_hybridcache.core.disk.linkfile import read_header, read_parts
+
+    for delay in (0.8, 1.3):
+        root = tmp_path / f"run-{delay}"
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(root), FP.hex(),
+                                 DOM.hex()], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # one file is written: the loop is running
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        d = LinkDirectory(root, FP, 1 << 40, tmp_max_age_s=0)
+        d.open()
+        assert d.stats.refused == {} and len(d) >= 1
+        for path in _files(root):
+            header, base = read_header(path, FP)
+            dst = {"a": torch.empty(1 << 20), "b": torch.empty(64, 256)}
+            read_parts(path, header, base, dst)  # raises on any torn or damaged part
+            assert float(dst["a"][0]) == float(dst["b"][-1, -1])
+        assert not list(root.rglob(".tmp-*"))  # swept (age limit 0 here)
