@@ -14,7 +14,8 @@ Each request asks for one token (`/v1/completions` with prompt token ids, `max_t
 its latency is the time to first token plus one HTTP round trip. Token ids are seeded and
 avoid the message-end ids, so cuts fall on the grid only.
 
-Usage: python -m benchmarks.run --micro disk_restart [--model qwen3-next-tiny] [--head 16384]
+Usage: python -m benchmarks.run --micro disk_restart [--restart-model qwen3-next-tiny]
+       [--head 16384]
 Prints one JSON line; docs/benchmarks/disk.md records the results.
 """
 
@@ -107,14 +108,15 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="qwen3-next-tiny")
+    # not --model: benchmarks.run keeps that one for its trace replays
+    ap.add_argument("--restart-model", default="qwen3-next-tiny")
     ap.add_argument("--head", type=int, default=16384)
     ap.add_argument("--tail", type=int, default=128)
     ap.add_argument("--grid", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8420)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hc-restart-") as work:
-        print(json.dumps(run(args.model, args.head, args.tail, args.grid, args.port,
+        print(json.dumps(run(args.restart_model, args.head, args.tail, args.grid, args.port,
                              Path(work))))
     return 0
 

@@ -66,7 +66,10 @@ __all__ = ["DiskTier"]
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
 
-OFFERED_MAX = 4096  # ids handed out by lookups and not yet restored (vLLM may ask again)
+# Ids handed out by lookups and not yet restored. vLLM allocates right after its lookup in the
+# same scheduling pass, so a few are live at a time; the bound caps the memory of the prompts
+# they keep (an id trimmed too early only makes begin_restore miss: the request goes cold).
+OFFERED_MAX = 256
 RECENT_MAX = 4096  # ids of ended restores whose files a late failure report may name
 
 
