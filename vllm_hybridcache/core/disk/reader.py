@@ -54,4 +54,7 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
             problem = (e.problem.value if isinstance(e, LinkFileError)
                        else "gone" if isinstance(e, FileNotFoundError) else "io_error")
             raise DiskReadError(ref.link_id, problem, str(e)) from e
+        except BaseException:
+            store.drop(staged)  # nothing half staged stays behind, whatever went wrong
+            raise
     return n
