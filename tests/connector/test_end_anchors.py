@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import emulated_cpu_isa
 from tests.connector.conftest import connector_engine, engine_parts
-from tests.connector.test_exactness import GRID, clear, run
+from tests.connector.test_exactness import GRID, anchored_session, clear, run
 from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -69,19 +69,7 @@ def greedy_gate(warm: dict, cold: dict, drift: float = DRIFT_NATS) -> int:
 def test_live_continuation_passes_the_greedy_gate(llm):
     """Five turns, each the previous prompt + its answer + a new message: every turn resumes at
     the previous turn's end anchor and agrees with a cold run of its prompt."""
-    clear(llm)
-    prompt = [200 + (i * 31) % 2500 for i in range(300)]
-    turns = []
-    for t in range(6):
-        out = run(llm, prompt)
-        turns.append((list(prompt), out))
-        prompt = prompt + out["tokens"] + [900 + (i * 7 + t) % 700 for i in range(40 + 10 * t)]
-    sched, _ = engine_parts(llm)
-    session = sched.anchors.stats()
-    for t, (_, out) in enumerate(turns[1:], start=1):
-        prev_p, prev = turns[t - 1]
-        assert out["cached"] == len(prev_p) + len(prev["tokens"]) - 1   # the end anchor
-    assert session.hits == 5 and session.tokens_served == sum(o["cached"] for _, o in turns)
+    turns = anchored_session(llm)
     agreed = []
     for p, out in turns[1:]:
         clear(llm)

@@ -193,6 +193,12 @@ def test_live_continuation_resumes_at_each_end_anchor(llm):
     anchor's state comes from decode steps, so its tokens are compared with cold runs by the
     greedy gate in float32 (test_end_anchors.py): in bf16 the decode-vs-prefill drift depends
     on the CPU's kernels (up to 0.16 nats here with AVX2 kernels) and flips near-ties."""
+    anchored_session(llm)
+
+
+def anchored_session(llm) -> list[tuple[list[int], dict]]:
+    """Six turns from a clear cache, each the previous prompt + its answer + a new message;
+    asserts every later turn resumed at the previous turn's end anchor. Returns the turns."""
     clear(llm)
     prompt = [200 + (i * 31) % 2500 for i in range(300)]
     turns = []
@@ -206,6 +212,7 @@ def test_live_continuation_resumes_at_each_end_anchor(llm):
         prev_p, prev = turns[t - 1]
         assert out["cached"] == len(prev_p) + len(prev["tokens"]) - 1   # the end anchor
     assert session.hits == 5 and session.tokens_served == sum(o["cached"] for _, o in turns)
+    return turns
 
 
 def test_end_anchor_is_never_served_to_another_salt(llm):
