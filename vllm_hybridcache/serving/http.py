@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 ALL = "all"
@@ -74,8 +74,10 @@ class HybridCacheEndpoints:
             return JSONResponse(aggregate(latest_snapshots()))
 
         @router.post("/v1/cache/clear")
-        async def cache_clear(request: Request, tier: str = ALL, kind: str = ALL) -> JSONResponse:
-            client = self.engine_client or getattr(request.app.state, "engine_client", None)
+        async def cache_clear(tier: str = ALL, kind: str = ALL) -> JSONResponse:
+            # the engine client comes through the plugin interface's init_state (vLLM calls it
+            # for every endpoint plugin; None on an engine-less render server)
+            client = self.engine_client
             if client is None:
                 return JSONResponse({"error": "no engine behind this server"}, status_code=503)
             return await clear(client, tier, kind)
