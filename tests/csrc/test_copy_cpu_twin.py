@@ -37,14 +37,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture
-def csrc_backend(monkeypatch, cpu_twin):
-    monkeypatch.setenv(copy_select.ENV_VAR, "csrc")
-    copy_select._select.cache_clear()
-    yield
-    copy_select._select.cache_clear()
-
-
 @pytest.mark.parametrize("shape,block_dim,dtype", LAYOUTS)
 def test_gather_scatter_match_index_ops(csrc_backend, shape, block_dim, dtype) -> None:
     t = _random(shape, dtype, seed=1)

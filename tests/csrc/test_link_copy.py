@@ -4,20 +4,11 @@ cannot address fall back to torch without being lost."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from vllm_hybridcache.adapter.parts import PagedBlocks
 from vllm_hybridcache.ops import copy_select
 from vllm_hybridcache.ops.link_copy import gather_link
-
-
-@pytest.fixture
-def csrc_backend(monkeypatch, cpu_twin):
-    monkeypatch.setenv(copy_select.ENV_VAR, "csrc")
-    copy_select._select.cache_clear()
-    yield
-    copy_select._select.cache_clear()
 
 
 def _link(seed: int):
