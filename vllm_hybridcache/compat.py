@@ -294,6 +294,34 @@ def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
     return True
 
 
+@checked("0.32.0")
+def extend_config_hook(architecture: str, after: Callable[[Any], None]) -> bool:
+    """Run `after(vllm_config)` right after vLLM's own config hook for `architecture`.
+
+    vLLM 0.32 adjusts a config per architecture in `VllmConfig.__post_init__` through the
+    classes of `vllm.model_executor.models.config.MODELS_CONFIG_MAP` (before the hybrid-model
+    hook that picks `mamba_cache_mode`), and offers no public way to add to that. We replace
+    the entry with a subclass that calls the original hook (when vLLM has one) and then
+    `after`. Idempotent per (architecture, after): False when already extended.
+    """
+    from vllm.model_executor.models import config as model_configs
+
+    table = model_configs.MODELS_CONFIG_MAP
+    base = table.get(architecture, model_configs.VerifyAndUpdateConfig)
+    if getattr(base, "_hybridcache_after", None) is after:
+        return False
+
+    def verify_and_update_config(vllm_config: Any) -> None:
+        base.verify_and_update_config(vllm_config)
+        after(vllm_config)
+
+    table[architecture] = type(f"{base.__name__}WithHybridcache", (base,), {
+        "verify_and_update_config": staticmethod(verify_and_update_config),
+        "_hybridcache_after": after,
+    })
+    return True
+
+
 # --------------------------------------------------------------------- scheduler
 
 SplitFn = Callable[[Any, int, int, int], "int | None"]
