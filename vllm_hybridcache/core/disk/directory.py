@@ -1,8 +1,11 @@
 """LinkDirectory: the files of the disk tier, on one directory that several engines may share.
 
-Layout: `ROOT/<fingerprint[:16] hex>/<domain[:16] hex>/<digest hex>-<end>.link`. A file's name is
-a function of its key (domain, end, digest), so any engine of the same fingerprint finds a link
-written by another one by asking for the name: a lookup stats the names of the prompt's cuts
+Layout: `ROOT/<fingerprint[:16] hex>/<domain[:16] hex>/<digest hex>-<end>.link` for tree links,
+`ROOT/<fingerprint[:16] hex>/a-<domain[:16] hex>/<digest hex>-<end>.link` for spilled end anchors
+(session-exact state, kept apart: a tree lookup never even stats an anchor's name, and every
+header names its kind). A file's name is a function of its key (kind, domain, end, digest),
+so any engine of the same fingerprint finds a link written by another one by asking for the
+name: a tree lookup stats the names of the prompt's cuts
 (the segmentation is part of the fingerprint, so links only ever sit at cuts), then reads and
 verifies the headers of the chain it found. The in-memory index only serves accounting and
 eviction; it is rebuilt by `scan()` and corrected whenever a file turns out to be gone.
@@ -46,6 +49,9 @@ __all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
 SUFFIX = ".link"
 LOCK_NAME = ".in-use"
 DAY_S = 86400.0
+TREE = "tree"
+ANCHOR = "anchor"
+ANCHOR_PREFIX = "a-"  # folder of a domain's spilled end anchors
 
 
 @dataclass
@@ -58,6 +64,9 @@ class DiskLink:
     nbytes: int
     last_used: float
     hits: int = 0
+    kind: str = TREE
+    domain: bytes = b""
+    digest: bytes = b""
 
     def value(self, now: float) -> float:
         """Eviction value: (hits + 1) x tokens it saves per byte, halved per day unused."""
@@ -186,10 +195,14 @@ class LinkDirectory:
                 continue
             except FileNotFoundError:
                 continue
+            if p != self.path_for(header.domain, header.end, header.digest, header.kind):
+                self._refuse(p, LinkFileProblem.MISMATCH)  # a header its name does not name
+                continue
             old = self._index.get(p)
             index[p] = DiskLink(p, self._parent_path(p, header), header.end, st.st_size,
                                 old.last_used if old else st.st_mtime,
-                                old.hits if old else 0)
+                                old.hits if old else 0, header.kind, header.domain,
+                                header.digest)
         self._index = {}
         self._children = {}
         for entry in index.values():
@@ -219,19 +232,25 @@ class LinkDirectory:
         self.stats.bytes = sum(e.nbytes for e in self._index.values())
 
     # ------------------------------------------------------------------ names
-    def path_for(self, domain: bytes, end: int, digest: bytes) -> Path:
-        return self.dir / domain[:8].hex() / f"{digest.hex()}-{end}{SUFFIX}"
+    def path_for(self, domain: bytes, end: int, digest: bytes, kind: str = TREE) -> Path:
+        sub = domain[:8].hex() if kind == TREE else ANCHOR_PREFIX + domain[:8].hex()
+        return self.dir / sub / f"{digest.hex()}-{end}{SUFFIX}"
+
+    def anchors(self) -> list[DiskLink]:
+        """The spilled end anchors this index knows (the disk anchor tier's candidates)."""
+        return [e for e in self._index.values() if e.kind == ANCHOR]
 
     # ------------------------------------------------------------------ writes
     def write(
         self, *, domain: bytes, digest: bytes, parent_digest: bytes, start: int, end: int,
-        tokens: np.ndarray, rows: int, parts, nbytes: int,
+        tokens: np.ndarray, rows: int, parts, nbytes: int, kind: str = TREE,
     ) -> bool:
         """Write one link unless it exists already or does not fit; False = skipped (counted).
 
-        nbytes: the payload size (to decide admission before writing anything).
+        nbytes: the payload size (to decide admission before writing anything). kind: "tree"
+        or "anchor" (a spilled end anchor: one root file holding the whole prefix).
         """
-        path = self.path_for(domain, end, digest)
+        path = self.path_for(domain, end, digest, kind)
         if path.exists():
             return True
         if nbytes > self.budget_bytes:
@@ -245,12 +264,12 @@ class LinkDirectory:
             written = write_link_file(
                 path, fingerprint=self.fingerprint, domain=domain, digest=digest,
                 parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
-                parts=parts, created=self._clock())
+                parts=parts, created=self._clock(), kind=kind)
         except OSError as e:
             return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
                               else "io_error")
         parent = None if start == 0 else path.parent / f"{parent_digest.hex()}-{start}{SUFFIX}"
-        self._add(DiskLink(path, parent, end, written, self._clock()))
+        self._add(DiskLink(path, parent, end, written, self._clock(), 0, kind, domain, digest))
         self.stats.writes += 1
         self.stats.write_bytes += written
         self._account()
@@ -291,7 +310,7 @@ class LinkDirectory:
             except FileNotFoundError:
                 self._forget(path)
                 return []
-            if (header.domain != domain or header.end > len(keys)
+            if (header.domain != domain or header.kind != TREE or header.end > len(keys)
                     or keys.token_bytes(header.start, header.end) != header.tokens):
                 return []  # a digest collision: not this prompt's link (a miss, not damage)
             chain.append((path, header, base))
@@ -299,6 +318,34 @@ class LinkDirectory:
                 chain.reverse()
                 return chain
             path = self.path_for(domain, header.start, header.parent_digest)
+
+    def lookup_anchor(self, keys: PromptKeys, domain: bytes, limit: int,
+                      candidates: list[tuple[int, bytes]]
+                      ) -> tuple[Path, LinkFileHeader, int] | None:
+        """The deepest spilled end anchor of `domain` among `candidates` ((end, digest) pairs)
+        whose end is <= limit and whose every stored token equals the prompt's, or None.
+
+        The digest only picks the candidates worth opening; the header is verified (format,
+        fingerprint, CRC, kind, domain) and the tokens compared, as for a tree link. A damaged
+        file is deleted.
+        """
+        for end, digest in sorted(candidates, reverse=True):
+            if end > limit or end > len(keys) or keys.digest(end) != digest:
+                continue
+            path = self.path_for(domain, end, digest, ANCHOR)
+            try:
+                header, base = read_header(path, self.fingerprint)
+            except LinkFileError as e:
+                self._refuse(path, e.problem)
+                continue
+            except FileNotFoundError:
+                self._forget(path)
+                continue
+            if (header.kind == ANCHOR and header.domain == domain
+                    and (header.start, header.end) == (0, end)
+                    and keys.token_bytes(0, end) == header.tokens):
+                return path, header, base
+        return None
 
     def touch(self, path: Path) -> None:
         """Count a restore served by a file (eviction value)."""
@@ -396,15 +443,18 @@ class LinkDirectory:
             freed += victim.nbytes
         return freed
 
-    def clear(self) -> int:
-        """Delete every file of this fingerprint; returns how many."""
+    def clear(self, kind: str | None = None) -> int:
+        """Delete every file of this fingerprint (of one kind, when given); returns how many."""
         n = 0
         for p in list(self._files()):
-            if p.name.endswith(SUFFIX):
+            is_anchor = p.parent.name.startswith(ANCHOR_PREFIX)
+            if p.name.endswith(SUFFIX) and (kind is None or (kind == ANCHOR) == is_anchor):
                 p.unlink(missing_ok=True)
+                self._forget(p)
                 n += 1
-        self._index.clear()
-        self._children.clear()
+        if kind is None:
+            self._index.clear()
+            self._children.clear()
         self._account()
         return n
 

@@ -102,6 +102,10 @@ class LinkFileHeader(msgspec.Struct, frozen=True):
     rows: int  # view rows stored per view part
     parts: tuple[PartEntry, ...]
     created: float = 0.0
+    # "tree" (a cold-exact link at a cut) or "anchor" (a spilled end anchor: session-exact,
+    # the whole prefix [0, end) in one file). Kept apart on disk and checked at every read, so
+    # a session's state can never serve as a shared tree link.
+    kind: str = "tree"
 
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype=np.int64)
@@ -141,6 +145,7 @@ def write_link_file(
     rows: int,
     parts: Mapping[str, torch.Tensor | np.ndarray],
     created: float = 0.0,
+    kind: str = "tree",
 ) -> int:
     """Write one link atomically at `path`; returns the bytes written.
 
@@ -160,7 +165,7 @@ def write_link_file(
         offset = _round_up(offset + mv.nbytes)
     header = msgspec.msgpack.encode(LinkFileHeader(
         FORMAT_VERSION, fingerprint, domain, digest, parent_digest, start, end, toks.tobytes(),
-        rows, tuple(entries), created))
+        rows, tuple(entries), created, kind))
     pre = _PRE.pack(MAGIC, len(header), zlib.crc32(header))
     head = pre + header
     head += b"\0" * (_round_up(len(head)) - len(head))

@@ -14,6 +14,12 @@ Deletions and clears that the scheduler decided travel through the same ordered 
 dropped), so the thread's `LinkDirectory` is the only index that changes files (see
 directory.py: one thread owns an instance).
 
+Session spill (docs/disk-tier.md): `drain` is the shutdown path. It puts the spilled end
+anchors at the head of the queue (regardless of the bound: they are the last chance of their
+conversations), then stops the thread after the queue, within a time limit: a write that would
+start past the limit is skipped (`shutdown`), so the limit bounds how long a stop waits. What
+was written and what was dropped is returned for the log.
+
 Stats are cumulative (`snapshot()`): files and bytes held, writes and their bytes and seconds,
 skips by reason, writes dropped, evictions and expiries, read failures recorded by the worker.
 """
@@ -33,9 +39,9 @@ import numpy as np
 import torch
 
 from ..stats import SECONDS_BOUNDS, Histogram
-from .directory import LinkDirectory
+from .directory import TREE, LinkDirectory
 
-__all__ = ["QUEUE_MAX", "DiskTarget", "LinkWriter", "WriteJob"]
+__all__ = ["QUEUE_MAX", "DiskTarget", "DrainReport", "LinkWriter", "WriteJob"]
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -50,6 +56,8 @@ class DiskTarget(msgspec.Struct, frozen=True):
     budget_bytes: int
     min_free_bytes: int
     ttl_s: float
+    spill: bool = False  # session spill: end anchors are written at shutdown and eviction
+    drain_s: float = 10.0  # time limit of the shutdown drain
 
 
 class WriteJob(msgspec.Struct, frozen=True):
@@ -65,6 +73,22 @@ class WriteJob(msgspec.Struct, frozen=True):
     end: int
     tokens: bytes
     rows: int
+    kind: str = "tree"  # or "anchor": an end anchor, one root file of the whole prefix
+    # "now": write it; "spill": an end anchor the worker keeps in mind and writes only at
+    # shutdown (session spill) unless an explicit "now" job for it comes first (evicted)
+    when: str = "now"
+
+
+class DrainReport(msgspec.Struct, frozen=True):
+    """What a shutdown drain did (logged by the worker)."""
+
+    anchors: int          # end anchors handed to the drain
+    anchors_written: int  # of them, on disk when the drain ended (written now or before)
+    anchor_bytes: int
+    skipped: int          # writes of any kind not started: the time limit passed
+    seconds: float
+    finished: bool        # the thread ended within the limit (else a write was cut short:
+                          # it leaves only a temporary file, swept at a later start)
 
 
 class LinkWriter:
@@ -85,6 +109,7 @@ class LinkWriter:
                                        "write_bytes": 0, "skips": {}, "evictions": 0,
                                        "expired": 0, "read_failures": {}, "error": ""}
         self._hist = Histogram.empty(SECONDS_BOUNDS)
+        self._deadline: float | None = None  # monotonic; writes starting later are skipped
         self._version = 0  # bumped on every stats change: the worker reports only news
         self._thread = threading.Thread(target=self._run, name="hybridcache-disk-writer",
                                         daemon=True)
@@ -155,6 +180,28 @@ class LinkWriter:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def drain(self, anchors: list[tuple[WriteJob, Mapping[str, torch.Tensor]]],
+              timeout: float) -> DrainReport:
+        """Shutdown: write `anchors` first (most valuable first, as given), then what was
+        queued, and stop; no write starts after `timeout` seconds. The caller keeps the
+        tensors alive until this returns."""
+        t0 = time.monotonic()
+        with self._cv:
+            skipped_before = self._stats["skips"].get("shutdown", 0)
+            self._deadline = t0 + timeout
+            for job, parts in reversed(anchors):
+                self._busy.add(job.link_id)
+                self._writes_waiting += 1
+                self._items.appendleft(("write", job, dict(parts)))
+            self._cv.notify()
+        finished = self.close(max(0.0, timeout - (time.monotonic() - t0)) + 1.0)
+        sizes = [_size(_target_path(self.target, j)) for j, _ in anchors]
+        with self._cv:
+            skipped = self._stats["skips"].get("shutdown", 0) - skipped_before
+        return DrainReport(len(anchors), sum(1 for n in sizes if n is not None),
+                           sum(n for n in sizes if n is not None), skipped,
+                           time.monotonic() - t0, finished)
+
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         directory: LinkDirectory | None = None
@@ -177,12 +224,14 @@ class LinkWriter:
             if op == "stop":
                 break
             try:
-                if op == "write":
+                if op == "write" and self._past_deadline():
+                    self._skip("shutdown")
+                elif op == "write":
                     self._write(directory, item[1], item[2])
                 elif directory is not None and op == "forget":
                     directory.delete([Path(p) for p in item[1]])
                 elif directory is not None and op == "clear":
-                    directory.clear()
+                    directory.clear(TREE)  # anchor files: deleted one by one (`forget`)
             except Exception as e:  # never let one bad write end the thread
                 logger.warning("hybridcache: disk writer: %s failed: %s", op, e, exc_info=True)
                 if op == "write":
@@ -207,10 +256,14 @@ class LinkWriter:
         directory.write(domain=job.domain, digest=job.digest, parent_digest=job.parent_digest,
                         start=job.start, end=job.end,
                         tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
-                        parts=parts, nbytes=nbytes)
+                        parts=parts, nbytes=nbytes, kind=job.kind)
         if directory.stats.writes > before:
             with self._cv:
                 self._hist.observe(time.perf_counter() - t0)
+
+    def _past_deadline(self) -> bool:
+        with self._cv:
+            return self._deadline is not None and time.monotonic() > self._deadline
 
     def _skip(self, reason: str) -> None:
         with self._cv:
@@ -233,6 +286,19 @@ class LinkWriter:
                     skips[reason] = n
             s["skips"] = skips
             self._version += 1
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _target_path(target: DiskTarget, job: WriteJob) -> Path:
+    """Where `job`'s file lands (LinkDirectory's naming, without opening the directory)."""
+    d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes)
+    return d.path_for(job.domain, job.end, job.digest, job.kind)
 
 
 def _open_directory(target: DiskTarget) -> LinkDirectory:

@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..disk.directory import LinkDirectory
+from ..disk.directory import ANCHOR, TREE, LinkDirectory
 from ..disk.writer import WriteJob
 from ..keys import Hasher, PromptKeys, blake2b_128
 from ..layout import StateLayout
@@ -61,7 +61,7 @@ from .base import (
 )
 from .ram_tree import LinkRecord
 
-__all__ = ["DiskTier"]
+__all__ = ["DiskAnchors", "DiskTier"]
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
@@ -255,12 +255,12 @@ class DiskTier(CacheTier):
         return freed
 
     def clear(self) -> int:
-        """Delete every file of this engine's fingerprint (the writer's queued writes that
-        land afterwards are deleted by its own clear, which follows them in its queue)."""
-        n = self.dir.clear()
+        """Delete every tree link file of this engine's fingerprint (the writer's queued
+        writes that land afterwards are deleted by its own clear, which follows them in its
+        queue)."""
+        n = self.dir.clear(TREE)
         self._offered.clear()
         self._clear_writer = True
-        self._forget.clear()
         self._rec.s.cleared += n
         return n
 
@@ -329,3 +329,103 @@ class DiskTier(CacheTier):
     @property
     def bytes_held(self) -> int:
         return int(self._worker["bytes"]) if "bytes" in self._worker else self.dir.stats.bytes
+
+
+class DiskAnchors(DiskTier):
+    """Spilled end anchors on disk (tier `disk`, kind `anchor`): session spill's read side.
+
+    An end anchor written at a graceful shutdown, or when RAM evicted it (core/disk/spill.py),
+    is one root file holding the whole prefix [0, n) of a finished request, under the anchor
+    folder of its domain. This tier serves it to a request whose prompt strictly extends those
+    tokens, like the RAM anchor tier: session-exact (`cold_exact` False, so the resumed request
+    publishes nothing shared), never across domains (the domain includes `cache_salt`), and
+    only when deeper than any RAM hit (`slow`).
+
+    Candidates are the anchor files the shared directory indexed at start-up plus the ones
+    this engine spilled since (`note_spilled`); a lookup opens only those whose name matches
+    the digest of the prompt's prefix at their end, then verifies header and tokens. The
+    staged ids are dropped after the restore (the request's own end anchor replaces it in
+    RAM). Restores, sources, invalidation and drops work as in DiskTier; the files and the
+    writer belong to the tree tier given here (one directory, one index, one writer).
+    """
+
+    kind = LinkKind.ANCHOR
+    cold_exact = False
+
+    KNOWN_MAX = 4096  # candidate names remembered (a name whose file never came is a miss)
+
+    def __init__(self, tree: DiskTier) -> None:
+        on_delete = tree.dir.on_delete
+        super().__init__(tree.layout, tree.dir, tree._cuts, next_id=tree._next_id,
+                         hasher=tree._hasher)
+        self.dir.on_delete = on_delete  # deletions reach the tree tier's writer ops
+        self._known: OrderedDict[tuple[bytes, int, bytes], None] = OrderedDict()
+        for e in tree.dir.anchors():
+            self.note_spilled(e.domain, e.end, e.digest)
+
+    def note_spilled(self, domain: bytes, end: int, digest: bytes) -> None:
+        """An anchor file there is, or that this engine asked its writer to write (a lookup
+        finds it once the file is there)."""
+        key = (domain, end, digest)
+        self._known[key] = None
+        self._known.move_to_end(key)
+        while len(self._known) > self.KNOWN_MAX:
+            self._known.popitem(last=False)
+
+    def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
+               fits: Fits | None = None) -> LookupResult:
+        """The deepest spilled anchor of `domain` whose tokens are a prefix of tokens[:limit],
+        header and every token verified (no payload byte read)."""
+        keys = self._as_keys(tokens)
+        n = len(keys)
+        lim = n if limit is None else max(0, min(int(limit), n))
+        if fits is not None:
+            return self._miss(MissReason.NO_PREFIX, n, lim)
+        cands = [(end, dg) for (dom, end, dg) in self._known if dom == domain and 0 < end <= lim]
+        found = self.dir.lookup_anchor(keys, domain, lim, cands) if cands else None
+        if found is None or found[1].rows != self.layout.view_rows(0, found[1].end):
+            return self._miss(MissReason.NO_PREFIX, n, lim)
+        path, header, _ = found
+        lid = self._next_id()
+        self._offered[lid] = (path, keys, domain)
+        while len(self._offered) > OFFERED_MAX:
+            self._offered.popitem(last=False)
+        parts = {s.name: s.nbytes for s in self.layout.sections}
+        for v in self.layout.views:
+            parts[v.name] = v.bytes_per_row * self.layout.view_rows(0, header.end)
+        plan = RestorePlan((LinkRef(lid, 0, header.end),), header.end, parts,
+                           sum(parts.values()))
+        return LookupResult(True, plan.tokens, plan, None, n, lim, tier=self.tier.value,
+                            kind=self.kind.value)
+
+    def write_job(self, record: LinkRecord) -> WriteJob | None:
+        return None  # anchors are written through session spill (core/disk/spill.py)
+
+    def clear(self) -> int:
+        """Delete every spilled anchor file of this fingerprint (each deletion reaches the
+        writer's index through the tree tier's list)."""
+        n = self.dir.clear(ANCHOR)
+        self._known.clear()
+        self._offered.clear()
+        self._rec.s.cleared += n
+        return n
+
+    def take_writer_ops(self) -> tuple[list[str], bool]:
+        return [], False  # deletions go through the tree tier's list
+
+    def stats(self) -> CacheStats:
+        """Lookups and restores of spilled anchors; files and bytes as the start-up scan found
+        them (the writer's totals, anchors included, are reported under kind `tree`)."""
+        snap = self._rec.snapshot()
+        snap.links = len(self)
+        snap.bytes_held = self.bytes_held
+        snap.links_pinned = sum(len(ids) for ids in self._active)
+        snap.budget_bytes = self.dir.budget_bytes
+        return snap
+
+    def __len__(self) -> int:
+        return len(self.dir.anchors())
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(e.nbytes for e in self.dir.anchors())
