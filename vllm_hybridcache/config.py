@@ -85,6 +85,13 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_budget_bytes: bytes of link files kept under disk_dir by this engine's fingerprint.
     disk_min_free_bytes: a write is skipped when the file system would keep less free space.
     disk_ttl_s: files unused this long are deleted (0 = never).
+    session_spill: with the disk tier on, end anchors of live conversations are written to it
+        at a graceful shutdown (and when RAM evicts them), and read back after a restart, so a
+        conversation's next turn resumes where it stopped (docs/disk-tier.md). Off = anchors
+        stay in RAM only.
+    spill_timeout_s: time limit of the shutdown drain (spilled anchors, then queued writes);
+        what is left at the limit is dropped and logged. vLLM only lets a shutdown drain with
+        `--shutdown-timeout` above 0, and this limit must fit inside it.
     """
 
     enabled: bool = True
@@ -101,6 +108,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_budget_bytes: int = 64 * GiB
     disk_min_free_bytes: int = 8 * GiB
     disk_ttl_s: int = 7 * 86400
+    session_spill: bool = True
+    spill_timeout_s: int = 20
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -118,6 +127,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.disk_budget_bytes <= 0:
             raise SettingsError(f"disk_budget_bytes must be > 0 (unset disk_dir to turn the disk "
                                 f"tier off), got {self.disk_budget_bytes}")
+        if self.spill_timeout_s <= 0:
+            raise SettingsError(f"spill_timeout_s must be > 0, got {self.spill_timeout_s}")
         if self.disk_min_free_bytes < 0 or self.disk_ttl_s < 0:
             raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
         if self.disk_dir != self.disk_dir.strip():
@@ -176,13 +187,13 @@ def _announce(message: str) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if name == "enabled":
+    if name in ("enabled", "session_spill"):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise SettingsError(f"{ENV_PREFIX}ENABLED must be a boolean, got {raw!r}")
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be a boolean, got {raw!r}")
     if name == "message_end_ids":
         try:
             return tuple(int(x) for x in raw.replace(",", " ").split())
