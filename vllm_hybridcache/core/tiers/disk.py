@@ -41,6 +41,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..disk.admission import WriteAdmission
 from ..disk.directory import ANCHOR, TREE, LinkDirectory
 from ..disk.writer import WriteJob
 from ..keys import Hasher, PromptKeys, blake2b_128
@@ -88,8 +89,11 @@ class DiskTier(CacheTier):
     def __init__(self, layout: StateLayout, directory: LinkDirectory,
                  cuts: Callable[[np.ndarray], list[int]],
                  next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
-                 promote: Promote | None = None) -> None:
+                 promote: Promote | None = None,
+                 admission: WriteAdmission | None = None) -> None:
         self.layout = layout
+        # which tree links are written (core/disk/admission.py); None: every committed link
+        self.admission = admission
         self.dir = directory
         self._cuts = cuts
         self._promote = promote
@@ -221,17 +225,32 @@ class DiskTier(CacheTier):
     def write_job(self, record: LinkRecord) -> WriteJob | None:
         """The write of a committed RAM tree link, or None when it is not admitted.
 
-        Admission (docs/disk-tier.md): every committed cold-exact link whose file does not
-        exist yet, except on the MTP route (a tagged link). Writes that find the writer behind
-        are dropped and counted there.
+        Admission (docs/disk-tier.md): a committed cold-exact link whose file does not exist
+        yet and whose prefix the admission counts admitted (seen in two prompts, or a line of
+        a session's first long prompt; every link without an admission), except on the MTP
+        route (a tagged link). Writes that find the writer behind are dropped and counted there.
         """
         if record.tag is not None:
             return None
         if self.dir.path_for(record.domain, record.end, record.digest).exists():
             return None
+        if not self.admits(record.domain, record.end, record.digest):
+            self._rec.skip("not_admitted")
+            return None
         return WriteJob(record.link_id, record.domain, record.digest, record.parent_digest,
                         record.start, record.end, record.tokens,
                         self.layout.view_rows(record.start, record.end))
+
+    def admits(self, domain: bytes, end: int, digest: bytes) -> bool:
+        a = self.admission
+        return a is None or a.first_prompt_tokens == 0 or a.admitted(domain, end, digest)
+
+    def observe(self, tokens: Tokens, domain: bytes, continues_session: bool) -> list[int]:
+        """Count a new prompt's cuts before its prefill (admission); the cuts now admitted."""
+        if self.admission is None:
+            return []
+        keys = self._as_keys(tokens)
+        return self.admission.observe(keys, domain, self._cuts(keys.tokens), continues_session)
 
     # ------------------------------------------------------------------ housekeeping
     def invalidate(self, link_ids: Sequence[int]) -> int:
