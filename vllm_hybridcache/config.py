@@ -85,13 +85,17 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_budget_bytes: bytes of link files kept under disk_dir by this engine's fingerprint.
     disk_min_free_bytes: a write is skipped when the file system would keep less free space.
     disk_ttl_s: files unused this long are deleted (0 = never).
+    disk_write_first_tokens: which tree links the disk tier writes: a prefix seen in two
+        prompts (a repeat, a branch point) and every line of a session's first prompt at least
+        this long (an agent's system prompt and tools); 0 = every committed link.
     session_spill: with the disk tier on, end anchors of live conversations are written to it
         at a graceful shutdown (and when RAM evicts them), and read back after a restart, so a
         conversation's next turn resumes where it stopped (docs/disk-tier.md). Off = anchors
         stay in RAM only.
     spill_timeout_s: time limit of the shutdown drain (spilled anchors, then queued writes);
-        what is left at the limit is dropped and logged. vLLM only lets a shutdown drain with
-        `--shutdown-timeout` above 0, and this limit must fit inside it.
+        what is left at the limit is dropped and logged. The drain runs in vLLM's worker
+        shutdown, which vLLM allows `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` (default 5) and only
+        with `--shutdown-timeout` above 0: 4 fits vLLM's defaults; raise all three together.
     """
 
     enabled: bool = True
@@ -108,8 +112,9 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_budget_bytes: int = 64 * GiB
     disk_min_free_bytes: int = 8 * GiB
     disk_ttl_s: int = 7 * 86400
+    disk_write_first_tokens: int = 4096
     session_spill: bool = True
-    spill_timeout_s: int = 20
+    spill_timeout_s: int = 4
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -127,6 +132,9 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.disk_budget_bytes <= 0:
             raise SettingsError(f"disk_budget_bytes must be > 0 (unset disk_dir to turn the disk "
                                 f"tier off), got {self.disk_budget_bytes}")
+        if self.disk_write_first_tokens < 0:
+            raise SettingsError("disk_write_first_tokens must be >= 0 (0 = write every link), "
+                                f"got {self.disk_write_first_tokens}")
         if self.spill_timeout_s <= 0:
             raise SettingsError(f"spill_timeout_s must be > 0, got {self.spill_timeout_s}")
         if self.disk_min_free_bytes < 0 or self.disk_ttl_s < 0:
