@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedMode
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
-from vllm_hybridcache.core.disk.writer import LinkWriter
+from vllm_hybridcache.core.disk.writer import LinkWriter, WriteJob
 from vllm_hybridcache.ops.link_copy import gather_link
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ class WorkerSide:
         self._writer: LinkWriter | None = None
         self._deferred_drops: set[int] = set()
         self._disk_version = -1
+        # session spill: end anchors captured here, oldest first, written at shutdown (the
+        # scheduler announced each with its capture; a drop forgets it)
+        self._spillable: OrderedDict[int, WriteJob] = OrderedDict()
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/instrumentation.py. None in production.
         self.instrumentation: Instrumentation | None = None
@@ -135,7 +139,7 @@ class WorkerSide:
         first = job.row_start // layout.view_block_tokens
         # state slots and every layer's KV blocks: one launch per link (ops/link_copy.py)
         gather_link(
-            [(t[job.block_ids[gid][0]], bufs.sections[name])
+            [(t[job.block_ids[gid][job.section_block]], bufs.sections[name])
              for name, (gid, t) in self._sections.items()],
             [(acc, job.block_ids[gid], first, bufs.views[name])
              for name, (gid, acc) in self._rows.items()])
@@ -167,6 +171,8 @@ class WorkerSide:
                 busy = {i for i in ids if self._writer.busy(i)}
                 self._deferred_drops |= busy
                 ids = [i for i in ids if i not in busy]
+            for i in (a.link_id for a in plan.drops):
+                self._spillable.pop(i, None)
             self.store.drop(ids)
         if plan.probes and self.instrumentation is not None:
             for req_id, tokens, block_ids in plan.probes:
@@ -188,8 +194,40 @@ class WorkerSide:
         for job in plan.disk_writes:
             if not self.store.has(job.link_id):
                 continue  # dropped before its write was planned: nothing to copy
+            if job.when == "spill":  # an end anchor just captured: written at shutdown
+                self._spillable[job.link_id] = job
+                continue
+            self._spillable.pop(job.link_id, None)  # evicted from RAM: written now
             bufs = self.store.buffers(job.link_id)
             w.submit(job, {**bufs.sections, **bufs.views})
+
+    def shutdown(self) -> None:
+        """vLLM's graceful shutdown (the connector's shutdown hook): session spill.
+
+        The end anchors still in the store are written first, newest first, then the queued
+        tree writes, within the target's time limit; the log says what was written and what
+        was dropped. Only reached when vLLM lets the engine process drain (--shutdown-timeout
+        above 0); a write cut short by a kill leaves a temporary file, swept at a later start.
+        """
+        w = self._writer
+        if w is None or self.store is None:
+            return
+        self._writer = None
+        target = w.target
+        anchors = []
+        if target.spill:
+            for lid, job in reversed(self._spillable.items()):
+                if self.store.has(lid):
+                    bufs = self.store.buffers(lid)
+                    anchors.append((job, {**bufs.sections, **bufs.views}))
+        self._spillable.clear()
+        queued = w.snapshot()["queued"]
+        r = w.drain(anchors, target.drain_s)
+        logger.info("hybridcache: shutdown drain: session spill wrote %d of %d end anchors "
+                    "(%d bytes) to %s; %d tree writes were queued; %d writes dropped at the %g s "
+                    "limit; %.2f s%s", r.anchors_written, r.anchors, r.anchor_bytes,
+                    target.root, queued, r.skipped, target.drain_s, r.seconds,
+                    "" if r.finished else " (a write was still running: left as a temporary)")
 
     # ---------------------------------------------------------------- results
     def take_report(self) -> StepReport | None:
