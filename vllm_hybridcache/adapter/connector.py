@@ -116,6 +116,11 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> StepReport | None:
         return self._worker.take_report() if self._worker is not None else None
 
+    def shutdown(self) -> None:
+        """vLLM's graceful shutdown of the worker: the disk tier's drain (session spill)."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
     # ====================== scheduler side =====================
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
