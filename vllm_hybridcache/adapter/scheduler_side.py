@@ -41,7 +41,10 @@ from vllm_hybridcache.core import (
     Tier,
 )
 from vllm_hybridcache.core.disk import LinkDirectory
+from vllm_hybridcache.core.disk.admission import WriteAdmission
+from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
+from vllm_hybridcache.core.tiers.disk import DiskAnchors
 from vllm_hybridcache.segmentation import Segmentation, first_cut_after
 
 if TYPE_CHECKING:
@@ -80,6 +83,7 @@ class _Live:
     canonical: bool = True      # every step so far followed the segmentation from cold state
     cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
     finished: bool = False      # vLLM is done with it; kept only until `restoring` ends
+    disk_seen: bool = False     # its cuts were counted for the disk tier's write admission
 
     def draft_tag(self, end: int) -> tuple[int, int] | None:
         """The tokens the draft head's boundary row read when this prompt's state at `end` was
@@ -193,16 +197,26 @@ class SchedulerSide:
             anchors = 0
         self.cache: SnapshotCache | None = None
         self.disk: DiskTier | None = None
+        self.disk_anchors: DiskAnchors | None = None
+        self.spill: SpillBook | None = None  # session spill: the anchors RAM may hand to disk
         self._disk_target: DiskTarget | None = None
         self._disk_writes: list[WriteJob] = []
         if layout is not None:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
             tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
             tiers: list[CacheTier] = [tree]
+            # session spill: end anchors on disk (not on the MTP route: a file does not carry
+            # the draft tag an anchor's fit depends on)
+            spill = bool(settings.session_spill and anchors
+                         and vllm_config.speculative_config is None)
             if settings.disk_dir and self.reason_inactive is None:
-                self.disk = self._open_disk(vllm_config, layout, settings, ids, tree)
+                self.disk = self._open_disk(vllm_config, layout, settings, ids, tree, spill)
                 tiers.append(self.disk)
             tiers.append(EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids))
+            if self.disk is not None and spill:
+                self.disk_anchors = DiskAnchors(self.disk)
+                tiers.append(self.disk_anchors)
+                self.spill = SpillBook()
             self.cache = SnapshotCache(tiers)
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
@@ -236,7 +250,7 @@ class SchedulerSide:
                         len(layout.sections), len(layout.views))
 
     def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource,
-                   tree: SnapshotTree) -> DiskTier:
+                   tree: SnapshotTree, spill: bool) -> DiskTier:
         """The disk tier on `settings.disk_dir`, or a start-up error that says why not.
 
         A disk tier that was asked for and cannot work stops the start-up rather than serving
@@ -267,7 +281,10 @@ class SchedulerSide:
                 f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "
                 "give a writable folder or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir") from e
         self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
-                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s))
+                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s),
+                                       spill=spill, drain_s=float(settings.spill_timeout_s))
+        if spill:
+            self._warn_short_shutdown(vllm_config, settings.spill_timeout_s)
         st = directory.stats
         logger.info("hybridcache: disk tier on %s (fingerprint %s): %d files, %d bytes; swept "
                     "%d foreign folders (%d kept: in use), %d temporaries, %d damaged files",
@@ -275,7 +292,24 @@ class SchedulerSide:
                     st.kept_foreign_dirs, st.swept_temporaries, sum(st.refused.values()))
         seg = self.segmentation
         return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids,
-                        promote=tree.adopt)
+                        promote=tree.adopt,
+                        admission=WriteAdmission(settings.disk_write_first_tokens))
+
+    @staticmethod
+    def _warn_short_shutdown(vllm_config, limit: int) -> None:
+        """Session spill drains in vLLM's worker shutdown (the connector's shutdown hook): vLLM
+        kills the engine `--shutdown-timeout` seconds after SIGTERM (at once with its default
+        0) and a worker `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` after asking it to exit. Say so
+        at start when either leaves the drain less than its limit."""
+        import vllm.envs as envs
+
+        grace = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
+        worker = int(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+        if grace <= limit or worker <= limit:
+            logger.warning("hybridcache: session spill needs vLLM's graceful shutdown: start with "
+                           "--shutdown-timeout (now %d s) and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS "
+                           "(now %d s) above spill_timeout_s (%d s), or the end anchors of live "
+                           "conversations may be lost at a stop", grace, worker, limit)
 
     @property
     def active(self) -> bool:
@@ -328,7 +362,22 @@ class SchedulerSide:
             entry.lookup = None
             return None, False  # its copy lands with the next step: ask again then
         entry.lookup = res
+        if self.disk is not None and not entry.disk_seen:
+            entry.disk_seen = True
+            self._admit_for_disk(entry, res)
         return (res.tokens, True) if res.hit else (0, False)
+
+    def _admit_for_disk(self, entry: _Live, res: LookupResult) -> None:
+        """Count the prompt's cuts for the disk tier's write admission before its prefill
+        (core/disk/admission.py). Links it newly admits that RAM already holds (this prompt's
+        hit: a prefix seen for the second time, found in RAM) are written now; the others are
+        written when their prefill commits them."""
+        anchored = res.hit and res.kind == LinkKind.ANCHOR
+        if not self.disk.observe(entry.keys, entry.domain, continues_session=anchored):
+            return
+        if res.hit and (res.tier, res.kind) == (Tier.RAM, LinkKind.TREE) and res.plan:
+            for ref in res.plan.chain:
+                self._offer_to_disk(LinkAddr(Tier.RAM, LinkKind.TREE, ref.link_id))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         entry = self._live.get(request.request_id)
@@ -386,6 +435,13 @@ class SchedulerSide:
             self._plan_step(entry, req_id, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens[req_id], plan)
         plan.drops = self.cache.drain_dropped()
+        if self.spill is not None and self.disk_anchors is not None:
+            # committed end anchors RAM evicted: written now rather than lost (the worker
+            # hands them to its writer before it drops them)
+            for job in self.spill.dropped(a.link_id for a in plan.drops
+                                          if (a.tier, a.kind) == (Tier.RAM, LinkKind.ANCHOR)):
+                self._disk_writes.append(job)
+                self.disk_anchors.note_spilled(job.domain, job.end, job.digest)
         if self.disk is not None:
             plan.disk_target = self._disk_target
             plan.disk_writes, self._disk_writes = self._disk_writes, []
@@ -422,14 +478,18 @@ class SchedulerSide:
             return
         for addr in report.failed_saves:
             self.cache.abort(addr)
+            self._unspill(addr)
         for addr, seconds in report.saved.items():
             if addr in report.failed_saves:
                 continue
             if report.saved_count.get(addr, 1) >= report.workers:
                 if self.cache.commit(addr, seconds):
                     self._offer_to_disk(addr)
+                    if self.spill is not None and addr.kind == LinkKind.ANCHOR:
+                        self.spill.committed(addr.link_id)
             else:
                 self.cache.abort(addr)
+                self._unspill(addr)
         for req_id in report.failed_loads:
             entry = self._live.get(req_id)
             if entry is not None:
@@ -437,6 +497,8 @@ class SchedulerSide:
                 entry.resume_at = 0  # vLLM recomputes the request from token 0
                 entry.cold_only = True
         if report.lost_links:
+            for addr in report.lost_links:
+                self._unspill(addr)
             self.cache.invalidate(report.lost_links)
         for req_id, seconds in report.loaded.items():
             entry = self._live.get(req_id)
@@ -455,7 +517,16 @@ class SchedulerSide:
         if job is not None:
             self._disk_writes.append(job)
 
+    def _unspill(self, addr: LinkAddr) -> None:
+        """An end anchor whose bytes are missing or suspect is never written to disk."""
+        if self.spill is not None and (addr.tier, addr.kind) == (Tier.RAM, LinkKind.ANCHOR):
+            self.spill.discard([addr.link_id])
+
     def _end_restore(self, req_id: str, entry: _Live, ok: bool, seconds: float) -> None:
+        if entry.restoring is not None and not ok and entry.restoring.plan is not None:
+            for ref in entry.restoring.plan.chain:  # a failed restore drops its anchor
+                self._unspill(LinkAddr(entry.restoring.tier, entry.restoring.kind,
+                                       ref.link_id))
         if entry.restoring is not None:
             self.cache.end_restore(entry.restoring, ok, seconds)
             entry.restoring = None
@@ -486,9 +557,17 @@ class SchedulerSide:
                 or not block_ids or any(len(b) == 0 for b in block_ids)):
             return False
         domain = request_domain(self.base_domain, request)
-        r = self.cache.reserve(LinkKind.ANCHOR, list(request.all_token_ids)[:n], n, domain)
+        tokens = list(request.all_token_ids)[:n]
+        r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain)
         if r.addr is None:
             return False
+        if self.spill is not None and r.addr.tier == Tier.RAM:
+            # the worker keeps this anchor in mind for the shutdown drain (session spill)
+            keys = self.cache.keys(tokens)
+            job = anchor_job(r.addr.link_id, domain, keys, self.parts.layout.view_rows(0, n),
+                             "spill")
+            self.spill.reserved(job, keys.tokens)
+            self._disk_writes.append(job)
         self._finishing.append(CaptureJob(addr=r.addr, req_id=request.request_id,
                                           row_start=r.start, row_end=r.end,
                                           block_ids=[list(b) for b in block_ids],
@@ -502,7 +581,12 @@ class SchedulerSide:
             return 0
         n = self.cache.clear(tier, kind)
         if tier in (None, Tier.DISK) and kind in (None, LinkKind.TREE):
-            self._disk_writes.clear()  # queued before the clear: never written
+            # queued before the clear: never written (anchors announced for the shutdown
+            # drain stay announced)
+            self._disk_writes = [j for j in self._disk_writes if j.when == "spill"]
+        if self.spill is not None and tier in (None, Tier.RAM) and kind in (None,
+                                                                           LinkKind.ANCHOR):
+            self.spill.discard_all()  # cleared, not evicted: nothing to write
         return n
 
     def tier_names(self) -> list[str]:
