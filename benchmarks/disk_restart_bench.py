@@ -65,7 +65,9 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
                               kv_cache_space_gib=4)
     env_keys = {"VLLM_HYBRIDCACHE_DISK_DIR": str(workdir / "disk"),
                 "VLLM_HYBRIDCACHE_GRID": str(grid), "VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0",
-                "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1"}
+                "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1",
+                # every committed link written (what the wait below counts on)
+                "VLLM_HYBRIDCACHE_DISK_WRITE_FIRST_TOKENS": "0"}
     old = {k: os.environ.get(k) for k in env_keys}
     os.environ.update(env_keys)
     out: dict = {"model": model, "head": head, "tail": tail, "grid": grid}

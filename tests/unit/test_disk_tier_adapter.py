@@ -17,11 +17,12 @@ from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import LinkKind
 
 
-def _side(disk_dir, vllm_config=None):
+def _side(disk_dir, vllm_config=None, **kw):
     from vllm_hybridcache.adapter.scheduler_side import SchedulerSide
 
+    kw.setdefault("disk_write_first_tokens", 0)  # every committed link written (no counts)
     settings = CacheSettings(grid=64, message_end_ids=(-1,), memory_floor_bytes=0,
-                             disk_dir=str(disk_dir), disk_min_free_bytes=0)
+                             disk_dir=str(disk_dir), disk_min_free_bytes=0, **kw)
     return SchedulerSide(vllm_config or _vllm_config(), _kv_cache_config(), settings)
 
 
@@ -65,7 +66,8 @@ def test_an_unusable_disk_dir_is_a_clear_start_up_error(tmp_path):
 
 def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     side, worker = _side(tmp_path), _worker()
-    assert side.cache.routes() == [("ram", "tree"), ("disk", "tree"), ("ram", "anchor")]
+    assert side.cache.routes() == [("ram", "tree"), ("disk", "tree"), ("ram", "anchor"),
+                                   ("disk", "anchor")]
     r, plan = _commit_link(side, worker, 128)
     (job,) = plan.disk_writes
     assert (job.link_id, job.start, job.end) == (r.link_id, 0, 128)
@@ -175,3 +177,107 @@ def test_clear_of_the_disk_tier_reaches_the_writer_and_drops_queued_writes(tmp_p
     plan = side2.build_plan(_no_steps())
     assert plan.disk_clear and plan.disk_writes == [] and not list(tmp_path.rglob("*.link"))
     assert len(side2.tree) == 1  # the RAM tier is not touched
+
+
+def _finish_anchor(side, worker, req_id: str, tokens: list[int]):
+    """A request that forwarded `tokens` finishes: its end anchor is reserved, captured into
+    the worker's store (payload filled by hand: no model here) and committed; returns the
+    plan that carried the capture and the anchor's address."""
+    from vllm.v1.request import RequestStatus
+
+    req = _request(req_id, tokens)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    req.num_computed_tokens = len(tokens)
+    assert side.request_finished(req, ([0], [1, 2])) is True
+    plan = side.build_plan(_no_steps())
+    (cap,) = plan.captures
+    bufs = worker.store.allocate(cap.link_id, side.parts.layout.view_rows(0, len(tokens)))
+    for t in (*bufs.sections.values(), *bufs.views.values()):
+        t.fill_(3)
+    worker.store.seal(cap.link_id)
+    plan.captures = []
+    worker.save(plan)  # learns the anchor (the spill job rides with its capture)
+    side.apply_report(_report(saved={cap.addr: 0.0}, saved_count={cap.addr: 1}))
+    return plan, cap.addr
+
+
+def test_session_spill_writes_live_anchors_at_shutdown_and_the_next_life_resumes(tmp_path,
+                                                                                 caplog):
+    side, worker = _side(tmp_path), _worker()
+    assert side.spill is not None and side._disk_target.spill
+    plan, addr = _finish_anchor(side, worker, "a", TOKENS)
+    (job,) = plan.disk_writes
+    assert (job.kind, job.when, job.link_id, job.end) == ("anchor", "spill", addr.link_id,
+                                                          len(TOKENS))
+    assert not list(tmp_path.rglob("*.link"))  # nothing written before the shutdown
+    with caplog.at_level("INFO", logger="vllm_hybridcache"):
+        worker.shutdown()  # the connector's shutdown hook
+    assert "session spill wrote 1 of 1 end anchors" in caplog.text
+    (f,) = tmp_path.rglob("*.link")
+    assert f.parent.name.startswith("a-")
+
+    side2 = _side(tmp_path)
+    req = _request("b", [*TOKENS, 7, 8])
+    assert side2.get_num_new_matched_tokens(req, 0) == (len(TOKENS), True)
+    side2.update_state_after_alloc(req, BLOCKS, len(TOKENS))
+    assert side2._live["b"].canonical is False  # session-exact: publishes nothing shared
+    (load,) = side2.build_plan(_no_steps()).loads
+    assert (load.tier, load.kind, load.sources) == ("disk", "anchor", (str(f),))
+
+
+def test_without_session_spill_nothing_is_written_or_read(tmp_path):
+    side, worker = _side(tmp_path, session_spill=False), _worker()
+    assert side.spill is None and side.disk_anchors is None
+    plan, _ = _finish_anchor(side, worker, "a", TOKENS)
+    assert plan.disk_writes == []
+    worker.shutdown()
+    assert not list(tmp_path.rglob("*.link"))
+    side2 = _side(tmp_path, session_spill=False)
+    assert side2.get_num_new_matched_tokens(_request("b", [*TOKENS, 7]), 0) == (0, False)
+
+
+def test_an_anchor_evicted_from_ram_is_written_not_lost(tmp_path):
+    side, worker = _side(tmp_path, session_anchors=1), _worker()
+    _, first = _finish_anchor(side, worker, "a", TOKENS)
+    other = [t + 1 for t in TOKENS[:100]]
+    plan, _ = _finish_anchor(side, worker, "b", other)  # evicts the first anchor (count 1)
+    assert [a.link_id for a in plan.drops] == [first.link_id]
+    evicted = [j for j in plan.disk_writes if j.when == "now"]
+    assert [(j.link_id, j.kind) for j in evicted] == [(first.link_id, "anchor")]
+    assert first.link_id not in worker._spillable
+    assert worker.store.has(first.link_id)  # its drop waits for the write
+    assert worker._writer.close(30)
+    (f,) = tmp_path.rglob("*.link")
+    req = _request("c", [*TOKENS, 9])
+    assert side.get_num_new_matched_tokens(req, 0) == (len(TOKENS), True)
+    assert side._live["c"].lookup.tier == "disk" and f.exists()
+
+
+def test_session_spill_settings():
+    from vllm_hybridcache.config import SettingsError, load_settings
+
+    s = load_settings(environ={})
+    assert (s.session_spill, s.spill_timeout_s) == (True, 4)  # on whenever disk_dir is set
+    s = load_settings(environ={"VLLM_HYBRIDCACHE_SESSION_SPILL": "off",
+                               "VLLM_HYBRIDCACHE_SPILL_TIMEOUT_S": "5"})
+    assert (s.session_spill, s.spill_timeout_s) == (False, 5)
+    with pytest.raises(SettingsError, match="SESSION_SPILL must be a boolean"):
+        load_settings(environ={"VLLM_HYBRIDCACHE_SESSION_SPILL": "maybe"})
+    with pytest.raises(SettingsError, match="spill_timeout_s must be > 0"):
+        load_settings({"spill_timeout_s": 0}, environ={})
+
+
+def test_admission_writes_a_prefix_at_its_second_sighting_from_ram(tmp_path):
+    """With counts (a short first prompt is not written), the link a first request committed
+    is written when a second prompt with the same prefix finds it in RAM: decided at the
+    lookup, before that prompt's prefill."""
+    side, worker = _side(tmp_path, disk_write_first_tokens=10_000), _worker()
+    first = _request("w", TOKENS)
+    assert side.get_num_new_matched_tokens(first, 0) == (0, False)  # counted, not admitted
+    r, plan = _commit_link(side, worker, 128)
+    assert plan.disk_writes == []
+    assert side.cache.stats()[("disk", "tree")].skips.get("not_admitted") == 1
+    second = _request("x", [*TOKENS[:128], 5, 6, 7])
+    assert side.get_num_new_matched_tokens(second, 0) == (128, True)  # a RAM hit
+    plan = side.build_plan(_no_steps())
+    assert [(j.link_id, j.end) for j in plan.disk_writes] == [(r.link_id, 128)]
