@@ -21,7 +21,11 @@ How it gets in:
   functions to the workers, which needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1`); state probes
   need the scheduler side too, so they are for in-process engines only;
 - no engine at all: the test harness (tests/harness) builds the connector halves itself and
-  passes the object in directly.
+  passes the object in directly;
+- a server (`vllm serve`): started with `--worker-extension-cls
+  vllm_hybridcache.instrumentation.FaultInjection` and `VLLM_SERVER_DEV_MODE=1`, its workers
+  fail restores on demand through vLLM's `POST /collective_rpc` (the soak runner,
+  benchmarks/soak). Without that flag no worker has the methods.
 """
 
 from __future__ import annotations
@@ -155,3 +159,58 @@ def worker_totals(worker_self) -> dict[str, float]:
     """Runs inside a worker process (`llm.collective_rpc(worker_totals)`): its copy totals."""
     side = _worker_connector(worker_self)
     return dict(side.instrumentation.totals)
+
+
+class InjectedFault(RuntimeError):
+    """A copy failed on purpose (fault injection); the worker treats it like any copy error."""
+
+
+class LoadFailures:
+    """A `Fault` that fails the next `pending` loads (restores) and counts the ones it failed."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.fired = 0
+
+    def __call__(self, kind: str, job: Any) -> None:
+        if kind == "load" and self.pending > 0:
+            self.pending -= 1
+            self.fired += 1
+            raise InjectedFault(f"injected restore failure ({self.fired})")
+
+    def counts(self) -> dict[str, int]:
+        return {"pending": self.pending, "fired": self.fired}
+
+
+class FaultInjection:
+    """vLLM worker extension (`--worker-extension-cls vllm_hybridcache.instrumentation.
+    FaultInjection`): restore failures on demand in a running server.
+
+    Why: a server's workers live in other processes, so a soak run cannot put an
+    `Instrumentation` into them by hand; vLLM's dev-mode `POST /collective_rpc` calls these
+    methods (string arguments only) in every worker. Production never passes the flag.
+    """
+
+    def _hybridcache_faults(self) -> LoadFailures | None:
+        side = _worker_connector(self)
+        if side is None:
+            return None
+        if side.instrumentation is None:
+            side.instrumentation = Instrumentation()
+        inst = side.instrumentation
+        if not isinstance(inst.fault, LoadFailures):
+            inst.fault = LoadFailures()
+        return inst.fault
+
+    def hybridcache_fail_loads(self, count: str) -> dict[str, int]:
+        """Fail the next `count` restores of this worker; returns the fault's counts."""
+        faults = self._hybridcache_faults()
+        if faults is None:
+            return {"pending": 0, "fired": 0}
+        faults.pending += int(count)
+        return faults.counts()
+
+    def hybridcache_fault_counts(self) -> dict[str, int]:
+        """Restores failed on purpose so far, and those still to fail."""
+        faults = self._hybridcache_faults()
+        return {"pending": 0, "fired": 0} if faults is None else faults.counts()
