@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.soak.cli import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""The greedy check: a served response against the same prompt served cold in the same engine.
+
+vLLM's CPU forward is not batch-invariant: a token's arithmetic depends on the other tokens of
+its step, so two cold runs of one prompt under load can differ in the last bits of every
+logprob. In float32 that drift is microscopic (the end-anchor gate measured at most 2.4e-6
+nats), so it can only swap two tokens whose cold margin is itself microscopic. The check walks
+both runs position by position:
+
+- same pick: the largest |logprob difference| over the top tokens both report is the drift;
+- different pick: the cold run's margin between its pick and the served pick decides. At most
+  `2 * drift_nats`: a tie the batching could flip (a *tie divergence*, expected, counted);
+  more: a *wrong token* (the one outcome that fails the run). The walk stops at the first
+  different pick (the continuations differ from there on).
+
+A corrupted restore moves logprobs by whole nats, so it shows as a wrong token, or, if its
+greedy picks happen to agree, as drift far above `drift_nats` (counted as `drift_exceeded`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Same tolerance as the end-anchor gate (tests/connector/test_end_anchors.py): float32 drift was
+# measured below 2.4e-6 nats; a factor > 400 is left for other CPUs and batch shapes.
+DRIFT_NATS = 1e-3
+
+
+class Generation(msgspec.Struct):
+    """Token ids a request generated and, per position, its top logprobs by token id."""
+
+    tokens: list[int]
+    top: list[dict[int, float]]
+
+
+class Verdict(msgspec.Struct):
+    """What the comparison of one served response with its cold run found."""
+
+    compared: int
+    """Positions compared (up to and including the first different pick)."""
+    outcome: str
+    """`same`, `tie` (a different pick within the cold margin), `wrong` (a different pick with
+    a real margin) or `length` (the runs generated different numbers of tokens)."""
+    max_drift: float
+    """Largest logprob difference seen at positions with the same tokens so far."""
+    margin: float | None = None
+    """The cold run's margin at the first different pick."""
+    position: int | None = None
+
+
+def parse_logprobs(content: list[dict]) -> Generation:
+    """A `Generation` from an OpenAI chat `logprobs.content` list rendered with
+    `return_tokens_as_token_ids` (tokens spelled `token_id:N`, so two ids decoding to the same
+    text never merge)."""
+    tokens: list[int] = []
+    top: list[dict[int, float]] = []
+    for entry in content:
+        tokens.append(_token_id(entry["token"]))
+        row = {_token_id(t["token"]): float(t["logprob"]) for t in entry.get("top_logprobs") or []}
+        row.setdefault(tokens[-1], float(entry["logprob"]))
+        top.append(row)
+    return Generation(tokens=tokens, top=top)
+
+
+def _token_id(token: str) -> int:
+    prefix = "token_id:"
+    if not token.startswith(prefix):
+        raise ValueError(f"logprob token {token!r} is not spelled token_id:N "
+                         "(request return_tokens_as_token_ids)")
+    return int(token[len(prefix):])
+
+
+def compare(served: Generation, cold: Generation, drift_nats: float = DRIFT_NATS) -> Verdict:
+    """Walk both generations (see the module docstring)."""
+    worst = 0.0
+    for i, (w, c) in enumerate(zip(served.tokens, cold.tokens, strict=False)):
+        top_w, top_c = served.top[i], cold.top[i]
+        if w != c:
+            # the served pick missing from the cold top-k is below its smallest entry
+            low = top_c.get(w, min(top_c.values()))
+            margin = top_c[c] - low
+            outcome = "tie" if margin <= 2 * drift_nats else "wrong"
+            return Verdict(compared=i + 1, outcome=outcome, max_drift=worst, margin=margin,
+                           position=i)
+        shared = top_w.keys() & top_c.keys()
+        if shared:
+            worst = max(worst, max(abs(top_w[k] - top_c[k]) for k in shared))
+    if len(served.tokens) != len(cold.tokens):
+        return Verdict(compared=min(len(served.tokens), len(cold.tokens)), outcome="length",
+                       max_drift=worst)
+    return Verdict(compared=len(cold.tokens), outcome="same", max_drift=worst)

@@ -1,0 +1,229 @@
+"""Faults injected at seeded random times, each recorded with whether it went as expected.
+
+Kinds (what each exercises is in docs/reliability.md):
+
+- `disconnect_prefill` / `disconnect_stream`: a client closes its connection before the first
+  token / after two tokens (vLLM aborts the request: pinned chains must be released, reserved
+  links aborted);
+- `clear_ram` / `clear_disk` / `clear_all` / `clear_anchors`: `POST /v1/cache/clear` of one
+  tier, every tier, or the end anchors, while requests are in flight;
+- `foreign_salt`: a prompt the shared domain just served, sent with a salt nobody used: it must
+  miss (another tenant's links never serve) and equal its cold run;
+- `malformed` / `oversized`: bodies the server must refuse with a 4xx, not a 5xx;
+- `restore_failure`: the workers fail their next restore (`FaultInjection` worker extension);
+  the request that hits it is recomputed cold and must equal its cold run;
+- `kill_restart`: SIGKILL of the whole server, restart on the same `disk_dir` (in-flight
+  requests fail, expected; the next life serves from the disk tier).
+
+The schedule starts once the shared domain has served an answer (faults that replay one need
+it), then draws kinds from seeded shuffles of the whole list (so every kind comes once per
+round) at exponential gaps; a kind that needs the disk tier is left out without one. A kill
+waits until the current life has served `min_life_s` and the previous kill is `kill_gap_s`
+old, so restarts do not eat the run.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+import requests
+
+from benchmarks.soak.client import chat_body
+from benchmarks.soak.ledger import FaultRecord
+from benchmarks.soak.traffic import Context, checked_request
+
+KINDS = ("disconnect_prefill", "disconnect_stream", "clear_ram", "clear_disk", "clear_all",
+         "clear_anchors", "foreign_salt", "malformed", "oversized", "restore_failure",
+         "kill_restart")
+DISK_ONLY = ("clear_disk", "kill_restart")
+
+
+def _fresh_messages(ctx: Context, rng: random.Random, words: int) -> list[dict[str, Any]]:
+    """A recent shared-domain conversation (so a restore runs first) plus a new user message
+    of `words` words (so a prefill follows); a fresh one if nothing was served yet."""
+    recent = ctx.ledger.recent()
+    base = list(rng.choice(recent)["messages"]) if recent else []
+    text = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega", "sigma"))
+                    for _ in range(words))
+    return [*base, {"role": "user", "content": f"{uuid.uuid4().hex} {text}"}]
+
+
+class FaultRunner:
+    """Runs the fault schedule in its own thread until the run stops."""
+
+    def __init__(self, ctx: Context, seed: int, mean_gap_s: float, first_s: float,
+                 kinds: tuple[str, ...], restart, min_life_s: float = 30.0,
+                 kill_gap_s: float = 300.0) -> None:
+        self.ctx = ctx
+        self.rng = random.Random(f"soak-{seed}-faults")
+        self.mean_gap_s = mean_gap_s
+        self.first_s = first_s
+        self.kinds = kinds
+        self.restart = restart
+        self.min_life_s = min_life_s
+        self.kill_gap_s = kill_gap_s
+        self.life_started = 0.0
+        self.last_kill = -kill_gap_s
+        self.http = ctx.session()
+
+    def schedule(self):
+        """Kinds in seeded shuffled rounds."""
+        while True:
+            order = list(self.kinds)
+            self.rng.shuffle(order)
+            yield from order
+
+    def run(self) -> None:
+        ctx = self.ctx
+        if ctx.stop.wait(self.first_s):
+            return
+        while not ctx.ledger.recent():
+            if ctx.stop.wait(1.0):
+                return
+        for kind in self.schedule():
+            if not ctx.wait_up():
+                return
+            if kind == "kill_restart":
+                ready = max(self.life_started + self.min_life_s, self.last_kill + self.kill_gap_s)
+                if ctx.stop.wait(max(0.0, ready - ctx.now())) or not ctx.wait_up():
+                    return
+            life, t = ctx.server.life, ctx.now()
+            try:
+                expected, detail = getattr(self, kind)()
+            except requests.RequestException as e:
+                if ctx.killing.is_set() or ctx.server.life != life:
+                    expected, detail = True, f"server killed meanwhile: {e}"[:200]
+                else:
+                    expected, detail = False, f"{type(e).__name__}: {e}"[:200]
+            ctx.ledger.fault(FaultRecord(t=t, life=life, kind=kind, expected=expected,
+                                         detail=detail))
+            if ctx.stop.wait(self.rng.expovariate(1.0 / self.mean_gap_s)):
+                return
+
+    # ----------------------------------------------------------------- helpers
+    def _healthy(self) -> bool:
+        """The server still answers /health (a fault must never take it down)."""
+        for _ in range(30):
+            try:
+                if self.http.get(self.ctx.root + "/health", timeout=5).status_code == 200:
+                    return True
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        return False
+
+    def _disconnect(self, after_tokens: int) -> tuple[bool, str]:
+        ctx = self.ctx
+        body = chat_body(ctx.model, _fresh_messages(ctx, self.rng, 600), None, 64, None)
+        body.update(stream=True, stream_options={"include_usage": True})
+        got = 0
+        with self.http.post(ctx.root + "/v1/chat/completions", json=body, stream=True,
+                            timeout=ctx.timeout_s) as r:
+            if r.status_code != 200:
+                return False, f"HTTP {r.status_code}"
+            if after_tokens:
+                for raw in r.iter_lines():
+                    if raw.startswith(b"data:") and b'"logprobs"' in raw:
+                        got += 1
+                        if got >= after_tokens:
+                            break
+        # leaving the block closes the socket: vLLM aborts the request
+        ok = self._healthy()
+        return ok, f"closed after {got} token chunks; healthy={ok}"
+
+    def disconnect_prefill(self) -> tuple[bool, str]:
+        return self._disconnect(0)
+
+    def disconnect_stream(self) -> tuple[bool, str]:
+        return self._disconnect(2)
+
+    def _clear(self, **params: str) -> tuple[bool, str]:
+        r = self.http.post(self.ctx.root + "/v1/cache/clear", params=params, timeout=60)
+        ok = r.status_code == 200 and r.json().get("cleared") is True
+        return ok, f"{params}: HTTP {r.status_code} {r.text[:120]}"
+
+    def clear_ram(self) -> tuple[bool, str]:
+        return self._clear(tier="ram")
+
+    def clear_disk(self) -> tuple[bool, str]:
+        return self._clear(tier="disk")
+
+    def clear_all(self) -> tuple[bool, str]:
+        return self._clear(tier="all")
+
+    def clear_anchors(self) -> tuple[bool, str]:
+        return self._clear(kind="anchor")
+
+    def foreign_salt(self) -> tuple[bool, str]:
+        recent = self.ctx.ledger.recent()
+        if not recent:
+            return True, "nothing served yet: skipped"
+        body = {**self.rng.choice(recent), "cache_salt": f"foreign-{uuid.uuid4().hex}"}
+        rec, _ = checked_request(self.ctx, self.http, body, "fault:foreign_salt")
+        if rec.outcome == "ok" and rec.cached_tokens:
+            rec.outcome, rec.cause = "unexpected_error", "foreign_salt_hit"
+            return False, f"another salt was served {rec.cached_tokens} cached tokens"
+        return rec.outcome != "unexpected_error", f"{rec.outcome} {rec.cause} {rec.check}"
+
+    def malformed(self) -> tuple[bool, str]:
+        ctx = self.ctx
+        url = ctx.root + "/v1/chat/completions"
+        good = chat_body(ctx.model, [{"role": "user", "content": "hi"}], None, 4, None)
+        cases: list[tuple[str, dict[str, Any]]] = [
+            ("not json", {"data": b'{"model": "x", "messages": [', "headers":
+                          {"Content-Type": "application/json"}}),
+            ("no messages", {"json": {k: v for k, v in good.items() if k != "messages"}}),
+            ("messages not a list", {"json": {**good, "messages": "hello"}}),
+            ("cache_salt not a string", {"json": {**good, "cache_salt": 12}}),
+            ("cache_salt empty", {"json": {**good, "cache_salt": ""}}),
+            ("negative max_tokens", {"json": {**good, "max_tokens": -3}}),
+            ("unknown model", {"json": {**good, "model": "no-such-model"}}),
+            ("top_logprobs too many", {"json": {**good, "top_logprobs": 10_000}}),
+        ]
+        name, kw = self.rng.choice(cases)
+        target = url
+        if self.rng.random() < 0.3:
+            name, target, kw = "clear of an unknown tier", ctx.root + "/v1/cache/clear", {
+                "params": {"tier": "floppy"}}
+        r = self.http.post(target, timeout=60, **kw)
+        ok = 400 <= r.status_code < 500 and self._healthy()
+        return ok, f"{name}: HTTP {r.status_code} {r.text[:120]}"
+
+    def oversized(self) -> tuple[bool, str]:
+        ctx = self.ctx
+        limit = ctx.server.settings.max_model_len
+        if self.rng.random() < 0.5:
+            name = "prompt longer than max_model_len"
+            msgs = [{"role": "user", "content": "word " * (limit + 64)}]
+            body = chat_body(ctx.model, msgs, None, 4, None)
+        else:
+            name = "max_tokens beyond the context"
+            body = chat_body(ctx.model, [{"role": "user", "content": "hi"}], None, limit * 4,
+                             None)
+        r = self.http.post(ctx.root + "/v1/chat/completions", json=body, timeout=120)
+        ok = 400 <= r.status_code < 500 and self._healthy()
+        return ok, f"{name}: HTTP {r.status_code} {r.text[:120]}"
+
+    def restore_failure(self) -> tuple[bool, str]:
+        ctx = self.ctx
+        r = self.http.post(ctx.root + "/collective_rpc", timeout=60,
+                           json={"method": "hybridcache_fail_loads", "args": ["1"]})
+        if r.status_code != 200:
+            return False, f"collective_rpc: HTTP {r.status_code} {r.text[:120]}"
+        recent = ctx.ledger.recent()
+        if not recent:
+            return True, "armed; nothing served yet to hit"
+        rec, _ = checked_request(ctx, self.http, dict(self.rng.choice(recent)),
+                                 "fault:restore_failure")
+        return rec.outcome != "unexpected_error", (
+            f"armed; the replayed request: {rec.outcome} {rec.cause} check={rec.check} "
+            f"cached={rec.cached_tokens}")
+
+    def kill_restart(self) -> tuple[bool, str]:
+        self.last_kill = self.ctx.now()
+        took = self.restart()
+        self.life_started = self.ctx.now()
+        return True, f"killed with SIGKILL, restarted in {took:.0f} s"

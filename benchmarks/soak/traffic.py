@@ -1,0 +1,185 @@
+"""Concurrent agent sessions and sub-agents from the trace families, every answer checked.
+
+Each worker thread replays one trace after another (family, trace seed, history mode and arm
+drawn from its own seeded generator; the arm says whose cache a trace uses, see
+`RequestRecord.arm`), sending each wave's requests at once (sub-agents and
+concurrent sessions are several per wave). After each answer it sends the cold run of the same
+body (`client.cold_salt`) and compares the two (`check.compare`). Trace seeds come from a
+small pool, so a head or a whole conversation comes back after others evicted or kept it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any
+
+import requests
+
+from benchmarks.soak.check import compare
+from benchmarks.soak.client import Outcome, chat_body, cold_salt, plain_chat, stream_chat
+from benchmarks.soak.ledger import Ledger, RequestRecord
+from benchmarks.soak.server import SoakServer
+from benchmarks.traces import Trace, generate
+from vllm_hybridcache.segmentation import Segmentation
+
+ARMS = ("cache", "tenant", "control")
+
+
+class Context:
+    """What traffic and faults share: the server, the ledger, the request settings."""
+
+    def __init__(self, server: SoakServer, ledger: Ledger, *, model: str, size: str,
+                 max_tokens: int, drift_nats: float, segmentation: Segmentation,
+                 timeout_s: float = 600.0) -> None:
+        self.server = server
+        self.ledger = ledger
+        self.model = model
+        self.size = size
+        self.max_tokens = max_tokens
+        self.drift_nats = drift_nats
+        self.segmentation = segmentation
+        self.timeout_s = timeout_s
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+        self.killing = threading.Event()
+        """Set from just before a kill -9 until the next life answers."""
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    @property
+    def root(self) -> str:
+        return self.server.base_url
+
+    def session(self) -> requests.Session:
+        http = requests.Session()
+        http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=16))
+        return http
+
+    def wait_up(self) -> bool:
+        """Block while the server is down (a kill -9 and restart); False once the run stops."""
+        while not self.server.up.wait(1.0):
+            if self.stop.is_set():
+                return False
+        return True
+
+    def failure_cause(self, out: Outcome, life: int) -> tuple[str, str]:
+        """(outcome, cause) of a failed exchange: expected only when the server was killed
+        while it ran (the kill -9 fault); anything else is unexpected."""
+        if self.killing.is_set() or self.server.life != life or not self.server.up.is_set():
+            return "expected_error", "server_killed"
+        if out.status is not None and out.status != 200:
+            return "unexpected_error", f"http_{out.status}"
+        err = out.error or ""
+        if err.startswith("stream error"):
+            return "unexpected_error", "stream_error"
+        return "unexpected_error", "connection" if "Error" in err.split(":")[0] else "protocol"
+
+
+@lru_cache(maxsize=64)
+def _trace(family: str, size: str, seed: int) -> Trace:
+    return generate(family, size, seed)
+
+
+def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], arm: str,
+                    family: str = "") -> tuple[RequestRecord, Outcome]:
+    """Send `body`, then its cold run, compare them, record and return the result."""
+    if not ctx.wait_up():
+        return RequestRecord(t=ctx.now(), life=ctx.server.life, arm=arm, family=family,
+                             outcome="expected_error", cause="run_stopped"), Outcome()
+    life = ctx.server.life
+    rec = RequestRecord(t=ctx.now(), life=life, arm=arm, family=family)
+    out = stream_chat(http, ctx.root, body, ctx.timeout_s)
+    rec.prompt_tokens, rec.cached_tokens = out.prompt_tokens, out.cached_tokens
+    rec.ttft_s, rec.e2e_s = out.ttft_s, out.e2e_s
+    if out.error is not None:
+        rec.outcome, rec.cause = ctx.failure_cause(out, life)
+        rec.detail = out.error
+        ctx.ledger.add(rec)
+        return rec, out
+    if out.cached_tokens and out.prompt_ids is not None:
+        cuts = ctx.segmentation.cuts(out.prompt_ids)
+        rec.hit_kind = "tree" if out.cached_tokens in cuts else "anchor"
+    elif out.cached_tokens:
+        rec.hit_kind = "tree"
+    cold = plain_chat(http, ctx.root, {**body, "cache_salt": cold_salt()}, ctx.timeout_s)
+    if cold.error is not None:
+        rec.outcome, rec.cause = ctx.failure_cause(cold, life)
+        rec.cause = "cold_run_" + rec.cause
+        rec.detail = cold.error
+    elif cold.cached_tokens:
+        rec.outcome, rec.cause = "unexpected_error", "cold_run_hit"
+        rec.detail = f"a fresh cache_salt was served {cold.cached_tokens} cached tokens"
+    else:
+        assert out.generation is not None and cold.generation is not None
+        v = compare(out.generation, cold.generation, ctx.drift_nats)
+        rec.check, rec.compared, rec.margin, rec.max_drift = (v.outcome, v.compared, v.margin,
+                                                              v.max_drift)
+        if v.outcome == "wrong":
+            rec.outcome, rec.cause = "unexpected_error", "wrong_token"
+            rec.detail = f"position {v.position}: cold margin {v.margin:.3g} nats"
+        elif v.outcome == "length":
+            rec.outcome, rec.cause = "unexpected_error", "length_mismatch"
+    if arm == "control" and out.cached_tokens:
+        rec.outcome, rec.cause = "unexpected_error", "control_hit"
+    ctx.ledger.add(rec)
+    if rec.outcome == "ok" and body.get("cache_salt") is None:
+        ctx.ledger.remember(body)
+    return rec, out
+
+
+class _Plan:
+    """How the requests of one replayed trace are sent (arm, salt, history mode)."""
+
+    def __init__(self, trace: Trace, family: str, arm: str, tenant: str, live: bool,
+                 answers: dict[tuple[str, int], dict[str, Any]]) -> None:
+        self.trace, self.family, self.arm, self.tenant = trace, family, arm, tenant
+        self.live, self.answers = live, answers
+
+    def send(self, ctx: Context, http: requests.Session, req) -> Outcome:
+        msgs = self.trace.messages(req)
+        if self.live:
+            msgs = [self.answers.get((req.session, i), m) for i, m in enumerate(msgs)]
+        salt = {"cache": None, "tenant": self.tenant, "control": cold_salt()}[self.arm]
+        body = chat_body(ctx.model, msgs, self.trace.tools(req), ctx.max_tokens, salt)
+        return checked_request(ctx, http, body, self.arm, self.family)[1]
+
+
+def session_worker(ctx: Context, index: int, seed: int, trace_seeds: int,
+                   families: tuple[str, ...], arm_weights: tuple[float, float, float],
+                   live_share: float) -> None:
+    """Replay traces until the run stops (see the module docstring)."""
+    rng = random.Random(f"soak-{seed}-worker-{index}")
+    http = ctx.session()
+    first = True
+    while not ctx.stop.is_set():
+        family = rng.choice(families)
+        trace = _trace(family, ctx.size, rng.randrange(trace_seeds))
+        # worker i starts in arm i: with three workers every arm runs from the start, side by
+        # side under the same load; later traces draw their arm by weight
+        arm = ARMS[index % len(ARMS)] if first else rng.choices(ARMS, weights=arm_weights)[0]
+        first = False
+        live = rng.random() < live_share
+        tenant = f"tenant-{rng.randrange(2)}"
+        answers: dict[tuple[str, int], dict[str, Any]] = {}
+        plan = _Plan(trace, family, arm, tenant, live, answers)
+        for wave in trace.waves():
+            if ctx.stop.is_set():
+                break
+            if len(wave) == 1:
+                outs = [plan.send(ctx, http, wave[0])]
+            else:       # one HTTP session per thread (requests.Session is not thread-safe)
+                with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+                    outs = list(pool.map(lambda r, p=plan: p.send(ctx, ctx.session(), r),
+                                         wave))
+            if live:
+                for req, out in zip(wave, outs, strict=True):
+                    answer: dict[str, Any] = {"role": "assistant", "content": out.text}
+                    scripted = trace.answer(req)
+                    if scripted.get("tool_calls"):
+                        answer["tool_calls"] = scripted["tool_calls"]
+                    answers[(req.session, req.n_messages)] = answer

@@ -1,0 +1,60 @@
+"""`python -m benchmarks.soak` end to end, short: a real `vllm serve --plugin hybridcache`
+(flash-next-tiny, float32) under three session workers (cache, another tenant's salt, and the
+cache-off control arm), a churning budget, a small KV cache and every fault kind, including a
+kill -9 and restart on the same disk folder. It must exit 0 (no wrong token, no unexpected
+error, no budget overrun) and every fault must have fired and done what it exercises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.soak.cli import main
+from benchmarks.soak.faults import KINDS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory, embedded_model):
+    embedded_model("flash-next-tiny")
+    out = tmp_path_factory.mktemp("soak")
+    status = main(["--duration", "120", "--seed", "3", "--concurrency", "3",
+                   "--fault-every", "3", "--first-fault", "3", "--out", str(out)])
+    report = json.loads((out / "soak-flash-next-tiny-s3.json").read_text())
+    assert (out / "soak-flash-next-tiny-s3.png").stat().st_size > 0
+    return status, report
+
+
+def test_exits_zero_with_no_wrong_token_or_unexpected_error(soak):
+    status, report = soak
+    summary = report["summary"]
+    assert status == 0, summary["reasons"]
+    assert summary["verdict"] == "pass"
+    assert summary["failures"]["unexpected"] == {}
+    # answers were really checked, in both arms, and positions compared
+    assert summary["checks"]["cache_on"]["checked"] > 0
+    assert summary["checks"]["cache_off_control"]["checked"] > 0
+    assert summary["checks"]["cache_on"]["wrong"] == 0
+
+
+def test_every_fault_kind_fired_and_did_its_job(soak):
+    _, report = soak
+    summary, cache = report["summary"], report["summary"]["cache"]
+    for kind in KINDS:
+        assert summary["faults"][kind]["fired"] >= 1, kind
+        assert summary["faults"][kind]["unexpected"] == 0, kind
+    assert summary["lives"] >= 2                           # the kill -9 restarted the server
+    assert cache["restore_faults_fired"] >= 1              # a restore failed in the worker ...
+    assert cache["restores_failed.ram.tree"] + cache.get("restores_failed.disk.tree", 0) >= 1
+    assert cache["cleared.ram.tree"] > 0                   # ... clears dropped links
+
+
+def test_the_cache_worked_under_churn(soak):
+    _, report = soak
+    cache = report["summary"]["cache"]
+    assert cache["hits.ram.tree"] > 0
+    assert cache["evictions.ram.tree"] > 0                 # the budget churns
+    assert report["summary"]["hit_requests"].get("tree", 0) > 0
+    assert report["samples"] and all(s["rss"] for s in report["samples"])
