@@ -49,7 +49,10 @@ class CaptureJob:
     """Copy one request's state at the end of this step into a reserved link.
 
     `finishing`: an end anchor of a finished request whose blocks vLLM keeps until the worker
-    reports the copy done (delay_free), then frees.
+    reports the copy done (delay_free), then frees. `section_block`: which of the request's
+    blocks in each section group holds the state to copy. Prefills read and write block 0;
+    with speculative decoding a verify step writes the state after its j-th token to block j,
+    so an end anchor copies the block of the last accepted token.
     """
 
     addr: LinkAddr
@@ -58,6 +61,7 @@ class CaptureJob:
     row_end: int
     block_ids: list[list[int]]
     finishing: bool = False
+    section_block: int = 0
 
     @property
     def link_id(self) -> int:
