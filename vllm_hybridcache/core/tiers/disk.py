@@ -42,6 +42,7 @@ import msgspec
 import numpy as np
 
 from ..disk.admission import WriteAdmission
+from ..disk.cost import ReadCost, ReadRefusal
 from ..disk.directory import ANCHOR, TREE, LinkDirectory
 from ..disk.writer import WriteJob
 from ..keys import Hasher, PromptKeys, blake2b_128
@@ -66,12 +67,19 @@ __all__ = ["DiskAnchors", "DiskTier"]
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
+# baseline(keys, domain, limit) -> tokens the RAM tiers serve for this prompt (the cost check)
+Baseline = Callable[[PromptKeys, bytes, int], int]
 
 # Ids handed out by lookups and not yet restored. vLLM allocates right after its lookup in the
 # same scheduling pass, so a few are live at a time; the bound caps the memory of the prompts
 # they keep (an id trimmed too early only makes begin_restore miss: the request goes cold).
 OFFERED_MAX = 256
 RECENT_MAX = 4096  # ids of ended restores whose files a late failure report may name
+
+
+def _payload(header) -> int:
+    """Payload bytes of a link file (what staging it reads), from its header."""
+    return max((e.offset + e.nbytes for e in header.parts), default=0)
 
 
 class DiskTier(CacheTier):
@@ -90,10 +98,16 @@ class DiskTier(CacheTier):
                  cuts: Callable[[np.ndarray], list[int]],
                  next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
                  promote: Promote | None = None,
-                 admission: WriteAdmission | None = None) -> None:
+                 admission: WriteAdmission | None = None, cost: ReadCost | None = None,
+                 baseline: Baseline | None = None) -> None:
         self.layout = layout
         # which tree links are written (core/disk/admission.py); None: every committed link
         self.admission = admission
+        # whether a hit is worth its read (core/disk/cost.py), against what RAM serves; None:
+        # every deeper hit is taken
+        self.cost = cost
+        self._baseline = baseline
+        self._slow = 0  # hits refused as slower than the prefill they save
         self.dir = directory
         self._cuts = cuts
         self._promote = promote
@@ -147,6 +161,9 @@ class DiskTier(CacheTier):
         if not chain or any(h.rows != self.layout.view_rows(h.start, h.end)
                             for _, h, _ in chain):
             return self._miss(MissReason.NO_PREFIX, n, lim)
+        nbytes = sum(_payload(h) for _, h, _ in chain)
+        if not self._worth(keys, domain, lim, nbytes, chain[-1][1].end):
+            return self._miss(MissReason.NO_PREFIX, n, lim)
         refs = []
         for path, header, _ in chain:
             lid = self._next_id()
@@ -161,6 +178,18 @@ class DiskTier(CacheTier):
         plan = RestorePlan(tuple(refs), refs[-1].end, parts, sum(parts.values()))
         return LookupResult(True, plan.tokens, plan, None, n, lim, tier=self.tier.value,
                             kind=self.kind.value)
+
+    def _worth(self, keys: PromptKeys, domain: bytes, limit: int, nbytes: int,
+               depth: int) -> bool:
+        """The cost check: reading `nbytes` must cost less than prefilling the tokens beyond
+        what RAM serves (counted when it does not)."""
+        if self.cost is None:
+            return True
+        ram = self._baseline(keys, domain, limit) if self._baseline is not None else 0
+        if self.cost.worth(nbytes, depth - ram):
+            return True
+        self._slow += 1
+        return False
 
     # ------------------------------------------------------------------ restores
     def record_lookup(self, res: LookupResult) -> None:
@@ -196,6 +225,8 @@ class DiskTier(CacheTier):
             s.tokens_served += plan.tokens
             s.restore_bytes += plan.total_bytes
             s.restore_seconds.observe(seconds)
+            if self.cost is not None:
+                self.cost.observe_read(plan.total_bytes, seconds)
             for p in paths:
                 self.dir.touch(p)
         else:
@@ -316,6 +347,8 @@ class DiskTier(CacheTier):
             skips["queue_full"] = int(w["dropped"])
         snap.skips = skips
         misses = dict(snap.misses)
+        if self._slow:
+            misses[ReadRefusal.SLOWER_THAN_PREFILL.value] = self._slow
         for src in (ds.refused, w.get("read_failures", {})):
             for reason, n in src.items():
                 misses[reason] = misses.get(reason, 0) + n
@@ -376,7 +409,7 @@ class DiskAnchors(DiskTier):
     def __init__(self, tree: DiskTier) -> None:
         on_delete = tree.dir.on_delete
         super().__init__(tree.layout, tree.dir, tree._cuts, next_id=tree._next_id,
-                         hasher=tree._hasher)
+                         hasher=tree._hasher, cost=tree.cost, baseline=tree._baseline)
         self.dir.on_delete = on_delete  # deletions reach the tree tier's writer ops
         self._known: OrderedDict[tuple[bytes, int, bytes], None] = OrderedDict()
         for e in tree.dir.anchors():
@@ -405,6 +438,8 @@ class DiskAnchors(DiskTier):
         if found is None or found[1].rows != self.layout.view_rows(0, found[1].end):
             return self._miss(MissReason.NO_PREFIX, n, lim)
         path, header, _ = found
+        if not self._worth(keys, domain, lim, _payload(header), header.end):
+            return self._miss(MissReason.NO_PREFIX, n, lim)
         lid = self._next_id()
         self._offered[lid] = (path, keys, domain)
         while len(self._offered) > OFFERED_MAX:
@@ -436,6 +471,8 @@ class DiskAnchors(DiskTier):
         """Lookups and restores of spilled anchors; files and bytes as the start-up scan found
         them (the writer's totals, anchors included, are reported under kind `tree`)."""
         snap = self._rec.snapshot()
+        if self._slow:
+            snap.misses = {**snap.misses, ReadRefusal.SLOWER_THAN_PREFILL.value: self._slow}
         snap.links = len(self)
         snap.bytes_held = self.bytes_held
         snap.links_pinned = sum(len(ids) for ids in self._active)
