@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +43,7 @@ from vllm_hybridcache.core import (
 )
 from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
+from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
@@ -84,6 +86,11 @@ class _Live:
     cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
     finished: bool = False      # vLLM is done with it; kept only until `restoring` ends
     disk_seen: bool = False     # its cuts were counted for the disk tier's write admission
+    # its last planned prefill step (when, tokens, where the next step starts): the time to
+    # the next planned step is that step's duration (the disk tier's prefill rate)
+    prefill_t: float = 0.0
+    prefill_n: int = 0
+    prefill_next: int = -1
 
     def draft_tag(self, end: int) -> tuple[int, int] | None:
         """The tokens the draft head's boundary row read when this prompt's state at `end` was
@@ -293,7 +300,13 @@ class SchedulerSide:
         seg = self.segmentation
         return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids,
                         promote=tree.adopt,
-                        admission=WriteAdmission(settings.disk_write_first_tokens))
+                        admission=WriteAdmission(settings.disk_write_first_tokens),
+                        cost=ReadCost(), baseline=self._ram_depth)
+
+    def _ram_depth(self, keys: PromptKeys, domain: bytes, limit: int) -> int:
+        """Tokens the RAM tiers serve for a prompt (what a disk hit's cost check saves beyond)."""
+        return max((self.cache.tier(t, k).lookup(keys, domain, limit).tokens
+                    for t, k in self.cache.routes() if t == Tier.RAM), default=0)
 
     @staticmethod
     def _warn_short_shutdown(vllm_config, limit: int) -> None:
@@ -451,6 +464,8 @@ class SchedulerSide:
     def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
         prompt_len = len(entry.keys)
         end = start + n
+        if self.disk is not None and self.disk.cost is not None:
+            self._time_prefill(entry, start, n, prompt_len)
         if (self.instrumentation is not None and self.instrumentation.probe_states
                 and start < prompt_len <= end):
             plan.probes.append((req_id, prompt_len, [list(b) for b in entry.block_ids]))
@@ -472,6 +487,17 @@ class SchedulerSide:
         plan.captures.append(CaptureJob(addr=r.addr, req_id=req_id, row_start=r.start,
                                         row_end=r.end,
                                         block_ids=[list(b) for b in entry.block_ids]))
+
+    def _time_prefill(self, entry: _Live, start: int, n: int, prompt_len: int) -> None:
+        """Measure the prefill rate for the disk tier's cost check: a request's previous
+        prefill step took until its next step is planned (steps of a request in flight follow
+        each other). Batched with other requests, a step's tokens are only this request's, so
+        the rate errs low, on the side of reading from disk."""
+        now = time.monotonic()
+        if start == entry.prefill_next and entry.prefill_n > 0:
+            self.disk.cost.observe_prefill(entry.prefill_n, now - entry.prefill_t)
+        prefill = max(0, min(start + n, prompt_len) - start)
+        entry.prefill_t, entry.prefill_n, entry.prefill_next = now, prefill, start + n
 
     def apply_report(self, report: StepReport | None) -> None:
         if report is None or not self.active:
