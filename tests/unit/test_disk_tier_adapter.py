@@ -281,3 +281,19 @@ def test_admission_writes_a_prefix_at_its_second_sighting_from_ram(tmp_path):
     assert side.get_num_new_matched_tokens(second, 0) == (128, True)  # a RAM hit
     plan = side.build_plan(_no_steps())
     assert [(j.link_id, j.end) for j in plan.disk_writes] == [(r.link_id, 128)]
+
+
+def test_prefill_steps_feed_the_cost_check(tmp_path):
+    """The time from a request's prefill step to its next planned step is measured as that
+    step's prefill rate; a step that does not follow the previous one is not."""
+    side = _side(tmp_path)
+    cost = side.disk.cost
+    assert cost is not None and side.disk._baseline is not None
+    entry = side._track(_request("p", TOKENS))
+    side._time_prefill(entry, 0, 64, len(TOKENS))
+    assert cost.prefills_seen == 0
+    side._time_prefill(entry, 64, 64, len(TOKENS))
+    assert cost.prefills_seen == 1 and cost.prefill_tokens_per_s > 0
+    side._time_prefill(entry, 300, 1, len(TOKENS))  # not where the last step ended
+    assert cost.prefills_seen == 1
+    assert side._ram_depth(entry.keys, entry.domain, len(TOKENS)) == 0
