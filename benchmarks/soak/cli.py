@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 import tempfile
 import threading
@@ -69,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds between two kill -9 faults at least")
     p.add_argument("--min-life", type=float, default=30.0,
                    help="seconds a life serves before it may be killed")
+    p.add_argument("--all-faults", action="store_true",
+                   help="run past --duration (up to three times it) until every fault kind "
+                        "ran once (CI: a loaded machine must not leave a kind out)")
     p.add_argument("--faults", default="all", help="comma-separated kinds or 'all'")
     p.add_argument("--trace-seeds", type=int, default=3)
     p.add_argument("--arm-weights", default="0.55,0.2,0.25",
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         summary, monitor = _run(args, ctx, kinds, families, weights)
     finally:
         server.stop()
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
     wall = time.monotonic() - t_start
     reqs, faults = ledger.snapshot()
     summary = summarize(reqs, faults, monitor.samples, wall_s=wall, startups=server.startups,
@@ -184,8 +190,17 @@ def _run(args, ctx: Context, kinds, families, weights):
                 for i in range(args.concurrency)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + args.duration
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline = start + args.duration
+
+    def more() -> bool:
+        now = time.monotonic()
+        if now < deadline:
+            return True
+        return (args.all_faults and now < start + 3 * args.duration
+                and not faults.done >= set(kinds))
+
+    while more():
         time.sleep(1.0)
         if not server.alive() and not ctx.killing.is_set():
             # the server died on its own: the worst finding; record it and bring it back

@@ -68,6 +68,8 @@ class FaultRunner:
         self.life_started = 0.0
         self.last_kill = -kill_gap_s
         self.http = ctx.session()
+        self.done: set[str] = set()
+        """Kinds that have run at least once."""
 
     def schedule(self):
         """Kinds in seeded shuffled rounds."""
@@ -100,6 +102,7 @@ class FaultRunner:
                     expected, detail = False, f"{type(e).__name__}: {e}"[:200]
             ctx.ledger.fault(FaultRecord(t=t, life=life, kind=kind, expected=expected,
                                          detail=detail))
+            self.done.add(kind)
             if ctx.stop.wait(self.rng.expovariate(1.0 / self.mean_gap_s)):
                 return
 

@@ -10,10 +10,13 @@ second half of the longest life, judged when that window is at least `min_window
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from benchmarks.soak.ledger import FaultRecord, RequestRecord
 
@@ -92,7 +95,7 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
     ram_peak = max((s.get("bytes_held.ram", 0) for s in samples), default=0)
     over_budget = sorted({k for s in samples for k, v in s.items()
                           if k.startswith("bytes_held.ram.")
-                          and v > s.get("budget_bytes" + k[len("bytes_held"):], float("inf"))})
+                          and v > (s.get("budget_bytes" + k[len("bytes_held"):]) or float("inf"))})
     rss = steady_rss(samples)
 
     reasons: list[str] = []
@@ -136,7 +139,8 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
         "faults": fault_counts,
         "cache": counters,
         "ram_bytes_peak": ram_peak,
-        "budget_bytes": {k: v for k, v in last.items() if k.startswith("budget_bytes.")},
+        "budget_bytes": {k: v for smp in samples for k, v in smp.items()
+                         if k.startswith("budget_bytes.")},
         "rss": rss,
     }
 
@@ -150,25 +154,34 @@ def plot(samples: list[dict[str, Any]], requests: list[RequestRecord],
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
-    t = [s["t"] / 60 for s in samples]
-    ax = axes[0]
-    ax.plot(t, [(s.get("rss") or 0) / 2**20 for s in samples], label="server RSS (process tree)")
-    ax.set_ylabel("MiB")
-    ax.legend(loc="upper left")
-    ax = axes[1]
-    for key, label in (("bytes_held.ram", "RAM tier bytes held"),
-                       ("bytes_held.disk", "disk tier bytes held")):
-        if any(key in s for s in samples):
-            ax.plot(t, [s.get(key, 0) / 2**20 for s in samples], label=label)
-    ax.set_ylabel("MiB")
-    ax.legend(loc="upper left")
+    lives: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for smp in samples:
+        lives[smp["life"]].append(smp)
+
+    def lines(ax, value, label: str, color: str) -> None:
+        """One segment per life (no line across a restart's gap)."""
+        for n, (_, pts) in enumerate(sorted(lives.items())):
+            ax.plot([p["t"] / 60 for p in pts], [value(p) for p in pts], color=color,
+                    label=label if n == 0 else None)
+
+    lines(axes[0], lambda p: (p.get("rss") or 0) / 2**20, "server RSS (process tree)", "C0")
+    axes[0].set_ylabel("MiB")
+    axes[0].legend(loc="upper left")
+    for key, label, color in (("bytes_held.ram.tree", "RAM tier, tree links", "C0"),
+                              ("bytes_held.ram.anchor", "RAM tier, end anchors", "C2"),
+                              ("bytes_held.disk", "disk tier files", "C1")):
+        if any(key in p for p in samples):
+            lines(axes[1], lambda p, k=key: p.get(k, 0) / 2**20, label, color)
+    axes[1].set_ylabel("MiB held")
+    axes[1].legend(loc="upper left")
     ax = axes[2]
-    for key, label in (("evictions", "evictions"), ("hits", "hits"),
-                       ("preemptions", "vLLM preemptions")):
-        ax.plot(t, [sum(v for k, v in s.items() if k == key or k.startswith(key + "."))
-                    for s in samples], label=label)
+    for n, (key, label) in enumerate((("evictions", "evictions"), ("hits", "hits"),
+                                      ("preemptions", "vLLM preemptions"))):
+        lines(ax, lambda p, k=key: sum(v for name, v in p.items()
+                                       if name == k or name.startswith(k + ".")),
+              label, f"C{n}")
     done = sorted(r.t / 60 for r in requests if r.outcome == "ok")
-    ax.plot(done, range(1, len(done) + 1), label="requests served")
+    ax.plot(done, range(1, len(done) + 1), color="C3", label="requests served")
     ax.set_ylabel("cumulative")
     ax.legend(loc="upper left")
     ax = axes[3]
@@ -188,3 +201,23 @@ def plot(samples: list[dict[str, Any]], requests: list[RequestRecord],
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def replot(path: Path) -> Path:
+    """Draw the plot of a written report again (`python -m benchmarks.soak.report FILE`)."""
+    data = json.loads(path.read_text())
+    reqs = msgspec.convert(data["requests"], list[RequestRecord])
+    faults = msgspec.convert(data["faults"], list[FaultRecord])
+    wall = data["summary"]["wall_s"]
+    out = path.with_suffix(".png")
+    plot(data["samples"], reqs, faults, out,
+         f"{data['model']} ({data['dtype']}), seed {data['settings']['seed']}, "
+         f"{wall / 60:.1f} min")
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:]:
+        print(replot(Path(name)))

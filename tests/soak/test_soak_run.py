@@ -21,7 +21,7 @@ def soak(tmp_path_factory, embedded_model):
     embedded_model("flash-next-tiny")
     out = tmp_path_factory.mktemp("soak")
     status = main(["--duration", "120", "--seed", "3", "--concurrency", "3",
-                   "--fault-every", "3", "--first-fault", "3", "--out", str(out)])
+                   "--fault-every", "3", "--first-fault", "3", "--all-faults", "--out", str(out)])
     report = json.loads((out / "soak-flash-next-tiny-s3.json").read_text())
     assert (out / "soak-flash-next-tiny-s3.png").stat().st_size > 0
     return status, report
