@@ -245,3 +245,39 @@ def test_the_shared_lock_is_held_until_close(tmp_path):
     d.close()
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.close(fd)
+
+
+def test_the_eviction_value_is_hits_plus_one_times_tokens_per_byte_halved_per_day():
+    from vllm_hybridcache.core.disk.directory import DAY_S, DiskLink
+
+    now = 10 * DAY_S
+    base = DiskLink(os.devnull, None, end=1000, nbytes=2000, last_used=now)
+    assert base.value(now) == pytest.approx(1 * 1000 / 2000)
+    used = DiskLink(os.devnull, None, end=1000, nbytes=2000, last_used=now, hits=3)
+    assert used.value(now) == pytest.approx(4 * base.value(now))
+    old = DiskLink(os.devnull, None, end=1000, nbytes=2000, last_used=now - 2 * DAY_S, hits=3)
+    assert old.value(now) == pytest.approx(used.value(now) / 4)  # two days unused: a quarter
+    # more tokens saved per byte held is worth more
+    dense = DiskLink(os.devnull, None, end=4000, nbytes=2000, last_used=now)
+    assert dense.value(now) == pytest.approx(4 * base.value(now))
+
+
+def test_a_use_seen_by_another_process_keeps_a_file_from_ttl_and_eviction(tmp_path):
+    """Two indexes of one folder (the scheduler's, which serves reads, and the writer's, which
+    evicts): a read stamps the file, so the writer's index neither expires it nor takes it
+    for unused."""
+    clock = Clock()
+    writer = _dir(tmp_path, clock=clock, ttl_s=3600)
+    _write_chain(writer)
+    reader = _dir(tmp_path, clock=clock, ttl_s=3600)
+    keys = PromptKeys(PROMPT)
+    deep = reader.path_for(DOM, 256, keys.digest(256))
+    clock.t += 3000
+    for p, _, _ in reader.lookup(keys, DOM, CUTS, 400):
+        reader.touch(p)  # the scheduler served the chain
+    clock.t += 3000  # past the TTL of the writer's own last use
+    writer._make_room(0)  # the writer's housekeeping before a write
+    assert deep.exists() and len(writer) == 3 and writer.stats.expired == 0
+    clock.t += 4000
+    writer._make_room(0)
+    assert not deep.exists() and writer.stats.expired == 3

@@ -269,7 +269,9 @@ class LinkDirectory:
             return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
                               else "io_error")
         parent = None if start == 0 else path.parent / f"{parent_digest.hex()}-{start}{SUFFIX}"
-        self._add(DiskLink(path, parent, end, written, self._clock(), 0, kind, domain, digest))
+        now = self._clock()
+        _stamp(path, now)  # mtime = last use, in this directory's clock
+        self._add(DiskLink(path, parent, end, written, now, 0, kind, domain, digest))
         self.stats.writes += 1
         self.stats.write_bytes += written
         self._account()
@@ -348,11 +350,15 @@ class LinkDirectory:
         return None
 
     def touch(self, path: Path) -> None:
-        """Count a restore served by a file (eviction value)."""
+        """Count a restore served by a file (eviction value). The use is also stamped on the
+        file (its mtime), so another process's index of the same files (the writer's, another
+        engine's) sees it before it evicts or expires the file."""
         entry = self._index.get(path)
+        now = self._clock()
+        _stamp(path, now)
         if entry is not None:
             entry.hits += 1
-            entry.last_used = self._clock()
+            entry.last_used = now
         self.stats.reads += 1
         if entry is not None:
             self.stats.read_bytes += entry.nbytes
@@ -402,7 +408,8 @@ class LinkDirectory:
         if self.ttl_s <= 0:
             return
         for entry in [e for e in self._index.values() if now - e.last_used > self.ttl_s]:
-            if entry.path in self._index:
+            self._refresh(entry)  # used by another process since?
+            if entry.path in self._index and now - entry.last_used > self.ttl_s:
                 self.stats.expired += self._delete_subtree(entry.path)
 
     def _make_room(self, nbytes: int) -> bool:
@@ -410,6 +417,9 @@ class LinkDirectory:
         now = self._clock()
         self._expire(now)
         total = sum(e.nbytes for e in self._index.values())
+        if total + nbytes > self.budget_bytes:
+            for e in list(self._index.values()):
+                self._refresh(e)
         while total + nbytes > self.budget_bytes:
             leaves = [e for e in self._index.values() if e.path not in self._children]
             if not leaves:
@@ -419,6 +429,13 @@ class LinkDirectory:
             self.stats.evictions += 1
             total -= victim.nbytes
         return True
+
+    def _refresh(self, entry: DiskLink) -> None:
+        """Take a use stamped on the file by another process (touch) into the index."""
+        try:
+            entry.last_used = max(entry.last_used, entry.path.stat().st_mtime)
+        except FileNotFoundError:
+            pass  # gone: the caller's delete only forgets it
 
     def delete(self, paths: list[Path]) -> int:
         """Delete files (and every indexed file that chains through them), e.g. ones another
@@ -432,6 +449,8 @@ class LinkDirectory:
     def evict(self, nbytes: int) -> int:
         """Delete the least valuable leaves until `nbytes` are freed; returns the bytes freed."""
         now = self._clock()
+        for e in list(self._index.values()):
+            self._refresh(e)
         freed = 0
         while freed < nbytes:
             leaves = [e for e in self._index.values() if e.path not in self._children]
@@ -474,3 +493,11 @@ class LinkDirectory:
             assert kids and all(k in self._index and self._index[k].parent == parent
                                 for k in kids), parent
         assert self.stats.bytes == sum(e.nbytes for e in self._index.values())
+
+
+def _stamp(path: Path, t: float) -> None:
+    """Set a file's mtime to its last use (best effort: a file gone or read-only is skipped)."""
+    try:
+        os.utime(path, (t, t))
+    except OSError:
+        pass
