@@ -61,6 +61,18 @@ def parse_logprobs(content: list[dict]) -> Generation:
     return Generation(tokens=tokens, top=top)
 
 
+def parse_completion_logprobs(logprobs: dict) -> Generation:
+    """The same from a `/v1/completions` `logprobs` object (`tokens`, `token_logprobs`,
+    `top_logprobs`), also spelled as token ids."""
+    tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
+    top: list[dict[int, float]] = []
+    for i, row in enumerate(logprobs.get("top_logprobs") or []):
+        entry = {_token_id(t): float(lp) for t, lp in (row or {}).items()}
+        entry.setdefault(tokens[i], float(logprobs["token_logprobs"][i]))
+        top.append(entry)
+    return Generation(tokens=tokens, top=top)
+
+
 def _token_id(token: str) -> int:
     prefix = "token_id:"
     if not token.startswith(prefix):

@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-seeds", type=int, default=3)
     p.add_argument("--arm-weights", default="0.55,0.2,0.25",
                    help="shares of cache, tenant and control (cache-off) traces")
-    p.add_argument("--live-share", type=float, default=0.4,
-                   help="share of traces whose history carries the model's own answers")
+    p.add_argument("--history-weights", default="0.4,0.3,0.3",
+                   help="shares of scripted, live (the model's answers re-rendered) and tokens "
+                        "(continued on token ids: end-anchor hits) traces")
     p.add_argument("--sample-every", type=float, default=5.0)
     p.add_argument("--rss-bound", type=float, default=16.0,
                    help="MiB/min of resident-memory growth allowed at steady state")
@@ -186,7 +187,7 @@ def _run(args, ctx: Context, kinds, families, weights):
     threads = [threading.Thread(target=faults.run, name="soak-faults", daemon=True)]
     threads += [threading.Thread(target=session_worker, name=f"soak-worker-{i}", daemon=True,
                                  args=(ctx, i, args.seed, args.trace_seeds, families, weights,
-                                       args.live_share))
+                                       tuple(float(w) for w in args.history_weights.split(","))))
                 for i in range(args.concurrency)]
     for t in threads:
         t.start()

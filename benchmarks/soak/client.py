@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import requests
 
-from benchmarks.soak.check import Generation, parse_logprobs
+from benchmarks.soak.check import Generation, parse_completion_logprobs, parse_logprobs
 
 TOP_LOGPROBS = 5
 
@@ -33,6 +33,7 @@ class Outcome(msgspec.Struct):
     ttft_s: float | None = None
     e2e_s: float | None = None
     text: str = ""
+    output_ids: list[int] = msgspec.field(default_factory=list)
     generation: Generation | None = None
 
 
@@ -51,6 +52,25 @@ def chat_body(model: str, messages: list[dict[str, Any]], tools: list | None, ma
     return body
 
 
+def tokens_body(model: str, prompt_ids: list[int], max_tokens: int,
+                salt: str | None) -> dict[str, Any]:
+    """A `/v1/completions` body on token ids: how a session continues exactly where the last
+    answer stopped (the end anchor's position), which a chat template's re-rendering of
+    random-weight gibberish rarely reproduces."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+        "seed": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True,
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def is_tokens_body(body: dict[str, Any]) -> bool:
+    return "prompt" in body
+
+
 def cold_salt() -> str:
     return f"cold-{uuid.uuid4().hex}"
 
@@ -61,10 +81,13 @@ def stream_chat(http: requests.Session, root: str, body: dict[str, Any],
     out = Outcome()
     content: list[dict] = []
     start = time.perf_counter()
+    tokens = is_tokens_body(body)
+    url = root + ("/v1/completions" if tokens else "/v1/chat/completions")
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    output_ids: list[int] = []
+    top: list[dict] = []
     try:
-        with http.post(root + "/v1/chat/completions", json=body, stream=True,
-                       timeout=timeout) as r:
+        with http.post(url, json=body, stream=True, timeout=timeout) as r:
             out.status = r.status_code
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -82,6 +105,15 @@ def stream_chat(http: requests.Session, root: str, body: dict[str, Any],
                 if chunk.get("prompt_token_ids") is not None:
                     out.prompt_ids = list(chunk["prompt_token_ids"])
                 for choice in chunk.get("choices") or []:
+                    if tokens:
+                        if choice.get("prompt_token_ids") is not None:
+                            out.prompt_ids = list(choice["prompt_token_ids"])
+                        lp = choice.get("logprobs") or {}
+                        if lp.get("tokens") and out.ttft_s is None:
+                            out.ttft_s = time.perf_counter() - start
+                        output_ids.extend(choice.get("token_ids") or [])
+                        top.append(lp)
+                        continue
                     entries = (choice.get("logprobs") or {}).get("content") or []
                     if entries and out.ttft_s is None:
                         out.ttft_s = time.perf_counter() - start
@@ -98,6 +130,12 @@ def stream_chat(http: requests.Session, root: str, body: dict[str, Any],
     if out.error is None:
         if out.prompt_tokens is None:
             out.error = "no usage in the stream"
+        elif tokens:
+            merged = {"tokens": [t for lp in top for t in lp.get("tokens") or []],
+                      "token_logprobs": [x for lp in top for x in lp.get("token_logprobs") or []],
+                      "top_logprobs": [x for lp in top for x in lp.get("top_logprobs") or []]}
+            out.generation = parse_completion_logprobs(merged)
+            out.output_ids = output_ids
         else:
             out.generation = parse_logprobs(content)
     return out
@@ -108,12 +146,22 @@ def plain_chat(http: requests.Session, root: str, body: dict[str, Any],
     """Send `body` unstreamed (the cold run); same fields as `stream_chat`, no TTFT."""
     out = Outcome()
     start = time.perf_counter()
+    tokens = is_tokens_body(body)
+    url = root + ("/v1/completions" if tokens else "/v1/chat/completions")
     try:
-        r = http.post(root + "/v1/chat/completions", json={**body, "stream": False},
-                      timeout=timeout)
+        r = http.post(url, json={**body, "stream": False}, timeout=timeout)
         out.status = r.status_code
         if r.status_code != 200:
             out.error = f"HTTP {r.status_code}: {r.text[:200]}"
+        elif tokens:
+            data = r.json()
+            choice = data["choices"][0]
+            out.prompt_ids = choice.get("prompt_token_ids")
+            out.prompt_tokens = data["usage"]["prompt_tokens"]
+            out.cached_tokens = (data["usage"].get("prompt_tokens_details") or {}).get(
+                "cached_tokens") or 0
+            out.output_ids = list(choice.get("token_ids") or [])
+            out.generation = parse_completion_logprobs(choice["logprobs"])
         else:
             data = r.json()
             choice = data["choices"][0]

@@ -44,7 +44,7 @@ DISK_ONLY = ("clear_disk", "kill_restart")
 def _fresh_messages(ctx: Context, rng: random.Random, words: int) -> list[dict[str, Any]]:
     """A recent shared-domain conversation (so a restore runs first) plus a new user message
     of `words` words (so a prefill follows); a fresh one if nothing was served yet."""
-    recent = ctx.ledger.recent()
+    recent = [b for b in ctx.ledger.recent() if "messages" in b]
     base = list(rng.choice(recent)["messages"]) if recent else []
     text = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega", "sigma"))
                     for _ in range(words))

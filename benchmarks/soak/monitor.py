@@ -51,7 +51,8 @@ def flatten(stats: dict[str, Any]) -> dict[str, float]:
     for tier, entry in (stats.get("tiers") or {}).items():
         for kind, st in (entry.get("kinds") or {}).items():
             for name in ("lookups", "hits", "restores", "restores_failed", "captures",
-                         "evictions", "aborts", "invalidated", "cleared", "promoted"):
+                         "evictions", "aborts", "invalidated", "cleared", "promoted", "expired",
+                         "swept"):
                 if isinstance(st.get(name), int | float):
                     out[f"{name}.{tier}.{kind}"] = float(st[name])
             for gauge in ("bytes_held", "budget_bytes", "links"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -20,7 +21,14 @@ from typing import Any
 import requests
 
 from benchmarks.soak.check import compare
-from benchmarks.soak.client import Outcome, chat_body, cold_salt, plain_chat, stream_chat
+from benchmarks.soak.client import (
+    Outcome,
+    chat_body,
+    cold_salt,
+    plain_chat,
+    stream_chat,
+    tokens_body,
+)
 from benchmarks.soak.ledger import Ledger, RequestRecord
 from benchmarks.soak.server import SoakServer
 from benchmarks.traces import Trace, generate
@@ -132,26 +140,78 @@ def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], 
     return rec, out
 
 
-class _Plan:
-    """How the requests of one replayed trace are sent (arm, salt, history mode)."""
+HISTORIES = ("scripted", "live", "tokens")
 
-    def __init__(self, trace: Trace, family: str, arm: str, tenant: str, live: bool,
-                 answers: dict[tuple[str, int], dict[str, Any]]) -> None:
+
+class _Plan:
+    """How the requests of one replayed trace are sent (arm, salt, history mode).
+
+    History modes: `scripted` sends the trace's messages; `live` puts the model's own answers
+    in the history (re-rendered by the chat template); `tokens` sends a session's first turn as
+    a chat and each later turn as a completion on token ids: the previous prompt, the previous
+    answer's ids, and a slice of earlier prompt ids as the new message, so the next prompt
+    extends exactly where the last answer stopped (an end anchor's position).
+    """
+
+    def __init__(self, trace: Trace, family: str, arm: str, tenant: str, history: str,
+                 rng: random.Random) -> None:
         self.trace, self.family, self.arm, self.tenant = trace, family, arm, tenant
-        self.live, self.answers = live, answers
+        self.history = history
+        self.answers: dict[tuple[str, int], dict[str, Any]] = {}
+        self.ids: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+        self.rng = rng
+
+    def _salt(self) -> str | None:
+        return {"cache": None, "tenant": self.tenant, "control": cold_salt()}[self.arm]
 
     def send(self, ctx: Context, http: requests.Session, req) -> Outcome:
         msgs = self.trace.messages(req)
-        if self.live:
+        if self.history == "live":
             msgs = [self.answers.get((req.session, i), m) for i, m in enumerate(msgs)]
-        salt = {"cache": None, "tenant": self.tenant, "control": cold_salt()}[self.arm]
-        body = chat_body(ctx.model, msgs, self.trace.tools(req), ctx.max_tokens, salt)
-        return checked_request(ctx, http, body, self.arm, self.family)[1]
+        body = chat_body(ctx.model, msgs, self.trace.tools(req), ctx.max_tokens, self._salt())
+        with self.lock:
+            seen = self.ids.get(req.session)
+            extra = self.rng.randint(32, 256)
+            start = self.rng.randrange(max(1, len(seen) - extra)) if seen else 0
+        if self.history == "tokens" and seen is not None:
+            limit = ctx.server.settings.max_model_len - ctx.max_tokens - 64
+            if len(seen) + extra <= limit:
+                body = tokens_body(ctx.model, seen + seen[start:start + extra],
+                                   ctx.max_tokens, self._salt())
+        out = checked_request(ctx, http, body, self.arm, self.family)[1]
+        if self.history == "tokens" and out.error is None and out.prompt_ids is not None:
+            with self.lock:
+                self.ids[req.session] = out.prompt_ids + (out.generation.tokens
+                                                          if out.generation else [])
+        return out
+
+    def after_wave(self, wave, outs: list[Outcome]) -> None:
+        if self.history != "live":
+            return
+        for req, out in zip(wave, outs, strict=True):
+            answer: dict[str, Any] = {"role": "assistant", "content": out.text}
+            scripted = self.trace.answer(req)
+            if scripted.get("tool_calls"):
+                answer["tool_calls"] = scripted["tool_calls"]
+            self.answers[(req.session, req.n_messages)] = answer
 
 
-def session_worker(ctx: Context, index: int, seed: int, trace_seeds: int,
-                   families: tuple[str, ...], arm_weights: tuple[float, float, float],
-                   live_share: float) -> None:
+def session_worker(ctx: Context, index: int, *args) -> None:
+    """`replay_traces`, with any exception of the runner itself recorded as an unexpected
+    error (it fails the run) instead of silently ending the thread."""
+    try:
+        replay_traces(ctx, index, *args)
+    except Exception as e:
+        ctx.ledger.add(RequestRecord(t=ctx.now(), life=ctx.server.life, arm="runner",
+                                     outcome="unexpected_error", cause="runner_error",
+                                     detail=traceback.format_exc()[-1500:]))
+        print(f"soak: worker {index} stopped: {e!r}", flush=True)
+
+
+def replay_traces(ctx: Context, index: int, seed: int, trace_seeds: int,
+                  families: tuple[str, ...], arm_weights: tuple[float, float, float],
+                  history_weights: tuple[float, float, float]) -> None:
     """Replay traces until the run stops (see the module docstring)."""
     rng = random.Random(f"soak-{seed}-worker-{index}")
     http = ctx.session()
@@ -163,10 +223,10 @@ def session_worker(ctx: Context, index: int, seed: int, trace_seeds: int,
         # side under the same load; later traces draw their arm by weight
         arm = ARMS[index % len(ARMS)] if first else rng.choices(ARMS, weights=arm_weights)[0]
         first = False
-        live = rng.random() < live_share
+        history = rng.choices(HISTORIES, weights=history_weights)[0]
         tenant = f"tenant-{rng.randrange(2)}"
-        answers: dict[tuple[str, int], dict[str, Any]] = {}
-        plan = _Plan(trace, family, arm, tenant, live, answers)
+        plan = _Plan(trace, family, arm, tenant, history,
+                     random.Random(f"{seed}-{index}-{rng.random()}"))
         for wave in trace.waves():
             if ctx.stop.is_set():
                 break
@@ -176,10 +236,4 @@ def session_worker(ctx: Context, index: int, seed: int, trace_seeds: int,
                 with ThreadPoolExecutor(max_workers=len(wave)) as pool:
                     outs = list(pool.map(lambda r, p=plan: p.send(ctx, ctx.session(), r),
                                          wave))
-            if live:
-                for req, out in zip(wave, outs, strict=True):
-                    answer: dict[str, Any] = {"role": "assistant", "content": out.text}
-                    scripted = trace.answer(req)
-                    if scripted.get("tool_calls"):
-                        answer["tool_calls"] = scripted["tool_calls"]
-                    answers[(req.session, req.n_messages)] = answer
+            plan.after_wave(wave, outs)

@@ -75,3 +75,13 @@ def test_rss_slope_is_judged_on_the_longest_life_second_half():
     r = steady_rss(flat + leak)
     assert r["life"] == 2 and r["slope_mib_per_min"] == pytest.approx(10.0, rel=0.05)
     assert slope_per_min([(0, 1.0), (60, 2.0)]) is None
+
+
+def test_parse_completion_logprobs_reads_token_ids():
+    from benchmarks.soak.check import parse_completion_logprobs
+
+    lp = {"tokens": ["token_id:4", "token_id:2"], "token_logprobs": [-0.2, -0.7],
+          "top_logprobs": [{"token_id:4": -0.2, "token_id:5": -1.2}, {"token_id:9": -0.1}]}
+    g = parse_completion_logprobs(lp)
+    assert g.tokens == [4, 2]
+    assert g.top == [{4: -0.2, 5: -1.2}, {9: -0.1, 2: -0.7}]
