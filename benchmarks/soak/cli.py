@@ -90,6 +90,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _source_state() -> dict[str, object]:
+    """The commit the server ran and any uncommitted package files (a shared tree moves)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=repo, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "vllm_hybridcache").splitlines()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks.run import resolve_model
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--worker-extension-cls", "vllm_hybridcache.instrumentation.FaultInjection"])
     server = SoakServer(settings, env, out / "logs")
     ledger = Ledger()
+    source = _source_state()
     t_start = time.monotonic()
     try:
         server.start()
@@ -157,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.soak " + shlex.join(argv if argv is not None
                                                         else sys.argv[1:])
     report = {"command": command, "model": args.model, "dtype": dtype, "drift_nats": drift,
+              "source": source,
               "settings": {**vars(args), "server_argv": server.argv, "server_env": env},
               "summary": summary, "samples": monitor.samples,
               "faults": msgspec.to_builtins(faults), "requests": msgspec.to_builtins(reqs)}
