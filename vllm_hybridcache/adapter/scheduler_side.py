@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -73,9 +73,9 @@ class _Live:
     cuts: list[int]
     cut_set: frozenset[int]
     unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
-    # MTP route: the draft head's row at p - 1 read the prompt's token at p, or on vLLM's
-    # padded-batch path its last token; a link fits another prompt only if both match.
-    draft_route: bool = False
+    # MTP route: which prompt tokens the draft head's row at a step's last position read
+    # (see draft_reads); None off the route. A link fits another prompt only if they match.
+    draft_reads: str | None = None
     block_ids: list[list[int]] = field(default_factory=list)
     # the answer given to vLLM by get_num_new_matched_tokens, until allocation acts on it
     lookup: LookupResult | None = None
@@ -91,20 +91,91 @@ class _Live:
     prefill_t: float = 0.0
     prefill_n: int = 0
     prefill_next: int = -1
+    # the request's latest scheduled step (first position, tokens): with speculative decoding
+    # its end anchor copies the state block of the last accepted token (see anchor_end)
+    last_start: int = -1
+    last_len: int = 0
 
-    def draft_tag(self, end: int) -> tuple[int, int] | None:
-        """The tokens the draft head's boundary row read when this prompt's state at `end` was
-        captured (the token after the cut, the prompt's last token); -1 at the prompt's end,
-        where the row read the sampled token and fits no prompt. None off the MTP route."""
-        if not self.draft_route:
+    @property
+    def draft_route(self) -> bool:
+        return self.draft_reads is not None
+
+    def draft_tag(self, end: int) -> object:
+        """The prompt tokens the draft head's boundary row read when this prompt's state at
+        `end` was captured; -1 at the prompt's end, where the row read the sampled token and
+        fits no prompt. None off the MTP route. `last`: the prompt's last token (vLLM's padded
+        drafter batch, its default); `both`: the token after the cut and the last token (any
+        other drafter path, kept conservative)."""
+        if self.draft_reads is None:
             return None
         toks = self.keys.tokens
         n = len(self.keys)
-        return (int(toks[end]) if end < n else -1, int(toks[n - 1]))
+        if end >= n:
+            return -1
+        if self.draft_reads == DRAFT_READS_LAST:
+            return int(toks[n - 1])
+        return (int(toks[end]), int(toks[n - 1]))
 
     def fits(self, p: int, tag: object) -> bool:
         """Whether a link ending at p, reserved with `tag`, fits this prompt's draft rows."""
+        if isinstance(tag, NextToken):  # an end anchor: its last draft row read tag.token
+            return p < len(self.keys) and int(self.keys.tokens[p]) == tag.token
         return tag == self.draft_tag(p)
+
+
+class NextToken(NamedTuple):
+    """An end anchor's draft tag on the MTP route: the anchor's last draft-head row read this
+    token (the request's last sampled token, the first one it did not forward), so the anchor
+    fits a prompt only if that token comes next."""
+
+    token: int
+
+
+def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: int,
+               last_len: int, speculative: bool) -> tuple[int, int] | None:
+    """(tokens, section block) of a finished request's end anchor, or None for no anchor.
+
+    Without drafts the anchor is the state after every forwarded token, in block 0. With
+    drafts the last step is a verify step that forwarded `last_len` tokens from `last_start`
+    and wrote the state after its j-th token to block j; its rejected tokens are already taken
+    off `num_computed`, and a stop inside the accepted ones leaves fewer tokens in the request
+    than were forwarded (`num_tokens`), so the anchor ends at the last token kept but one (the
+    last one is the first the next turn forwards) and copies that token's block. A request
+    that finished in a prefill step gets none (a short chunk runs as a decode: on doubt, miss).
+    """
+    if not speculative:
+        return num_computed, 0
+    n = min(num_computed, num_tokens - 1)
+    block = n - 1 - last_start
+    if last_start < prompt_len or not 0 <= block < last_len:
+        return None
+    return n, block
+
+
+DRAFT_READS_LAST = "last"
+DRAFT_READS_BOTH = "both"
+
+
+def draft_reads(vllm_config) -> str | None:
+    """Which prompt tokens the draft head's row at a partial prefill step's last position
+    reads, beyond the tokens before the cut; None without speculative decoding.
+
+    The draft head's row at position i is computed from the target's hidden state at i and
+    the token at i + 1. At a step's last position p - 1 of a partial prefill, vLLM's EAGLE/MTP
+    proposer takes that token from its "next token" for the request: on the padded drafter
+    batch (the default) the backup token, which is the request's last known token, i.e. the
+    prompt's last token (`prepare_next_token_ids_padded`); with `disable_padded_drafter_batch`
+    the prompt's token at p (`prepare_next_token_ids_cpu`). `last` is exact for the padded
+    EAGLE/MTP path and measured so in tests/connector/test_mtp_route.py; every other
+    speculative method or path keeps both tokens (`both`), which is exact for either.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    if (spec.method in ("mtp", "eagle", "eagle3") and not spec.disable_padded_drafter_batch
+            and not getattr(spec, "parallel_drafting", False)):
+        return DRAFT_READS_LAST
+    return DRAFT_READS_BOTH
 
 
 def unkeyed_inputs(request) -> bool:
@@ -198,9 +269,14 @@ class SchedulerSide:
         layout = self.parts.layout if self.parts is not None else None
         self.segmentation = resolve_segmentation(settings, vllm_config)
         anchors = settings.session_anchors
-        if vllm_config.speculative_config is not None and anchors:
-            # Decode with drafts leaves rejected rows and draft state behind; not gated yet.
-            logger.info("hybridcache: end anchors off with speculative decoding")
+        self._speculative = vllm_config.speculative_config is not None
+        if (self._speculative and anchors
+                and getattr(vllm_config.scheduler_config, "async_scheduling", False)):
+            # An end anchor copies the state block of the last accepted token, found from the
+            # last step's start; with async scheduling that start is planned before the step
+            # before it is verified.
+            logger.info("hybridcache: end anchors off with speculative decoding and async "
+                        "scheduling")
             anchors = 0
         self.cache: SnapshotCache | None = None
         self.disk: DiskTier | None = None
@@ -227,14 +303,13 @@ class SchedulerSide:
             self.cache = SnapshotCache(tiers)
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
-        # target's hidden state there and one more token: in a partial prefill, vLLM feeds the
-        # prompt token at p (`prepare_next_token_ids_cpu`) or, on its padded-batch path, the
-        # prompt's last token (`prepare_next_token_ids_padded`). A link at cut p therefore fits a
-        # prompt only if both tokens match the capturing prompt's: each link carries them as its
-        # tag, and the tree's lookup ends a chain at the first link that does not fit. Chat
-        # prompts all end in the same generation prompt, so in practice only the token after
-        # the cut costs reuse.
-        self._draft_route = self.base_domain.get("route") == "mtp"
+        # target's hidden state there and one more token, which vLLM takes from past the cut
+        # (see draft_reads). A link at cut p therefore fits a prompt only if that token matches
+        # the capturing prompt's: each link carries it as its tag, and the tree's lookup ends a
+        # chain at the first link that does not fit. On vLLM's default path it is the prompt's
+        # last token, and chat prompts all end in the same generation prompt.
+        self._draft_reads = (draft_reads(vllm_config)
+                             if self.base_domain.get("route") == "mtp" else None)
         self._live: dict[str, _Live] = {}
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
         self._loads: list[LoadJob] = []
@@ -346,7 +421,7 @@ class SchedulerSide:
             cuts = self.segmentation.cuts(prompt)
             entry = _Live(domain=request_domain(self.base_domain, request),
                           keys=self.cache.keys(prompt), cuts=cuts, cut_set=frozenset(cuts),
-                          unkeyed=unkeyed_inputs(request), draft_route=self._draft_route)
+                          unkeyed=unkeyed_inputs(request), draft_reads=self._draft_reads)
             self._live[request.request_id] = entry
         return entry
 
@@ -466,6 +541,7 @@ class SchedulerSide:
         end = start + n
         if self.disk is not None and self.disk.cost is not None:
             self._time_prefill(entry, start, n, prompt_len)
+        entry.last_start, entry.last_len = start, n
         if (self.instrumentation is not None and self.instrumentation.probe_states
                 and start < prompt_len <= end):
             plan.probes.append((req_id, prompt_len, [list(b) for b in entry.block_ids]))
@@ -564,6 +640,7 @@ class SchedulerSide:
         True: vLLM must keep its blocks until the workers have copied the anchor (reported
         back as a finished send)."""
         entry = self._live.get(request.request_id)
+        last = (entry.last_start, entry.last_len) if entry is not None else (-1, 0)
         if entry is not None:
             if entry.lookup is not None and self.active:
                 self.cache.record_lookup(entry.lookup)
@@ -576,15 +653,21 @@ class SchedulerSide:
             return False
         from vllm.v1.request import RequestStatus
 
-        n = request.num_computed_tokens
         if unkeyed_inputs(request):
             return False
+        all_tokens = list(request.all_token_ids)
+        end = anchor_end(request.num_computed_tokens, len(all_tokens), request.num_prompt_tokens,
+                         *last, self._speculative)
+        if end is None:
+            return False
+        n, section_block = end
         if (request.status == RequestStatus.FINISHED_ABORTED or n < request.num_prompt_tokens
-                or not block_ids or any(len(b) == 0 for b in block_ids)):
+                or not block_ids or any(len(b) <= section_block for b in block_ids)):
             return False
         domain = request_domain(self.base_domain, request)
-        tokens = list(request.all_token_ids)[:n]
-        r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain)
+        tokens = all_tokens[:n]
+        tag = NextToken(int(all_tokens[n])) if self._speculative else None
+        r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain, tag)
         if r.addr is None:
             return False
         if self.spill is not None and r.addr.tier == Tier.RAM:
@@ -597,7 +680,7 @@ class SchedulerSide:
         self._finishing.append(CaptureJob(addr=r.addr, req_id=request.request_id,
                                           row_start=r.start, row_end=r.end,
                                           block_ids=[list(b) for b in block_ids],
-                                          finishing=True))
+                                          finishing=True, section_block=section_block))
         return True
 
     def clear(self, tier: str | None = None, kind: str | None = None) -> int:
