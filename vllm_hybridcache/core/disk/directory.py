@@ -467,7 +467,8 @@ class LinkDirectory:
         n = 0
         for p in list(self._files()):
             is_anchor = p.parent.name.startswith(ANCHOR_PREFIX)
-            if p.name.endswith(SUFFIX) and (kind is None or (kind == ANCHOR) == is_anchor):
+            if (p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
+                    and (kind is None or (kind == ANCHOR) == is_anchor)):
                 p.unlink(missing_ok=True)
                 self._forget(p)
                 n += 1
