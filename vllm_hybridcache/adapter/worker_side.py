@@ -223,10 +223,11 @@ class WorkerSide:
         self._spillable.clear()
         queued = w.snapshot()["queued"]
         r = w.drain(anchors, target.drain_s)
-        logger.info("hybridcache: shutdown drain: session spill wrote %d of %d end anchors "
-                    "(%d bytes) to %s; %d tree writes were queued; %d writes dropped at the %g s "
-                    "limit; %.2f s%s", r.anchors_written, r.anchors, r.anchor_bytes,
-                    target.root, queued, r.skipped, target.drain_s, r.seconds,
+        spilled = (f"session spill wrote {r.anchors_written} of {r.anchors} end anchors "
+                   f"({r.anchor_bytes} bytes)" if target.spill else "session spill off")
+        logger.info("hybridcache: shutdown drain: %s to %s; %d tree writes were queued; %d "
+                    "writes dropped at the %g s limit; %.2f s%s", spilled, target.root, queued,
+                    r.skipped, target.drain_s, r.seconds,
                     "" if r.finished else " (a write was still running: left as a temporary)")
 
     # ---------------------------------------------------------------- results
