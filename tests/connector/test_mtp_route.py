@@ -1,14 +1,17 @@
-"""MTP speculative decoding with the cache on (flash-next-tiny, one draft token).
+"""MTP speculative decoding with the cache on (flash-next-tiny, k = 1, 2, 3 draft tokens).
 
 The draft head's own K/V rows are one more KV-cache group, so links carry them like any view,
 and vLLM defers the connector's save until the draft model has run, so the rows a link copies
-are the ones the draft wrote in that step. One row is special: the draft head's row at p - 1 is
-computed from one more token, so a link at cut p fits only prompts that give it the same one;
-the connector records the tokens it may read (the token after the cut, or, on vLLM's
-padded-batch path, the prompt's last token) and serves a shallower link otherwise (counted).
-Links are keyed by route: an engine with MTP records `mtp`, and AR and MTP links never meet.
+are the ones the draft wrote in that step. One row per link is special: the draft head's row
+at a step's last position p - 1 reads one more token, which vLLM's default (padded-batch)
+proposer takes from the prompt's last token. A link at cut p therefore fits every prompt that
+shares the tokens up to the cut and ends in the same token (every chat prompt ends in the same
+generation prompt): extensions, branches at the cut or after it, chains of links. A prompt with
+another last token is refused (counted as shortened), and restoring it anyway changes the draft
+head's rows and nothing else, which the forced restore below shows.
 Warm runs must equal cold runs (tokens, logprobs, every state part, the draft head's rows
-included), and greedy tokens must equal an engine without speculative decoding or cache.
+included). Links are keyed by route: an engine with MTP records `mtp`, and AR and MTP links
+never meet. (Greedy tokens with MTP equal those without it: tests/flash_next/test_mtp.py.)
 """
 
 from __future__ import annotations
@@ -17,12 +20,25 @@ import pytest
 import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
-from tests.connector.test_exactness import GRID, A, B, clear, run
+from tests.connector.test_exactness import GRID, A, clear, run
 from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 
-SPEC = {"method": "mtp", "num_speculative_tokens": 1}
+LAST = A[-1]
+X = [30 + (i * 17) % 2900 for i in range(200)]
+Y = [60 + (i * 19) % 2900 for i in range(150)]
+PROMPTS = {
+    "A": A,                                      # 3 grid cuts + a tail
+    "ext": A + X + [LAST],                       # extends A, same last token: 3-link chain
+    "branch_at_cut": A[: 2 * GRID] + Y + [LAST],         # parts from A at the cut
+    "branch_after_cut": A[: 2 * GRID + 1] + Y + [LAST],  # parts one token after the cut
+    "ext_other_last": A + X,                     # extends A, another last token: no link fits
+}
+# tokens each warm run resumes at after a run of A (and of the prompts before it)
+EXPECTED = {"A": 3 * GRID, "ext": 3 * GRID, "branch_at_cut": 2 * GRID,
+            "branch_after_cut": 2 * GRID, "ext_other_last": 0}
+assert Y[0] != A[2 * GRID] and X[-1] != LAST
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +46,11 @@ def model_path(embedded_model):
     return embedded_model("flash-next-tiny")
 
 
-@pytest.fixture(scope="module")
-def reference(model_path):
-    """Greedy tokens of A and B from an engine without speculative decoding or cache (run
-    before the in-process engine exists: one engine per process at a time)."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=6, temperature=0, detokenize=False)
-    with connector_engine(model_path, plugin=False, dtype="float32",
-                          enable_prefix_caching=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in (A, B)], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-@pytest.fixture(scope="module")
-def llm(reference, inproc, model_path):
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda k: f"k{k}")
+def llm(request, inproc, model_path):
+    spec = {"method": "mtp", "num_speculative_tokens": request.param}
     with connector_engine(model_path, extra={"grid": GRID}, dtype="float32",
-                          speculative_config=SPEC) as engine:
+                          speculative_config=spec) as engine:
         instrument(engine)          # state probes: the "state" of run()
         yield engine
 
@@ -58,34 +62,53 @@ def _draft_views(sched) -> list[str]:
 
 def test_links_record_the_mtp_route_and_carry_the_draft_rows(llm):
     sched, _ = engine_parts(llm)
-    assert sched.base_domain["route"] == "mtp"
-    assert sched.anchors.max_count == 0              # end anchors are off with drafts
+    assert sched.base_domain["route"] == "mtp"       # AR engines record "ar": never shared
+    assert sched._draft_reads == "last"              # vLLM's padded drafter batch
+    assert sched.anchors.enabled                     # end anchors: test_mtp_anchors.py
     assert _draft_views(sched), sched.parts.layout.views
 
 
-def test_mtp_warm_equals_cold_and_the_reference(llm, reference):
-    # B2: B with A's last token (as every chat prompt ends in the same generation prompt)
-    b2 = B[:-1] + A[-1:]
+def test_mtp_warm_equals_cold(llm):
     colds = {}
-    for name, p in (("A", A), ("B", B), ("B2", b2)):
+    for name, p in PROMPTS.items():
         clear(llm)
         colds[name] = run(llm, p)
+        assert colds[name]["cached"] == 0 and colds[name]["state"]
     clear(llm)
     sched, _ = engine_parts(llm)
     shortened = sched.tree.stats().shortened
     run(llm, A)
-    warms = {"B": run(llm, B), "B2": run(llm, b2), "A": run(llm, A)}
-    # B2 leaves A at 2 * GRID: A's link there has a draft row made from A's next token, so B2
-    # resumes one link earlier; B ends in another token than A, which every A link's draft
-    # rows read, so it resumes nowhere; A resumes at its deepest cut
-    assert {k: w["cached"] for k, w in warms.items()} == {"B": 0, "B2": GRID, "A": 3 * GRID}
-    assert sched.tree.stats().shortened == shortened + 2
+    warms = {name: run(llm, p) for name, p in PROMPTS.items()}
+    assert {k: w["cached"] for k, w in warms.items()} == EXPECTED
+    # only the prompt with another last token was refused a deeper link
+    assert sched.tree.stats().shortened == shortened + 1
     for name, warm in warms.items():
         cold = colds[name]
         assert warm["tokens"] == cold["tokens"], name
         assert warm["logprobs"] == cold["logprobs"], name
         assert warm["state"] == cold["state"], name      # the draft head's rows included
-    assert [warms["A"]["tokens"], warms["B"]["tokens"]] == reference
+
+
+def test_a_link_refused_for_another_last_token_really_differs(llm, monkeypatch):
+    """Shortened means unusable: restoring A's chain for a prompt with another last token
+    (the fits predicate switched off for this request) leaves draft-head rows that differ from
+    its cold run, and nothing else: the target's parts, tokens and logprobs stay equal."""
+    p = PROMPTS["ext_other_last"]
+    clear(llm)
+    cold = run(llm, p)
+    clear(llm)
+    run(llm, A)
+    sched, _ = engine_parts(llm)
+    monkeypatch.setattr(sched, "_draft_reads", None)   # new requests: no draft tag, no fits
+    forced = run(llm, p)
+    monkeypatch.undo()
+    clear(llm)
+    assert forced["cached"] == 3 * GRID
+    names = set(_draft_views(sched))
+    assert any(forced["state"][n] != cold["state"][n] for n in names)
+    assert {k: v for k, v in forced["state"].items() if k not in names} == {
+        k: v for k, v in cold["state"].items() if k not in names}
+    assert forced["tokens"] == cold["tokens"] and forced["logprobs"] == cold["logprobs"]
 
 
 def test_corrupted_draft_rows_are_caught(llm):
