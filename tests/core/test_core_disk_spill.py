@@ -23,7 +23,7 @@ from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.directory import ANCHOR
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
-from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter
+from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
 from vllm_hybridcache.core.keys import make_domain
 from vllm_hybridcache.core.tiers.base import LinkAddr
 from vllm_hybridcache.core.tiers.disk import DiskAnchors, DiskTier
@@ -220,3 +220,23 @@ def test_an_evicted_anchor_is_written_and_served_in_the_same_life(tmp_path, layo
     res = life.cache.lookup(nxt, DOM, len(nxt) - 1)
     assert (res.tier, res.kind, res.tokens) == ("disk", "anchor", len(TURN))
     assert second.link_id in life.ram_anchors.link_ids()
+
+
+def test_clearing_anchors_tells_the_writers_index_and_keeps_tree_links(tmp_path, layout):
+    life = Life(tmp_path, layout)
+    job = life.anchor(TURN)
+    # a tree link [0, 64) of the same prompt, written from the anchor's first rows
+    tree_job = WriteJob(job.link_id, DOM, PromptKeys(TURN).digest(64), b"", 0, 64,
+                        TURN[:64].tobytes(), layout.view_rows(0, 64))
+    w = LinkWriter(life.target)
+    parts = {k: (v if k in {s.name for s in layout.sections} else v[: tree_job.rows])
+             for k, v in life.parts(job.link_id).items()}
+    assert w.submit(tree_job, parts)
+    w.drain([(job, life.parts(job.link_id))], 30.0)
+    again = Life(tmp_path, layout)
+    assert len(again.disk_anchors) == 1 and again.disk.lookup(TURN, DOM).tokens == 64
+    assert again.cache.clear("disk", "anchor") == 1
+    assert not list(tmp_path.rglob("a-*/*.link")) and len(again.disk_anchors) == 0
+    forget, clear_all = again.disk.take_writer_ops()
+    assert [Path(p).name for p in forget] == [f"{job.digest.hex()}-{job.end}.link"]
+    assert not clear_all and again.disk.lookup(TURN, DOM).tokens == 64  # tree link kept

@@ -471,6 +471,8 @@ class LinkDirectory:
                     and (kind is None or (kind == ANCHOR) == is_anchor)):
                 p.unlink(missing_ok=True)
                 self._forget(p)
+                if kind == ANCHOR and self.on_delete is not None:
+                    self.on_delete(p)  # another index of these files (the writer's) forgets it
                 n += 1
         if kind is None:
             self._index.clear()
