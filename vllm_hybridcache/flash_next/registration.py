@@ -26,7 +26,7 @@ logger = logging.getLogger("vllm_hybridcache")
 ARCHITECTURES = {
     "Qwen4ExpForCausalLM": "vllm_hybridcache.flash_next.model:FlashNextForCausalLM",
     "Qwen4ExpForConditionalGeneration":
-        "vllm_hybridcache.flash_next.model:FlashNextForConditionalGeneration",
+        "vllm_hybridcache.flash_next.vision_model:FlashNextForConditionalGeneration",
     "Qwen4ExpMTP": "vllm_hybridcache.flash_next.mtp:FlashNextMTP",
 }
 

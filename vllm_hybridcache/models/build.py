@@ -19,9 +19,20 @@ from vllm_hybridcache.models.store import (
     read_fingerprint,
     versions_key,
 )
-from vllm_hybridcache.models.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS, train_tokenizer
+from vllm_hybridcache.models.tokenizer import (
+    ADDED_TOKENS,
+    SPECIAL_TOKENS,
+    VISION_TOKENS,
+    train_tokenizer,
+)
 
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen_chat.jinja"
+# The vision-language template renders an image content part as Qwen-VL's placeholder (vLLM
+# expands its pad to one per image row); text parts render as in the text template.
+_TEXT_PART = "{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+_VL_PARTS = ("{%- if part.type == 'text' -%}{{ part.text }}"
+             "{%- elif part.type in ('image', 'image_url', 'input_image') -%}"
+             "<|vision_start|><|image_pad|><|vision_end|>{%- endif -%}")
 
 
 def model_names() -> list[str]:
@@ -42,8 +53,18 @@ def _trained_tokenizer():
     return train_tokenizer(VOCAB_SIZE)
 
 
-def hf_tokenizer():
-    """The tokenizer wrapped for transformers, with its special tokens and chat template."""
+def chat_template(vision: bool = False) -> str:
+    text = TEMPLATE_PATH.read_text(encoding="utf-8")
+    if not vision:
+        return text
+    if _TEXT_PART not in text:
+        raise ModelStoreError("the chat template's content-part macro changed; update build.py")
+    return text.replace(_TEXT_PART, _VL_PARTS)
+
+
+def hf_tokenizer(vision: bool = False):
+    """The tokenizer wrapped for transformers, with its special tokens and chat template
+    (`vision`: plus the vision tokens, appended after the trained vocabulary)."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
@@ -53,28 +74,38 @@ def hf_tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        additional_special_tokens=list(SPECIAL_TOKENS),
+        additional_special_tokens=list(SPECIAL_TOKENS) + (list(VISION_TOKENS) if vision else []),
         model_max_length=65536,
         clean_up_tokenization_spaces=False,
     )
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    tok.chat_template = TEMPLATE_PATH.read_text(encoding="utf-8")
+    tok.chat_template = chat_template(vision)
     return tok
 
 
-def special_ids() -> dict[str, int]:
+def special_ids(vision: bool = False) -> dict[str, int]:
     tok = _trained_tokenizer()
-    return {t: tok.token_to_id(t) for t in (*SPECIAL_TOKENS, *ADDED_TOKENS)}
+    ids = {t: tok.token_to_id(t) for t in (*SPECIAL_TOKENS, *ADDED_TOKENS)}
+    if vision:
+        wrapped = hf_tokenizer(vision=True)
+        ids.update({t: wrapped.convert_tokens_to_ids(t) for t in VISION_TOKENS})
+        if sorted(ids[t] for t in VISION_TOKENS) != list(range(VOCAB_SIZE,
+                                                               VOCAB_SIZE + len(VISION_TOKENS))):
+            raise ModelStoreError(f"vision tokens did not land after the vocabulary: {ids}")
+    return ids
 
 
 def build_checkpoint(spec: ModelSpec, out: Path) -> None:
     """Write config, weights, tokenizer and generation config of `spec` into `out`."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import transformers
+    from transformers import GenerationConfig
 
-    config = spec.build_config(special_ids())
+    config = spec.build_config(special_ids(spec.vision))
     torch.manual_seed(spec.seed)
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        cls = getattr(transformers, spec.model_class)
+        model = (cls.from_config(config, dtype=torch.float32) if hasattr(cls, "from_config")
+                 else cls._from_config(config, dtype=torch.float32))
     if spec.adjust_weights is not None:
         with torch.no_grad():
             spec.adjust_weights(model, spec.seed)
@@ -89,10 +120,11 @@ def build_checkpoint(spec: ModelSpec, out: Path) -> None:
 
         save_file(extra, str(out / "model-extra.safetensors"), metadata={"format": "pt"})
         _merge_index(out, extra)
-    hf_tokenizer().save_pretrained(out)
+    hf_tokenizer(spec.vision).save_pretrained(out)
+    text_config = config.get_text_config()
     GenerationConfig(
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
         do_sample=False,
     ).save_pretrained(out)
 

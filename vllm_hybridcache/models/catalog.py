@@ -30,6 +30,10 @@ class ModelSpec:
     adjust_weights: Callable[[object, int], None] | None = None
     # Bump when an entry's definition changes: it is part of the checkpoint folder name.
     revision: int = 0
+    # The transformers class that builds the weights (a name in `transformers`).
+    model_class: str = "AutoModelForCausalLM"
+    # Vision-language: the tokenizer and chat template carry the vision tokens.
+    vision: bool = False
 
 
 def _qwen3_next(special: dict[str, int], *, hidden: int, layers: int, heads: int,
@@ -214,6 +218,32 @@ def _flash_next_tiny(special: dict[str, int]) -> PreTrainedConfig:
                        idx_dim=64, budget=60, ratio=4, hc_lowrank=32)
 
 
+def _flash_next_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
+    """flash-next-tiny's text model (the vocabulary grown by the 4 vision tokens, padded to a
+    multiple of 16; no MTP layer) under a 2-block vision tower: 16-pixel patches, 2x2 merge,
+    an 8x8 learned position table. `initializer_range` is raised like the text model's so an
+    image visibly moves the logprobs."""
+    from transformers import Qwen4ExpConfig
+
+    text = _flash_next_tiny(special).to_dict()
+    text.update(vocab_size=VOCAB_SIZE + 16, mtp_num_hidden_layers=0)
+    # transformers' default M-RoPE section, written out: vLLM turns M-RoPE on only when the
+    # config names it.
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[11, 11, 10])
+    vision = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128,
+                  out_hidden_size=text["hidden_size"], patch_size=16, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=64, initializer_range=0.08,
+                  rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    cfg = Qwen4ExpConfig(text_config=text, vision_config=vision,
+                         image_token_id=special["<|image_pad|>"],
+                         video_token_id=special["<|video_pad|>"],
+                         vision_start_token_id=special["<|vision_start|>"],
+                         vision_end_token_id=special["<|vision_end|>"],
+                         tie_word_embeddings=False)
+    cfg.architectures = ["Qwen4ExpForConditionalGeneration"]
+    return cfg
+
+
 def _flash_next_small(special: dict[str, int]) -> PreTrainedConfig:
     return _flash_next(special, hidden=1024, layers=8, heads=8, gdn_k_heads=4, gdn_v_heads=8,
                        gdn_dim=128, head_dim=128, experts=8, moe_inter=512, idx_heads=4,
@@ -230,6 +260,10 @@ CATALOG: dict[str, ModelSpec] = {
         ModelSpec("flash-next-tiny", "Flash-Next (qwen4_exp), 4 layers, GDN + QSA + PLE + HC + MoE",
                   _flash_next_tiny, seed=3, extra_weights=_flash_next_mtp_weights,
                   adjust_weights=_flash_next_adjust, revision=1),
+        ModelSpec("flash-next-vl-tiny", "Flash-Next with its vision tower "
+                  "(Qwen4ExpForConditionalGeneration), flash-next-tiny's text model",
+                  _flash_next_vl_tiny, seed=5, adjust_weights=_flash_next_adjust,
+                  model_class="Qwen4ExpForConditionalGeneration", vision=True),
         ModelSpec("flash-next-small", "Flash-Next (qwen4_exp), 8 layers, hidden 1024 (benchmarks)",
                   _flash_next_small, seed=4, extra_weights=_flash_next_mtp_weights,
                   adjust_weights=_flash_next_adjust, revision=1),

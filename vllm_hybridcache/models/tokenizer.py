@@ -18,6 +18,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED_TOKENS: tuple[str, ...] = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+# Vision-language checkpoints only: appended after the trained vocabulary (ids VOCAB_SIZE + i),
+# so the text checkpoints' tokenizer and ids stay as they are.
+VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                  "<|video_pad|>")
 
 # Fixed, ordered corpus: stdlib modules whose source is text (code, docstrings, JSON-like literals).
 _CORPUS_MODULES: tuple[str, ...] = (
