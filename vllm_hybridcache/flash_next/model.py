@@ -47,7 +47,8 @@ def _skips() -> set[str]:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, ops: FlashNextOps,
-                 rope: RopeTable, prefix: str) -> None:
+                 rope: RopeTable, prefix: str,
+                 attention_cls: type[QSAAttention] = QSAAttention) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         ple_ids = config.ple_layer_ids or []
@@ -59,8 +60,8 @@ class DecoderLayer(nn.Module):
         else:
             if self.ple is not None:
                 raise ValueError("Flash-Next PLE is only defined on linear_attention layers")
-            self.self_attn = QSAAttention(config, layer_idx, vllm_config, f"{prefix}.self_attn",
-                                          ops, rope)
+            self.self_attn = attention_cls(config, layer_idx, vllm_config,
+                                           f"{prefix}.self_attn", ops, rope)
         self.mlp = SparseMoE(config)
         self.attn_hyper_connection = GatedResidual(config, ops)
         self.mlp_hyper_connection = GatedResidual(config, ops)
@@ -122,7 +123,7 @@ class DecoderLayer(nn.Module):
 
 class FlashNextModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "model",
-                 ops: FlashNextOps) -> None:
+                 ops: FlashNextOps, attention_cls: type[QSAAttention] = QSAAttention) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.config = config
@@ -130,7 +131,8 @@ class FlashNextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rope = RopeTable(config.head_dim, config.rope_parameters)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, vllm_config, ops, self.rope, f"{prefix}.layers.{i}")
+            DecoderLayer(config, i, vllm_config, ops, self.rope, f"{prefix}.layers.{i}",
+                         attention_cls)
             for i in range(config.num_hidden_layers))
         self.hyper_connection_mixer = GatedResidual(config, ops, use_combine=False)
 
@@ -209,8 +211,10 @@ def load_flash_next_weights(module: nn.Module, weights: Iterable[tuple[str, torc
 
 
 class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    """vLLM model for `Qwen4ExpForCausalLM` (and the text path of the multimodal class)."""
+    """vLLM model for `Qwen4ExpForCausalLM` (and the language model of the multimodal class)."""
 
+    # The QSA layer class: the multimodal class swaps in the M-RoPE variant (vision_qsa.py).
+    attention_cls: type[QSAAttention] = QSAAttention
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -223,7 +227,8 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.config = config
         self.vllm_config = vllm_config
         self.ops = get_backend(None)
-        self.model = FlashNextModel(vllm_config=vllm_config, prefix="model", ops=self.ops)
+        self.model = FlashNextModel(vllm_config=vllm_config, prefix="model", ops=self.ops,
+                                    attention_cls=self.attention_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -281,14 +286,4 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
         return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
-
-
-class FlashNextForConditionalGeneration(FlashNextForCausalLM):
-    """`Qwen4ExpForConditionalGeneration`, text path only: the vision tower is not built and
-    a request carrying images is rejected with a clear error."""
-
-    def embed_multimodal(self, **kwargs):
-        raise NotImplementedError(
-            "Flash-Next in vllm-hybridcache supports text only for now; this request carries "
-            "images/video. Use vLLM's in-tree Qwen4Exp on a supported GPU for vision.")
 
