@@ -51,6 +51,7 @@ class Tier(StrEnum):
 
     RAM = "ram"
     DISK = "disk"
+    CLUSTER = "cluster"  # links committed on another replica (core/tiers/cluster.py)
 
 
 class LinkKind(StrEnum):
