@@ -27,7 +27,7 @@ $(STAMP): setup.py requirements-cpu.txt Makefile
 	@# torch: they fail to load beside torch 2.13.0+cpu and break transformers' model imports.
 	@# Nothing here uses them (text models only), so they go. See docs/install.md.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PIP) install -q -e ".[test,bench]"
+	$(PIP) install -q -e ".[test,bench,cluster]"
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 toolchain: $(TOOLCHAIN)

