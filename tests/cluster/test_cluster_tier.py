@@ -1,0 +1,304 @@
+"""The cluster tier's logic without Ray or vLLM: two replicas (tree + store + cluster tier each)
+share an in-process fake transport. A link committed on A is found by B, staged, verified and
+restored byte for byte; every failure is a counted miss that serves nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
+from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.keys import make_domain
+from vllm_hybridcache.core.tiers.cluster import (
+    ClusterError,
+    ClusterMiss,
+    ClusterTier,
+    RemoteEntry,
+    link_payload,
+)
+
+FP = b"F" * 32
+DOM = make_domain(model="m")
+PROMPT = np.arange(5000, 5400, dtype=np.int64)
+CUTS = [64, 128, 256]
+
+
+def _cuts(tokens: np.ndarray) -> list[int]:
+    return [c for c in CUTS if c <= len(tokens)]
+
+
+class Answer:
+    """A Pending that is done after `polls` calls of done()."""
+
+    def __init__(self, value=None, error: ClusterError | None = None, polls: int = 1) -> None:
+        self.value, self.error, self.polls = value, error, polls
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def result(self):
+        assert self.polls < 0, "result() before done()"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class FakeCluster:
+    """The directory and the object store of a cluster, in process."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[bytes, bytes, bytes], RemoteEntry] = {}
+        self.objects: dict[int, bytes] = {}
+        self.dead: set[str] = set()
+        self.forgotten: list[bytes] = []
+        self.delay = 1
+        self.silent = False  # never answer (timeouts)
+
+
+class FakeTransport:
+    def __init__(self, cluster: FakeCluster, owner: str) -> None:
+        self.c, self.owner = cluster, owner
+
+    def locate(self, fingerprint, domain, digests):
+        found = [self.c.entries[(fingerprint, domain, d)] for d in digests
+                 if (fingerprint, domain, d) in self.c.entries]
+        return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
+
+    def fetch(self, entries):
+        dead = [e.owner for e in entries if e.owner in self.c.dead]
+        if dead:
+            return Answer(error=ClusterError(ClusterMiss.OWNER_LOST, dead[0]), polls=self.c.delay)
+        missing = [e for e in entries if e.handle not in self.c.objects]
+        if missing:
+            return Answer(error=ClusterError(ClusterMiss.OBJECT_LOST, "gone"), polls=self.c.delay)
+        return Answer([self.c.objects[e.handle] for e in entries], polls=self.c.delay)
+
+    def forget(self, fingerprint, domain, digests):
+        for d in digests:
+            self.c.forgotten.append(d)
+            self.c.entries.pop((fingerprint, domain, d), None)
+
+    def publish(self, fingerprint, domain, digest, parent_digest, start, end, payload):
+        h = len(self.c.objects) + 1
+        self.c.objects[h] = payload
+        self.c.entries[(fingerprint, domain, digest)] = RemoteEntry(
+            digest, parent_digest, start, end, len(payload), self.owner, h)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Replica:
+    """One replica without vLLM: RAM tree + cluster tier (scheduler), store (worker)."""
+
+    def __init__(self, cluster: FakeCluster, name: str, layout, tmp_path, fp: bytes = FP,
+                 budget: int = 1 << 30) -> None:
+        ids = IdSource()
+        self.clock = Clock()
+        self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
+                                 next_id=ids)
+        self.transport = FakeTransport(cluster, name)
+        self.tier = ClusterTier(layout, fp, self.transport, _cuts, tmp_path / name / "stage",
+                                budget, timeout_s=10.0, next_id=ids, promote=self.tree.adopt,
+                                clock=self.clock)
+        self.cache = SnapshotCache([self.tree, self.tier])
+        self.store = LinkStore(layout, pin_memory=False)
+        self.layout, self.fp, self.tmp = layout, fp, tmp_path / name
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def capture(self, prompt: np.ndarray, seed: int = 0) -> None:
+        """Commit a link at every cut (seeded bytes) and publish it, as the adapter does."""
+        keys = self.tree.keys(prompt)
+        gen = torch.Generator().manual_seed(seed)
+        for c in _cuts(keys.tokens):
+            r = self.cache.reserve("tree", keys, c, DOM)
+            assert r.link_id is not None
+            bufs = self.store.allocate(r.link_id, self.layout.view_rows(r.start, r.end))
+            for t in (*bufs.sections.values(), *bufs.views.values()):
+                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                        dtype=torch.uint8, generator=gen))
+            self.store.seal(r.link_id)
+            assert self.cache.commit(r.addr)
+            job = self.tier.publish_job(self.tree.link_record(r.link_id))
+            assert job is not None
+            b = self.store.buffers(job.link_id)
+            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp)
+            self.transport.publish(self.fp, job.domain, job.digest, job.parent_digest,
+                                   job.start, job.end, payload)
+
+    def lookup(self, prompt: np.ndarray, polls: int = 10):
+        """Ask until the answer is not pending (the scheduler asks once per step)."""
+        keys = self.cache.keys(prompt)
+        for _ in range(polls):
+            res = self.cache.lookup(keys, DOM, len(prompt) - 1)
+            if not res.pending:
+                return keys, res
+        return keys, res
+
+    def restore_bytes(self, chain) -> dict[str, bytes]:
+        secs = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
+                for s in self.layout.sections}
+        rows: dict[str, list[bytes]] = {}
+
+        def sink(name, start, t):
+            rows.setdefault(name, []).append(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+        self.store.restore(chain, secs, sink)
+        out = {k: v.view(torch.uint8).numpy().tobytes() for k, v in secs.items()}
+        out.update({k: b"".join(v) for k, v in rows.items()})
+        return out
+
+    def serve(self, res) -> dict[str, bytes]:
+        """The worker's part of a remote hit: stage the files verified, then restore."""
+        assert self.cache.begin_restore(res)
+        stage_chain(self.store, res.plan.chain, self.cache.sources(res), self.fp)
+        out = self.restore_bytes(res.plan.chain)
+        self.cache.end_restore(res, True, 0.01)
+        return out
+
+
+@pytest.fixture
+def pair(tmp_path, layout):
+    c = FakeCluster()
+    a = Replica(c, "a", layout, tmp_path)
+    b = Replica(c, "b", layout, tmp_path)
+    a.capture(PROMPT)
+    return c, a, b
+
+
+def test_remote_chain_restores_byte_for_byte_and_is_promoted(pair):
+    _c, a, b = pair
+    expected = a.restore_bytes(a.tree.lookup(a.tree.keys(PROMPT), DOM).plan.chain)
+    keys = b.cache.keys(PROMPT)
+    first = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+    assert first.pending and first.tier == "cluster"  # never blocks: asked again next step
+    _, res = b.lookup(PROMPT)
+    assert res.hit and res.tier == "cluster" and res.tokens == 256
+    assert [(r.start, r.end) for r in res.plan.chain] == [(0, 64), (64, 128), (128, 256)]
+    assert b.serve(res) == expected
+    b.cache.sanity_check()
+    st = b.tier.stats()
+    assert st.restores == 1 and st.tokens_served == 256 and b.tier.remote_bytes > 0
+    assert b.tier.bytes_held == 0 and not list((b.tmp / "stage").iterdir())  # files gone
+    # promoted: the next lookup is a RAM hit with the same bytes
+    ram = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+    assert ram.hit and ram.tier == "ram" and ram.tokens == 256
+    assert b.restore_bytes(ram.plan.chain) == expected
+    assert b.cache.drain_dropped() == []  # every staged id adopted
+
+
+def test_a_flipped_payload_byte_never_reaches_the_store(pair):
+    """Negative control: a damaged part is refused by the worker's CRC check."""
+    c, _a, b = pair
+    h = max(c.objects)  # the deepest link's payload
+    data = bytearray(c.objects[h])
+    data[-1] ^= 0xFF
+    c.objects[h] = bytes(data)
+    _, res = b.lookup(PROMPT)
+    assert res.hit
+    assert b.cache.begin_restore(res)
+    with pytest.raises(DiskReadError) as ei:
+        stage_chain(b.store, res.plan.chain, b.cache.sources(res), b.fp)
+    assert ei.value.problem == "checksum"
+    assert not any(b.store.has(r.link_id) for r in res.plan.chain)
+    b.cache.end_restore(res, False)
+    assert b.tier.stats().restores_failed == 1
+
+
+def test_header_damage_and_foreign_fingerprint_are_counted_misses(pair, tmp_path, layout):
+    c, _a, b = pair
+    key = next(k for k in c.entries if c.entries[k].end == 64)
+    h = c.entries[key].handle
+    data = bytearray(c.objects[h])
+    data[20] ^= 0xFF  # inside the header
+    c.objects[h] = bytes(data)
+    _, res = b.lookup(PROMPT)
+    assert not res.hit and b.tier.stats().misses[ClusterMiss.CORRUPT] == 1
+    assert c.entries == {} or all(k != key for k in c.entries)  # forgotten
+    # another engine's fingerprint: its entries are never located (0 tokens)...
+    other = Replica(c, "o", layout, tmp_path, fp=b"G" * 32)
+    other.capture(PROMPT)
+    _, res = b.lookup(PROMPT[:200])
+    assert not res.hit and res.tokens == 0
+    # ...and a payload of another fingerprint listed under ours is refused as foreign
+    for k, e in list(c.entries.items()):
+        c.entries[(FP, k[1], k[2])] = e
+    b.clock.t += 100
+    _, res = b.lookup(PROMPT[:200])
+    assert not res.hit and b.tier.stats().misses[ClusterMiss.FOREIGN] == 1
+
+
+def test_tokens_that_differ_from_the_prompt_are_refused(pair):
+    """A directory entry whose digest says 'this prompt' but whose payload holds other tokens
+    (a digest collision, a confused directory) is a verify_failed miss."""
+    c, _a, b = pair
+    prompt2 = PROMPT.copy()
+    prompt2[10] += 1
+    keys2 = b.cache.keys(prompt2)
+    for (fp, dom, _d), e in list(c.entries.items()):
+        c.entries[(fp, dom, keys2.digest(e.end))] = e._replace(digest=keys2.digest(e.end))
+    _, res = b.lookup(prompt2)
+    assert not res.hit and b.tier.stats().misses[ClusterMiss.VERIFY_FAILED] == 1
+
+
+@pytest.mark.parametrize("fault,reason", [("owner", ClusterMiss.OWNER_LOST),
+                                          ("object", ClusterMiss.OBJECT_LOST),
+                                          ("silent", ClusterMiss.TIMEOUT)])
+def test_lost_owner_object_or_timeout_is_a_counted_miss(pair, fault, reason):
+    c, _a, b = pair
+    if fault == "owner":
+        c.dead.add("a")
+    elif fault == "object":
+        c.objects.clear()
+    else:
+        c.silent = True
+    keys = b.cache.keys(PROMPT)
+    res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+    assert res.pending
+    if fault == "silent":
+        b.clock.t += 11
+    _, res = b.lookup(PROMPT)
+    assert not res.hit and res.tokens == 0
+    assert b.tier.stats().misses[reason] == 1
+    assert b.tier.lookup(keys, DOM, len(PROMPT) - 1).miss_reason == reason
+    if fault != "silent":
+        assert c.entries == {}  # the failed entries left the directory
+    b.cache.sanity_check()
+
+
+def test_staged_bytes_count_against_the_budget(tmp_path, layout):
+    c = FakeCluster()
+    a = Replica(c, "a", layout, tmp_path)
+    a.capture(PROMPT)
+    small = Replica(c, "b", layout, tmp_path, budget=1000)
+    _, res = small.lookup(PROMPT)
+    assert not res.hit and small.tier.stats().misses[ClusterMiss.BUDGET] == 1
+    big = Replica(c, "c", layout, tmp_path)
+    _, res = big.lookup(PROMPT)
+    assert res.hit and big.tier.bytes_held == sum(e.nbytes for e in c.entries.values())
+    assert big.tier.stats().bytes_held == big.tier.bytes_held
+
+
+def test_a_ram_hit_as_deep_is_served_without_waiting(pair):
+    """The cluster tier is slow: when RAM holds the same depth, RAM answers at once."""
+    _c, a, _b = pair
+    res = a.cache.lookup(a.cache.keys(PROMPT), DOM, len(PROMPT) - 1)
+    assert res.hit and res.tier == "ram" and not res.pending
+
+
+def test_mtp_route_and_published_links_once(pair, layout):
+    _c, a, b = pair
+    res = b.cache.tier("cluster", "tree").lookup(PROMPT, DOM, None, fits=lambda p, t: True)
+    assert not res.hit
+    rec = a.tree.link_record(a.tree.lookup(a.tree.keys(PROMPT), DOM).plan.deepest)
+    assert a.tier.publish_job(rec) is None  # published already
+    a.tier.unpublished(rec.domain, rec.digest)
+    assert a.tier.publish_job(rec) is not None

@@ -1,0 +1,151 @@
+"""The Ray transport on a local Ray (one small node): the directory actor, payloads published by
+one process and fetched by another, lookups that never wait, and a dead owner counted as such.
+The cluster tier runs over it exactly as over the in-process fake (test_cluster_tier.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from vllm_hybridcache.cluster import RayTransport, directory_handle  # noqa: E402
+from vllm_hybridcache.core.tiers.cluster import ClusterMiss  # noqa: E402
+
+from .test_cluster_tier import DOM, FP, PROMPT, Replica  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local node: 1 CPU, a 128 MiB object store, no dashboard; shut down after."""
+    ctx = ray.init(num_cpus=1, object_store_memory=128 << 20, include_dashboard=False,
+                   namespace="hybridcache", log_to_driver=False)
+    try:
+        yield ctx.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Publisher:
+    """Another process that owns payloads (a replica's worker)."""
+
+    def __init__(self, address: str) -> None:
+        self.t = RayTransport(address, owner="pub")
+
+    def publish(self, items) -> int:
+        for it in items:
+            self.t.publish(*it)
+        return len(items)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def probe(self) -> list:
+        """An object this process owns, to learn when the cluster knows it is gone."""
+        return [ray.put(b"probe")]
+
+
+def _poll(p, n: int = 2000):
+    for _ in range(n):
+        if p.done():
+            return p.result()
+        time.sleep(0.005)
+    raise AssertionError("no answer")
+
+
+def _published_by(address, a: Replica) -> list[tuple]:
+    """A's links as publish() arguments (the worker's job), via the fake cluster of `a`."""
+    c = a.transport.c
+    return [(FP, dom, e.digest, e.parent_digest, e.start, e.end, c.objects[e.handle])
+            for (_, dom, _), e in c.entries.items()]
+
+
+def _fresh_directory():
+    d = directory_handle()
+    ray.get(d.forget_owner.remote("pub"))
+    return d
+
+
+def test_directory_publish_locate_fetch_across_processes(local_ray, tmp_path, layout):
+    from .test_cluster_tier import FakeCluster
+    a = Replica(FakeCluster(), "a", layout, tmp_path)
+    a.capture(PROMPT)
+    _fresh_directory()
+    pub = Publisher.remote(local_ray)
+    assert ray.get(pub.publish.remote(_published_by(local_ray, a))) == 3
+    t = RayTransport(local_ray, owner="me")
+    keys = a.tree.keys(PROMPT)
+    entries = _poll(t.locate(FP, DOM, [keys.digest(c) for c in (64, 128, 256)]))
+    assert sorted(e.end for e in entries) == [64, 128, 256]
+    assert {e.owner for e in entries} == {"pub"}
+    assert _poll(t.locate(b"G" * 32, DOM, [keys.digest(64)])) == []  # fingerprint is the key
+    payloads = _poll(t.fetch(sorted(entries, key=lambda e: e.end)))
+    assert [len(p) for p in payloads] == [e.nbytes for e in sorted(entries, key=lambda e: e.end)]
+    ray.kill(pub)
+
+
+def _published(local_ray, tmp_path, layout):
+    from .test_cluster_tier import FakeCluster
+    a = Replica(FakeCluster(), "a", layout, tmp_path)
+    a.capture(PROMPT)
+    expected = a.restore_bytes(a.tree.lookup(a.tree.keys(PROMPT), DOM).plan.chain)
+    d = _fresh_directory()
+    pub = Publisher.remote(local_ray)
+    ray.get(pub.publish.remote(_published_by(local_ray, a)))
+    return d, pub, expected
+
+
+def test_cluster_tier_over_ray_restores_byte_for_byte(local_ray, tmp_path, layout):
+    from .test_cluster_tier import FakeCluster
+    _, pub, expected = _published(local_ray, tmp_path, layout)
+    b = Replica(FakeCluster(), "b", layout, tmp_path)
+    b.tier.transport = RayTransport(local_ray, owner="b")
+    keys = b.cache.keys(PROMPT)
+    res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+    assert res.pending
+    for _ in range(2000):
+        res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+        if not res.pending:
+            break
+    assert res.hit and res.tier == "cluster" and res.tokens == 256
+    assert b.serve(res) == expected
+    ray.kill(pub)
+
+
+def test_owner_killed_before_the_fetch_is_a_counted_miss(local_ray, tmp_path, layout):
+    """The replica that published the links dies before anyone fetched them: the lookup is an
+    owner_lost (or object_lost) miss, nothing is staged, and the entries leave the directory."""
+    from .test_cluster_tier import FakeCluster
+    d, pub, _ = _published(local_ray, tmp_path, layout)
+    c = Replica(FakeCluster(), "c", layout, tmp_path)
+    c.tier.transport = RayTransport(local_ray, owner="c")
+    probe = ray.get(pub.probe.remote())[0]
+    ray.kill(pub, no_restart=True)
+    # Ray learns of an owner's death asynchronously: wait until its objects read as lost
+    for _ in range(600):
+        try:
+            ray.get(probe, timeout=10)
+        except ray.exceptions.OwnerDiedError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("Ray never reported the owner dead")
+    keys = c.cache.keys(PROMPT)
+    for _ in range(4000):
+        res = c.cache.lookup(keys, DOM, len(PROMPT) - 1)
+        if not res.pending:
+            break
+        time.sleep(0.005)
+    assert not res.hit
+    st = c.tier.stats().misses
+    assert st.get(ClusterMiss.OWNER_LOST) == 1, st
+    for _ in range(200):  # forget is fire and forget
+        if ray.get(d.stats.remote()).get("pub") is None:
+            break
+        time.sleep(0.05)
+    assert ray.get(d.stats.remote()).get("pub") is None  # its entries left the directory
+    assert not np.any([c.store.has(i) for i in range(1, 20)])

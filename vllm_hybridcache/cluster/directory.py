@@ -1,0 +1,81 @@
+"""The cluster's link directory: one named Ray actor, keyed by (fingerprint, domain, digest).
+
+Why an actor: Ray already provides a cluster-wide, addressable, single-threaded place to keep a
+small table; a replica finds it by name. Each entry names the link's segment, its size, the
+replica that published it (its owner) and a reference to the payload object. The reference is
+kept inside a list so Ray passes the reference itself rather than the object: holding it here
+keeps the payload alive for as long as its owner lives (Ray loses an object with its owner,
+which a fetch reports as a lost owner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+DIRECTORY_NAME = "hybridcache-directory"
+NAMESPACE = "hybridcache"
+
+Key = tuple[bytes, bytes, bytes]  # (fingerprint, domain, digest)
+
+
+class LinkDirectory:
+    """The table itself (plain Python: unit-testable without Ray)."""
+
+    def __init__(self) -> None:
+        # key -> (parent digest, start, end, nbytes, owner, [payload ref])
+        self._entries: dict[Key, tuple[bytes, int, int, int, str, list[Any]]] = {}
+
+    def publish(self, fingerprint: bytes, domain: bytes, digest: bytes, parent_digest: bytes,
+                start: int, end: int, nbytes: int, owner: str, ref: list[Any]) -> None:
+        self._entries[(fingerprint, domain, digest)] = (parent_digest, start, end, nbytes,
+                                                       owner, ref)
+
+    def locate(self, fingerprint: bytes, domain: bytes, digests: list[bytes]
+               ) -> list[tuple[bytes, bytes, int, int, int, str, list[Any]]]:
+        out = []
+        for d in digests:
+            e = self._entries.get((fingerprint, domain, d))
+            if e is not None:
+                out.append((d, *e))
+        return out
+
+    def forget(self, fingerprint: bytes, domain: bytes, digests: list[bytes],
+               owner: str | None = None) -> int:
+        """Remove entries (only `owner`'s when given: a replica withdrawing its own links
+        never removes a newer copy another replica published)."""
+        n = 0
+        for d in digests:
+            k = (fingerprint, domain, d)
+            e = self._entries.get(k)
+            if e is not None and (owner is None or e[4] == owner):
+                del self._entries[k]
+                n += 1
+        return n
+
+    def forget_owner(self, owner: str) -> int:
+        """Remove every entry of a replica that is gone."""
+        gone = [k for k, e in self._entries.items() if e[4] == owner]
+        for k in gone:
+            del self._entries[k]
+        return len(gone)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Entries and payload bytes per owner."""
+        out: dict[str, dict[str, int]] = {}
+        for e in self._entries.values():
+            s = out.setdefault(e[4], {"links": 0, "bytes": 0})
+            s["links"] += 1
+            s["bytes"] += e[3]
+        return out
+
+
+DirectoryActor = ray.remote(num_cpus=0, max_restarts=0)(LinkDirectory)
+
+
+def directory_handle() -> Any:
+    """The cluster's directory actor, created by the first replica that asks (detached, so it
+    outlives that replica; it goes with the cluster)."""
+    return DirectoryActor.options(name=DIRECTORY_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                  lifetime="detached").remote()

@@ -1,0 +1,141 @@
+"""RayTransport: the cluster tier's ClusterTransport (core/tiers/cluster.py) on Ray.
+
+Scheduler side (EngineCore process): `locate` asks the directory actor and `fetch` pulls the
+payload objects to this node, both without waiting: each returns a Pending whose `done` polls
+Ray with a zero timeout (`ray.wait(..., timeout=0, fetch_local=True)`), so the scheduler loop
+never blocks on the network. Worker side: `publish` puts a payload into the object store (this
+process owns it) and registers it; `withdraw` removes it when the link leaves the worker's
+store. Ray errors become ClusterError reasons: a dead owner `owner_lost`, a lost object
+`object_lost`, anything else `unreachable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import ray.exceptions as rex
+
+from vllm_hybridcache.core.tiers.cluster import ClusterError, ClusterMiss, RemoteEntry
+
+from .directory import NAMESPACE, directory_handle
+
+logger = logging.getLogger("vllm_hybridcache")
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at `address` as a driver of namespace `hybridcache` (no-op when
+    this process is connected already)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 configure_logging=False)
+
+
+def _reason(e: BaseException) -> ClusterMiss:
+    if isinstance(e, rex.OwnerDiedError):
+        return ClusterMiss.OWNER_LOST
+    if isinstance(e, (rex.ObjectLostError, rex.ObjectFetchTimedOutError,
+                      rex.ReferenceCountingAssertionError)):
+        return ClusterMiss.OBJECT_LOST
+    if isinstance(e, rex.GetTimeoutError):
+        return ClusterMiss.TIMEOUT
+    return ClusterMiss.UNREACHABLE
+
+
+class _Pending:
+    """Refs whose values arrive in the background; `done` never waits."""
+
+    def __init__(self, refs: list[Any], convert) -> None:
+        self._refs = refs
+        self._convert = convert
+        self._ready = False
+
+    def done(self) -> bool:
+        if not self._ready:
+            ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0,
+                                fetch_local=True)
+            self._ready = len(ready) == len(self._refs)
+        return self._ready
+
+    def result(self) -> Any:
+        try:
+            return self._convert(ray.get(self._refs, timeout=0))
+        except rex.RayError as e:
+            raise ClusterError(_reason(e), f"{type(e).__name__}: {e}") from e
+
+
+class _Failed:
+    def __init__(self, err: ClusterError) -> None:
+        self._err = err
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        raise self._err
+
+
+class RayTransport:
+    """The directory and payload movement of one replica process (see the module docstring).
+
+    owner: this replica's name in the directory (its links are listed under it).
+    """
+
+    def __init__(self, address: str, owner: str | None = None) -> None:
+        self.address = address
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self._dir: Any = None
+        self._held: dict[tuple[bytes, bytes, bytes], Any] = {}  # published payload refs
+
+    def _directory(self) -> Any:
+        if self._dir is None:
+            connect(self.address)
+            self._dir = directory_handle()
+        return self._dir
+
+    # ------------------------------------------------------------------ scheduler side
+    def locate(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> Any:
+        try:
+            ref = self._directory().locate.remote(fingerprint, domain, list(digests))
+        except rex.RayError as e:
+            return _Failed(ClusterError(_reason(e), str(e)))
+        return _Pending([ref], lambda vals: [
+            RemoteEntry(d, parent, start, end, nbytes, owner, h[0])
+            for d, parent, start, end, nbytes, owner, h in vals[0]])
+
+    def fetch(self, entries: Sequence[RemoteEntry]) -> Any:
+        return _Pending([e.handle for e in entries], lambda vals: [bytes(v) for v in vals])
+
+    def forget(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> None:
+        try:
+            self._directory().forget.remote(fingerprint, domain, list(digests))
+        except rex.RayError as e:
+            raise ClusterError(_reason(e), str(e)) from e
+
+    # ------------------------------------------------------------------ worker side
+    def publish(self, fingerprint: bytes, domain: bytes, digest: bytes, parent_digest: bytes,
+                start: int, end: int, payload: bytes) -> None:
+        """Put a payload in the object store (owned by this process) and list it."""
+        d = self._directory()
+        ref = ray.put(payload)
+        self._held[(fingerprint, domain, digest)] = ref
+        d.publish.remote(fingerprint, domain, digest, parent_digest, start, end, len(payload),
+                         self.owner, [ref])
+
+    def withdraw(self, fingerprint: bytes, domain: bytes, digest: bytes) -> None:
+        """Stop offering a link (it left this worker's store)."""
+        if self._held.pop((fingerprint, domain, digest), None) is not None:
+            self._directory().forget.remote(fingerprint, domain, [digest], self.owner)
+
+    def close(self) -> None:
+        """Withdraw every link of this replica (a clean shutdown)."""
+        if self._dir is not None and self._held:
+            try:
+                ray.get(self._dir.forget_owner.remote(self.owner), timeout=5)
+            except rex.RayError as e:
+                logger.warning("hybridcache: cluster directory not told of shutdown: %s", e)
+        self._held.clear()

@@ -1,0 +1,576 @@
+"""ClusterTier: cold-exact links committed on another replica (tier `cluster`, kind `tree`).
+
+Scheduler side, metadata and decisions only. Replicas of one model publish their committed RAM
+tree links into a cluster-wide *directory* keyed by (engine fingerprint, domain, digest); each
+entry names the owner replica and an opaque handle to the payload (on Ray: an object in Ray's
+object store). The payload is a link file's bytes (core/disk/linkfile.py): self-contained, with
+the fingerprint, domain, digests, the link's own token ids and a CRC-32 per part. The transport
+(directory + payload movement) is injected (`ClusterTransport`), so this module imports neither
+vLLM nor Ray; vllm_hybridcache/cluster/ provides the Ray one.
+
+How a remote hit is served (docs/cluster.md):
+- `lookup` never blocks. The first lookup of a prefix starts a `locate` in the directory and
+  answers `pending` (the scheduler asks again next step); once located, the chain's payloads
+  are fetched (again pending); once fetched, each payload is staged as a link file in a local
+  folder, its header checked (format, fingerprint, CRC, domain, digests, rows) and its token ids
+  compared with the prompt's. Only then does the lookup answer a hit, whose plan names the
+  staged files as `sources`: the worker reads them into its RAM store with every part's CRC
+  checked (core/disk/reader.stage_chain) and restores them like a RAM hit.
+- Like the disk tier it is `slow`: served only when strictly deeper than RAM's hit.
+- A lost owner, a lost object, a timeout, a foreign fingerprint, a damaged payload, a token
+  mismatch, a full local budget: the lookup answers a miss (the request prefills cold) and the
+  failure is counted by its `ClusterMiss` reason; located entries that failed are removed
+  from the directory.
+- Staged bytes count against `budget_bytes` until the restore ends; a successful restore is
+  promoted into the RAM tree (`promote`), whose budget then holds it.
+
+Publication: the adapter asks `publish_job` for every committed RAM tree link; the worker turns
+the job into a payload with `link_payload` and hands it to the transport.
+
+Single-threaded: the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import msgspec
+import numpy as np
+
+from ..disk.linkfile import LinkFileError, LinkFileProblem, read_header, write_link_file
+from ..disk.writer import WriteJob
+from ..keys import Hasher, PromptKeys, blake2b_128
+from ..layout import StateLayout
+from ..stats import CacheStats, MissReason, SkipReason, StatsRecorder
+from .base import (
+    CacheTier,
+    Fits,
+    IdSource,
+    LinkKind,
+    LinkRef,
+    LookupResult,
+    Reservation,
+    RestorePlan,
+    Tier,
+    Tokens,
+)
+
+__all__ = ["ClusterError", "ClusterMiss", "ClusterTier", "ClusterTransport", "Pending",
+           "RemoteEntry", "link_payload"]
+
+# promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
+Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
+
+OPS_MAX = 512      # prefixes with a remote lookup in flight or answered (oldest forgotten)
+OFFERED_MAX = 256  # ids handed out by lookups and not yet restored
+NONE_TTL_S = 1.0   # how long "nothing in the directory" is believed before asking again
+FAILED_TTL_S = 5.0  # how long a failed prefix is not asked again
+
+
+class ClusterMiss(StrEnum):
+    """Why a remote lookup served nothing (each counted; the request prefills cold)."""
+
+    OWNER_LOST = "owner_lost"      # the replica that published the payload is gone
+    OBJECT_LOST = "object_lost"    # the payload is gone from the object store
+    TIMEOUT = "timeout"            # the directory or the fetch did not answer in time
+    FOREIGN = "foreign"            # a payload of another engine fingerprint
+    CORRUPT = "corrupt"            # not a link, another format, a bad checksum, cut short
+    VERIFY_FAILED = "verify_failed"  # the payload does not hold what the directory said
+    BUDGET = "budget"              # staging it would exceed the local budget
+    UNREACHABLE = "unreachable"    # the transport failed otherwise (directory down, ...)
+
+
+class ClusterError(Exception):
+    """A transport failure, with the reason it is counted under."""
+
+    def __init__(self, reason: ClusterMiss, detail: str = "") -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+
+
+class RemoteEntry(NamedTuple):
+    """One directory entry: a link held by replica `owner`; `handle` fetches its payload."""
+
+    digest: bytes
+    parent_digest: bytes
+    start: int
+    end: int
+    nbytes: int
+    owner: str
+    handle: Any
+
+
+class Pending(Protocol):
+    """An answer on its way. `result` raises ClusterError; only called once `done`."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> Any: ...
+
+
+class ClusterTransport(Protocol):
+    """The directory and the payload movement (vllm_hybridcache/cluster/ on Ray)."""
+
+    def locate(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> Pending:
+        """Entries for those of `digests` the directory holds (result: list[RemoteEntry])."""
+
+    def fetch(self, entries: Sequence[RemoteEntry]) -> Pending:
+        """The payloads of `entries`, in order (result: list[bytes])."""
+
+    def forget(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> None:
+        """Remove entries that failed (fire and forget)."""
+
+
+class _Stage(StrEnum):
+    LOCATE = "locate"
+    FETCH = "fetch"
+    READY = "ready"
+    NONE = "none"
+    FAILED = "failed"
+
+
+@dataclass
+class _Op:
+    """The remote lookup of one prefix (domain, deepest cut), advanced by every lookup."""
+
+    stage: _Stage
+    started: float
+    pending: Pending | None = None
+    chain: list[RemoteEntry] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)
+    nbytes: int = 0
+    reason: ClusterMiss | None = None
+    active: int = 0      # restores begun from its files and not ended
+    retired: bool = False  # no longer offered; files deleted when `active` drops to 0
+
+
+def link_payload(job: WriteJob, fingerprint: bytes, parts: dict[str, Any], tmp_dir: Path) -> bytes:
+    """A committed link's payload: exactly a link file's bytes (the disk tier's format), built
+    through a temporary file in `tmp_dir` (a RAM-backed folder is best) by the one writer the
+    disk tier uses, so both tiers share one format and one set of checks."""
+    path = Path(tmp_dir) / f"pub-{os.getpid()}-{uuid.uuid4().hex}.link"
+    try:
+        write_link_file(path, fingerprint=fingerprint, domain=job.domain, digest=job.digest,
+                        parent_digest=job.parent_digest, start=job.start, end=job.end,
+                        tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
+                        parts=parts, created=time.time())
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+class ClusterTier(CacheTier):
+    """Scheduler-side cluster tier (see the module docstring and docs/cluster.md).
+
+    fingerprint: this engine's fingerprint (adapter/fingerprint.py); only links of the same
+    fingerprint are located, and a payload of another is refused.
+    stage_dir: a local folder (RAM-backed is best) where fetched payloads wait for the worker.
+    budget_bytes: staged bytes held at once; a fetch that would exceed it is a `budget` miss.
+    timeout_s: a locate or fetch not answered within it is a `timeout` miss.
+    """
+
+    tier = Tier.CLUSTER
+    kind = LinkKind.TREE
+    cold_exact = True
+    slow = True
+
+    def __init__(self, layout: StateLayout, fingerprint: bytes, transport: ClusterTransport,
+                 cuts: Callable[[np.ndarray], list[int]], stage_dir: Path,
+                 budget_bytes: int, timeout_s: float,
+                 next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
+                 promote: Promote | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.transport = transport
+        self._cuts = cuts
+        self.stage_dir = Path(stage_dir)
+        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = int(budget_bytes)
+        self.timeout_s = float(timeout_s)
+        self._next_id = next_id if next_id is not None else IdSource()
+        self._hasher: Hasher = hasher if hasher is not None else blake2b_128
+        self._promote = promote
+        self._clock = clock
+        self._ops: OrderedDict[tuple[bytes, int, bytes], _Op] = OrderedDict()
+        # id -> (its op, the prompt's keys, domain) for ids a lookup handed out; plan ids ->
+        # the same for active restores
+        self._offered: OrderedDict[int, tuple[_Op, PromptKeys, bytes]] = OrderedDict()
+        self._active: dict[tuple[int, ...], tuple[_Op, PromptKeys, bytes]] = {}
+        self._dropped: list[int] = []
+        self._published: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        self._rec = StatsRecorder()
+        self.remote_bytes = 0     # payload bytes fetched
+        self.remote_seconds = 0.0  # locate + fetch time of fetched chains
+        self.published = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> PromptKeys:
+        return PromptKeys(tokens, self._hasher)
+
+    def _as_keys(self, tokens: Tokens) -> PromptKeys:
+        if isinstance(tokens, PromptKeys) and tokens.hasher is self._hasher:
+            return tokens
+        raw = tokens.tokens if isinstance(tokens, PromptKeys) else tokens
+        return PromptKeys(raw, self._hasher)
+
+    def _result(self, hit: bool, tokens: int, plan: RestorePlan | None, reason: str | None,
+                n: int, lim: int, pending: bool = False) -> LookupResult:
+        return LookupResult(hit, tokens, plan, reason, n, lim, tier=self.tier.value,
+                            kind=self.kind.value, pending=pending)
+
+    def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
+               fits: Fits | None = None) -> LookupResult:
+        """A hit once the prefix's chain is fetched and verified; `pending` while the locate or
+        the fetch is in flight (deepest cut as its depth, so it wins only over shallower
+        hits); else a miss. Never waits on the transport; no stats, pins or recency."""
+        keys = self._as_keys(tokens)
+        n = len(keys)
+        lim = n if limit is None else max(0, min(int(limit), n))
+        cuts = sorted(c for c in self._cuts(keys.tokens) if 0 < c <= lim)
+        if fits is not None or not cuts or not self.enabled:
+            return self._result(False, 0, None, MissReason.NO_PREFIX.value, n, lim)
+        top = cuts[-1]
+        key = (domain, top, keys.digest(top))
+        now = self._clock()
+        self._expire(now)
+        op = self._ops.get(key)
+        if op is None:
+            op = self._start(key, keys, cuts, now)
+        else:
+            self._ops.move_to_end(key)
+        self._advance(key, op, keys, now)
+        if op.stage in (_Stage.LOCATE, _Stage.FETCH):
+            return self._result(True, top, None, None, n, lim, pending=True)
+        if op.stage is not _Stage.READY:
+            reason = op.reason.value if op.reason is not None else MissReason.NO_PREFIX.value
+            return self._result(False, 0, None, reason, n, lim)
+        refs = []
+        for e in op.chain:
+            lid = self._next_id()
+            self._offered[lid] = (op, keys, domain)
+            refs.append(LinkRef(lid, e.start, e.end))
+        while len(self._offered) > OFFERED_MAX:
+            self._offered.popitem(last=False)
+        parts = {s.name: s.nbytes for s in self.layout.sections}
+        for v in self.layout.views:
+            parts[v.name] = v.bytes_per_row * sum(
+                self.layout.view_rows(r.start, r.end) for r in refs)
+        plan = RestorePlan(tuple(refs), refs[-1].end, parts, sum(parts.values()))
+        return self._result(True, plan.tokens, plan, None, n, lim)
+
+    # ------------------------------------------------------------------ the remote lookup
+    def _start(self, key: tuple[bytes, int, bytes], keys: PromptKeys, cuts: list[int],
+               now: float) -> _Op:
+        domain = key[0]
+        try:
+            pending = self.transport.locate(self.fingerprint, domain,
+                                            [keys.digest(c) for c in cuts])
+            op = _Op(_Stage.LOCATE, now, pending)
+        except ClusterError as e:
+            op = _Op(_Stage.FAILED, now, reason=e.reason)
+            self._count_failure(e.reason)
+        self._ops[key] = op
+        while len(self._ops) > OPS_MAX:
+            old_key, old = next(iter(self._ops.items()))
+            if old.active:
+                break
+            del self._ops[old_key]
+            self._retire(old)
+        return op
+
+    def _advance(self, key: tuple[bytes, int, bytes], op: _Op, keys: PromptKeys,
+                 now: float) -> None:
+        """Move the op on as far as its answers allow (never waits)."""
+        domain = key[0]
+        try:
+            if op.stage is _Stage.LOCATE:
+                if not op.pending.done():
+                    self._check_timeout(op, now)
+                    return
+                chain = self._chain(op.pending.result(), keys)
+                if not chain:
+                    op.stage, op.pending, op.started = _Stage.NONE, None, now
+                    return
+                nbytes = sum(e.nbytes for e in chain)
+                if self._staged_bytes() + nbytes > self.budget_bytes:
+                    raise ClusterError(ClusterMiss.BUDGET, f"{nbytes} bytes to stage")
+                op.chain, op.nbytes = chain, nbytes
+                op.pending, op.stage = self.transport.fetch(chain), _Stage.FETCH
+            if op.stage is _Stage.FETCH:
+                if not op.pending.done():
+                    self._check_timeout(op, now)
+                    return
+                payloads = op.pending.result()
+                op.pending = None
+                self._stage(op, payloads, keys, domain)
+                op.stage = _Stage.READY
+                self.remote_bytes += sum(len(p) for p in payloads)
+                self.remote_seconds += max(0.0, now - op.started)
+                op.started = now
+        except ClusterError as e:
+            self._fail(op, e.reason, domain, now)
+
+    def _check_timeout(self, op: _Op, now: float) -> None:
+        if now - op.started > self.timeout_s:
+            raise ClusterError(ClusterMiss.TIMEOUT, f"no answer in {self.timeout_s} s")
+
+    def _chain(self, entries: Sequence[RemoteEntry], keys: PromptKeys) -> list[RemoteEntry]:
+        """The deepest chain root -> deepest whose links all sit on this prompt's cuts (by
+        digest: a hint checked against the payload's own tokens before anything is served)."""
+        by_digest = {e.digest: e for e in entries}
+        for e in sorted(entries, key=lambda e: e.end, reverse=True):
+            if e.end > len(keys) or e.digest != keys.digest(e.end):
+                continue
+            chain = [e]
+            while chain[-1].start > 0:
+                parent = by_digest.get(chain[-1].parent_digest)
+                if parent is None or parent.end != chain[-1].start:
+                    break
+                chain.append(parent)
+            if chain[-1].start == 0:
+                return chain[::-1]
+        return []
+
+    def _stage(self, op: _Op, payloads: Sequence[bytes], keys: PromptKeys,
+               domain: bytes) -> None:
+        """Write each payload as a link file and verify its header and tokens (parts are
+        verified by the worker as it reads them). ClusterError on the first problem."""
+        if len(payloads) != len(op.chain):
+            raise ClusterError(ClusterMiss.VERIFY_FAILED, "payload count")
+        toks = keys.tokens
+        try:
+            for e, data in zip(op.chain, payloads, strict=True):
+                path = self.stage_dir / f"{uuid.uuid4().hex}-{e.end}.link"
+                op.paths.append(path)
+                path.write_bytes(data)
+                try:
+                    header, _ = read_header(path, self.fingerprint)
+                except LinkFileError as err:
+                    reason = (ClusterMiss.FOREIGN if err.problem is LinkFileProblem.FOREIGN
+                              else ClusterMiss.CORRUPT)
+                    raise ClusterError(reason, str(err)) from err
+                if (header.domain != domain or header.digest != e.digest
+                        or header.parent_digest != e.parent_digest
+                        or (header.start, header.end) != (e.start, e.end)
+                        or header.rows != self.layout.view_rows(e.start, e.end)
+                        or not np.array_equal(header.token_ids(), toks[e.start:e.end])):
+                    raise ClusterError(ClusterMiss.VERIFY_FAILED,
+                                       f"payload of [{e.start}, {e.end}) from {e.owner}")
+        except OSError as err:
+            raise ClusterError(ClusterMiss.UNREACHABLE, f"staging: {err}") from err
+
+    def _fail(self, op: _Op, reason: ClusterMiss, domain: bytes, now: float) -> None:
+        op.stage, op.reason, op.pending, op.started = _Stage.FAILED, reason, None, now
+        self._delete_files(op)
+        self._count_failure(reason)
+        if op.chain and reason not in (ClusterMiss.BUDGET, ClusterMiss.TIMEOUT):
+            try:
+                self.transport.forget(self.fingerprint, domain, [e.digest for e in op.chain])
+            except ClusterError:
+                pass  # the directory is unreachable: it learns at the next failure
+
+    def _count_failure(self, reason: ClusterMiss) -> None:
+        misses = self._rec.s.misses
+        misses[reason.value] = misses.get(reason.value, 0) + 1
+
+    def _expire(self, now: float) -> None:
+        """Forget answers that are too old to trust (none found, failed, ready but unused)."""
+        for key, op in list(self._ops.items()):
+            ttl = {_Stage.NONE: NONE_TTL_S, _Stage.FAILED: FAILED_TTL_S,
+                   _Stage.READY: self.timeout_s}.get(op.stage)
+            if ttl is not None and now - op.started > ttl and not op.active:
+                del self._ops[key]
+                self._retire(op)
+
+    def _retire(self, op: _Op) -> None:
+        """No longer offered; its files go once no restore reads them."""
+        op.retired = True
+        if not op.active:
+            self._delete_files(op)
+
+    def _delete_files(self, op: _Op) -> None:
+        for p in op.paths:
+            p.unlink(missing_ok=True)
+        op.paths = []
+
+    def _staged_bytes(self) -> int:
+        ops = {id(op): op for op in self._ops.values()}
+        ops.update((id(op), op) for op, _, _ in self._active.values())
+        return sum(op.nbytes for op in ops.values() if op.paths)
+
+    # ------------------------------------------------------------------ restores
+    def record_lookup(self, res: LookupResult) -> None:
+        chain = len(res.plan.chain) if res.hit and res.plan is not None else 0
+        self._rec.lookup(prompt_tokens=res.prompt_tokens, hit_tokens=res.tokens,
+                         chain_links=chain, miss_reason=res.miss_reason)
+
+    def begin_restore(self, res: LookupResult) -> bool:
+        if not res.hit or res.plan is None:
+            self.record_lookup(res)
+            return False
+        offered = [self._offered.pop(r.link_id, None) for r in res.plan.chain]
+        op = offered[0][0] if offered[0] is not None else None
+        if (op is None or op.retired or op.stage is not _Stage.READY
+                or any(o is None or o[0] is not op for o in offered)
+                or not op.paths or not all(p.exists() for p in op.paths)):
+            self.record_lookup(msgspec.structs.replace(
+                res, hit=False, tokens=0, plan=None, miss_reason=MissReason.EVICTED.value))
+            return False
+        op.active += 1
+        first = offered[0]
+        self._active[res.plan.link_ids] = (op, first[1], first[2])
+        self.record_lookup(res)
+        return True
+
+    def sources(self, plan: RestorePlan) -> tuple[str, ...]:
+        return tuple(str(p) for p in self._active[plan.link_ids][0].paths)
+
+    def end_restore(self, plan: RestorePlan, ok: bool, seconds: float = 0.0) -> None:
+        op, keys, domain = self._active.pop(plan.link_ids)  # KeyError: not active
+        s = self._rec.s
+        if ok:
+            s.restores += 1
+            s.tokens_served += plan.tokens
+            s.restore_bytes += plan.total_bytes
+            s.restore_seconds.observe(seconds)
+        else:
+            s.restores_failed += 1
+        kept = set(self._promote(keys, domain, plan.chain)) if ok and self._promote else set()
+        self._dropped.extend(i for i in plan.link_ids if i not in kept)
+        op.active -= 1
+        # served once: later requests on this prefix find it in RAM (promoted)
+        for key, o in list(self._ops.items()):
+            if o is op:
+                del self._ops[key]
+        self._retire(op)
+
+    # ------------------------------------------------------------------ publication
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None) -> Reservation:
+        """Never used by the facade (new links are captured in RAM first); refused."""
+        self._rec.skip(SkipReason.DISABLED.value)
+        return Reservation(None, None, 0, p, SkipReason.DISABLED.value, tier=self.tier.value,
+                           kind=self.kind.value)
+
+    def commit(self, link_id: int, seconds: float = 0.0) -> bool:
+        return False
+
+    def abort(self, link_id: int) -> int:
+        return 0
+
+    def publish_job(self, record: Any) -> WriteJob | None:
+        """The publication of a committed RAM tree link (a LinkRecord), or None: links of the
+        MTP route (tagged: a payload does not carry the draft-row tag) and links this engine
+        already published are not."""
+        if record.tag is not None or not self.enabled:
+            return None
+        k = (record.domain, record.digest)
+        if k in self._published:
+            return None
+        self._published[k] = None
+        while len(self._published) > 4 * OFFERED_MAX * 16:
+            self._published.popitem(last=False)
+        self.published += 1
+        return WriteJob(record.link_id, record.domain, record.digest, record.parent_digest,
+                        record.start, record.end, record.tokens,
+                        self.layout.view_rows(record.start, record.end))
+
+    def unpublished(self, domain: bytes, digest: bytes) -> None:
+        """The worker stopped offering this link (dropped from its store): publish it again if
+        it comes back."""
+        self._published.pop((domain, digest), None)
+
+    # ------------------------------------------------------------------ housekeeping
+    def invalidate(self, link_ids: Sequence[int]) -> int:
+        """The worker refused a staged file: the remote entries of that chain are dropped."""
+        n = 0
+        for lid in link_ids:
+            for ids, (op, _, domain) in self._active.items():
+                if lid in ids:
+                    try:
+                        self.transport.forget(self.fingerprint, domain,
+                                              [e.digest for e in op.chain])
+                    except ClusterError:
+                        pass
+                    n += len(op.chain)
+                    break
+        self._rec.s.invalidated += n
+        return n
+
+    def evict(self, nbytes: int) -> int:
+        freed = 0
+        for key, op in list(self._ops.items()):
+            if freed >= nbytes:
+                break
+            if op.paths and not op.active:
+                freed += op.nbytes
+                del self._ops[key]
+                self._retire(op)
+        return freed
+
+    def clear(self) -> int:
+        n = 0
+        for key, op in list(self._ops.items()):
+            if not op.active:
+                n += len(op.paths)
+                del self._ops[key]
+                self._retire(op)
+        self._offered.clear()
+        self._rec.s.cleared += n
+        return n
+
+    def drain_dropped(self) -> list[int]:
+        self._expire(self._clock())
+        out, self._dropped = self._dropped, []
+        return out
+
+    def close(self) -> None:
+        """Delete every staged file (engine shutdown)."""
+        for op in self._ops.values():
+            self._delete_files(op)
+        self._ops.clear()
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> CacheStats:
+        snap = self._rec.snapshot()
+        snap.captures = self.published
+        snap.links = len(self)
+        snap.links_pinned = sum(len(ids) for ids in self._active)
+        snap.bytes_held = self.bytes_held
+        snap.budget_bytes = self.budget_bytes
+        return snap
+
+    def sanity_check(self) -> None:
+        active = [i for ids in self._active for i in ids]
+        assert len(active) == len(set(active)), "an id in two active restores"
+        assert not set(active) & set(self._offered), "an active id still offered"
+        counts: dict[int, int] = {}
+        for op, _, _ in self._active.values():
+            counts[id(op)] = counts.get(id(op), 0) + 1
+        for op, _, _ in self._active.values():
+            assert op.active == counts[id(op)], "an op's active count is off"
+        for op in self._ops.values():
+            assert op.stage is _Stage.READY or not op.paths, "files kept by an op not ready"
+
+    def link_ids(self) -> list[int]:
+        return [i for ids in self._active for i in ids]
+
+    def __len__(self) -> int:
+        """Links staged locally (fetched, waiting for or in a restore)."""
+        return sum(len(op.paths) for op in self._ops.values())
+
+    @property
+    def bytes_held(self) -> int:
+        return self._staged_bytes()
