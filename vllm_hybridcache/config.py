@@ -96,6 +96,14 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         what is left at the limit is dropped and logged. The drain runs in vLLM's worker
         shutdown, which vLLM allows `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` (default 5) and only
         with `--shutdown-timeout` above 0: 4 fits vLLM's defaults; raise all three together.
+    cluster_address: address of a Ray cluster (`host:port` of its GCS) whose replicas share
+        links (docs/cluster.md); "" = tier off. A tier asked for and not reachable stops the
+        start-up.
+    cluster_replica: this replica's name in the cluster's directory ("" = host:pid).
+    cluster_budget_bytes: host bytes of fetched remote links held at once before the worker
+        takes them; a fetch that would exceed it is a counted miss (`budget`).
+    cluster_timeout_s: a remote lookup (directory, then payloads) not answered in this time is
+        a counted miss (`timeout`); the request waits at most this long before prefilling cold.
     """
 
     enabled: bool = True
@@ -115,6 +123,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_write_first_tokens: int = 4096
     session_spill: bool = True
     spill_timeout_s: int = 4
+    cluster_address: str = ""
+    cluster_replica: str = ""
+    cluster_budget_bytes: int = 2 * GiB
+    cluster_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -141,6 +153,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
         if self.disk_dir != self.disk_dir.strip():
             raise SettingsError(f"disk_dir has leading or trailing spaces: {self.disk_dir!r}")
+        if self.cluster_budget_bytes < 0 or self.cluster_timeout_s <= 0:
+            raise SettingsError("cluster_budget_bytes must be >= 0 and cluster_timeout_s > 0")
         if self.policy not in ("cost", "lru"):
             raise SettingsError(f"policy must be 'cost' or 'lru', got {self.policy!r}")
 
@@ -208,7 +222,7 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise SettingsError(
                 f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
-    if name in ("policy", "disk_dir"):
+    if name in ("policy", "disk_dir", "cluster_address", "cluster_replica"):
         return raw.strip()
     try:
         return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)
