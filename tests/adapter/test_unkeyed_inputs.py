@@ -1,10 +1,12 @@
-"""Requests whose inputs the token ids do not name (images, prompt embeddings) bypass the cache.
+"""Multimodal requests are keyed by their items' content hashes; inputs that cannot be named
+(prompt embeddings, items without a hash) bypass the cache.
 
-An image's prompt rows are placeholder tokens, the same ids for every picture. Until keys carry
-each item's content hash, such a request must neither look up nor capture nor leave an end
-anchor: otherwise a second request with the same text and another image restores the state of
-the first image. Driven on the real scheduler side with vLLM's own `Request` objects and a
-KV-cache config of one GDN-like group and one attention group; no model, no engine.
+An image's prompt rows are placeholder tokens, the same ids for every picture, so keys carry
+each item's content hash on its rows (`adapter/mm_keys.py`): the same picture hits, another
+picture misses from its first placeholder on. A request whose inputs cannot be named must
+neither look up nor capture nor leave an end anchor. Driven on the real scheduler side with
+vLLM's own `Request` objects and a KV-cache config of one GDN-like group and one attention
+group; no model, no engine.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _scheduler_side():
 
 def _request(req_id: str, tokens: list[int], image_hash: str | None = None,
              embeds: bool = False):
+    """`image_hash`: one image on rows [10, 110) with that content hash ("" = none usable)."""
     from vllm import SamplingParams
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
@@ -99,10 +102,10 @@ def test_text_request_is_cached_then_hit():
     assert n == len(TOKENS)
 
 
-@pytest.mark.parametrize("kind", ["image", "embeds"])
+@pytest.mark.parametrize("kind", ["unhashed_image", "embeds"])
 def test_unkeyed_request_never_captures(kind):
     side = _scheduler_side()
-    req = _request("a", TOKENS, image_hash="x" if kind == "image" else None,
+    req = _request("a", TOKENS, image_hash="" if kind == "unhashed_image" else None,
                    embeds=kind == "embeds")
     assert side.cuts_for(req) is None  # stock vLLM steps
     assert _commit_cuts(side, req, TOKENS) == 0
@@ -110,27 +113,57 @@ def test_unkeyed_request_never_captures(kind):
     # and nothing for a text request with the same tokens to hit
     n, _ = side.get_num_new_matched_tokens(_request("b", [*TOKENS, 1]), 0)
     assert n == 0
+    n, _ = side.get_num_new_matched_tokens(_request("c", [*TOKENS, 1], image_hash=""), 0)
+    assert n == 0
+    assert side.tree.stats().misses.get("unkeyed_input") == 1
+
+
+def _image_hits(side) -> dict[str, int]:
+    """Commit the state of TOKENS with image "x"; tokens each later request restores."""
+    assert _commit_cuts(side, _request("a", TOKENS, image_hash="x"), TOKENS) == 1
+    out = {}
+    for name, img in (("same_image", "x"), ("other_image", "y"), ("text_only", None)):
+        n, _ = side.get_num_new_matched_tokens(_request(name, [*TOKENS, 1, 2], image_hash=img),
+                                               0)
+        out[name] = n
+    return out
+
+
+def test_image_request_is_keyed_by_content():
+    """Same picture (any URL: the hash is of the content): hit. Another picture, or the same
+    placeholder tokens without the picture: no link past the image's first row."""
+    assert _image_hits(_scheduler_side()) == {"same_image": len(TOKENS), "other_image": 0,
+                                              "text_only": 0}
+
+
+def test_negative_control_keys_without_the_digest_restore_another_image(monkeypatch):
+    """With content ids that ignore the hash, the other image would restore the first one's
+    state: what test_image_request_is_keyed_by_content rules out."""
+    from vllm_hybridcache.adapter import mm_keys
+
+    monkeypatch.setattr(mm_keys, "content_ids", lambda identifier: (-1, -2, -3, -4))
+    hits = _image_hits(_scheduler_side())
+    assert hits["other_image"] == len(TOKENS)
 
 
 def test_image_request_never_hits_a_text_link():
-    """Same placeholder tokens, a stored link on them: an image request must still miss."""
+    """Same placeholder tokens, a stored text link on them: an image request must miss."""
     side = _scheduler_side()
     assert _commit_cuts(side, _request("a", TOKENS), TOKENS) == 1
     req = _request("b", [*TOKENS, 1, 2], image_hash="y")
     n, _ = side.get_num_new_matched_tokens(req, 0)
     assert n == 0
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0], [1])), 0)
-    stats = side.tree.stats()
-    assert stats.misses.get("unkeyed_input") == 1
-    assert stats.hits == 0
+    assert side.tree.stats().hits == 0
 
 
-def test_image_request_leaves_no_end_anchor():
+@pytest.mark.parametrize("image_hash,anchored", [("x", True), ("", False)])
+def test_end_anchor_only_for_keyed_images(image_hash, anchored):
     from vllm.v1.request import RequestStatus
 
     side = _scheduler_side()
-    req = _request("a", TOKENS, image_hash="x")
+    req = _request("a", TOKENS, image_hash=image_hash)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     req.num_computed_tokens = len(TOKENS)
-    assert side.request_finished(req, ([0], [1, 2])) is False
-    assert len(side.anchors) == 0
+    assert side.request_finished(req, ([0], [1, 2])) is anchored
+    assert side._finishing == [] if not anchored else len(side._finishing) == 1

@@ -13,10 +13,17 @@ token id, since the state there does not depend on the item's pixels.
 What follows for exactness: two prompts share a key prefix exactly as far as they share text
 *and* item contents. Same pixels under another URL hash the same and hit; new pixels at the
 same URL differ from the item's first embedding position on; text before the first item is
-shared with text-only prompts. A state at a cut inside an item's range is keyed on the item's
-content ids up to the cut; vLLM runs the encoder on a whole item whenever any of its positions
-is scheduled (the encoder attends over the whole item), so the embeddings a partial step reads
-are the whole item's, whether the prefill was cold or resumed.
+shared with text-only prompts.
+
+Cuts inside an item. The segmentation is a function of the token ids and may cut inside a
+placeholder range; that is safe and needs no special case. vLLM 0.32's scheduler
+(`_try_schedule_encoder_inputs`) runs the encoder on the *whole* item whenever any of its
+positions is scheduled (the tower attends over the whole item) and caches its output by the
+item's hash, so every step, cold or resumed, reads the rows of the complete item's output: the
+state at a cut inside an item is the same whichever way the prefill got there. Its key holds at
+least the item's first content id, which already names the whole item (the hash covers every
+pixel and the grid), so no other picture can share it. M-RoPE positions after an item depend on
+its grid, which the hash covers as well.
 """
 
 from __future__ import annotations
@@ -36,6 +43,18 @@ def content_ids(identifier: str) -> tuple[int, int, int, int]:
     digest = hashlib.sha256(identifier.encode("utf-8")).digest()
     words = (int.from_bytes(digest[i:i + 8], "little") & _MASK62 for i in range(0, 32, 8))
     return tuple(-(1 + w) for w in words)  # type: ignore[return-value]
+
+
+def request_key_ids(request, tokens: Sequence[int]) -> list[int] | None:
+    """Key ids of `tokens` (the request's prompt, or prompt plus output for an end anchor)
+    under the request's multimodal items; None when the request cannot be keyed: prompt
+    embeddings (their rows have no ids at all) or an item without a usable hash."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    try:
+        return key_token_ids(tokens, getattr(request, "mm_features", None))
+    except UnkeyableInput:
+        return None
 
 
 def key_token_ids(prompt: Sequence[int], mm_features: Sequence | None) -> list[int]:
