@@ -24,6 +24,7 @@ import msgspec
 
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.config import CacheSettings
@@ -179,16 +180,15 @@ def draft_reads(vllm_config) -> str | None:
 
 
 def unkeyed_inputs(request) -> bool:
-    """Whether the request carries inputs that its prompt token ids do not identify.
+    """Whether the request carries inputs its key ids cannot name.
 
     Multimodal items (images, audio, video) sit in the prompt as placeholder tokens, the same
-    ids for every picture; prompt embeddings replace token rows altogether. A key made of token
-    ids would match another request's state for different inputs, so such a request is served
-    without the cache: no lookup, no capture, no end anchor (a counted miss, reason
-    `unkeyed_input`).
+    ids for every picture: their rows are keyed by vLLM's content hash of each item
+    (`mm_keys.request_key_ids`). Prompt embeddings, and items without a usable hash, cannot be
+    named: such a request is served without the cache, no lookup, no capture, no end anchor
+    (a counted miss, reason `unkeyed_input`).
     """
-    return bool(getattr(request, "mm_features", None)) or (
-        getattr(request, "prompt_embeds", None) is not None)
+    return request_key_ids(request, list(request.prompt_token_ids or ())) is None
 
 
 def default_message_end_ids(vllm_config) -> tuple[int, ...]:
@@ -284,6 +284,9 @@ class SchedulerSide:
         self.spill: SpillBook | None = None  # session spill: the anchors RAM may hand to disk
         self._disk_target: DiskTarget | None = None
         self._disk_writes: list[WriteJob] = []
+        self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
+        self._cluster_target = None
+        self._cluster_publish: list[WriteJob] = []
         if layout is not None:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
             tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
@@ -295,6 +298,12 @@ class SchedulerSide:
             if settings.disk_dir and self.reason_inactive is None:
                 self.disk = self._open_disk(vllm_config, layout, settings, ids, tree, spill)
                 tiers.append(self.disk)
+            if settings.cluster_address and self.reason_inactive is None:
+                from vllm_hybridcache.cluster.engine import open_cluster_tier
+
+                self.cluster, self._cluster_target = open_cluster_tier(
+                    vllm_config, layout, self.segmentation, settings, ids, tree)
+                tiers.append(self.cluster)
             tiers.append(EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids))
             if self.disk is not None and spill:
                 self.disk_anchors = DiskAnchors(self.disk)
@@ -419,9 +428,11 @@ class SchedulerSide:
         if entry is None:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
+            key_ids = request_key_ids(request, prompt)  # images: content ids on their rows
             entry = _Live(domain=request_domain(self.base_domain, request),
-                          keys=self.cache.keys(prompt), cuts=cuts, cut_set=frozenset(cuts),
-                          unkeyed=unkeyed_inputs(request), draft_reads=self._draft_reads)
+                          keys=self.cache.keys(prompt if key_ids is None else key_ids),
+                          cuts=cuts, cut_set=frozenset(cuts), unkeyed=key_ids is None,
+                          draft_reads=self._draft_reads)
             self._live[request.request_id] = entry
         return entry
 
@@ -482,7 +493,11 @@ class SchedulerSide:
             entry.resume_at = num_external_tokens
             entry.restoring = res
             sources = self.cache.sources(res)
-            fp = self._disk_target.fingerprint if sources and self._disk_target else b""
+            fp = b""
+            if sources and res.tier == Tier.CLUSTER and self._cluster_target is not None:
+                fp = self._cluster_target.fingerprint
+            elif sources and self._disk_target:
+                fp = self._disk_target.fingerprint
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
                                        sources=sources, fingerprint=fp))
@@ -534,6 +549,9 @@ class SchedulerSide:
             plan.disk_target = self._disk_target
             plan.disk_writes, self._disk_writes = self._disk_writes, []
             plan.disk_forget, plan.disk_clear = self.disk.take_writer_ops()
+        if self.cluster is not None:
+            plan.cluster_target = self._cluster_target
+            plan.cluster_publish, self._cluster_publish = self._cluster_publish, []
         return plan
 
     def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
@@ -587,6 +605,7 @@ class SchedulerSide:
             if report.saved_count.get(addr, 1) >= report.workers:
                 if self.cache.commit(addr, seconds):
                     self._offer_to_disk(addr)
+                    self._offer_to_cluster(addr)
                     if self.spill is not None and addr.kind == LinkKind.ANCHOR:
                         self.spill.committed(addr.link_id)
             else:
@@ -623,6 +642,15 @@ class SchedulerSide:
         """An end anchor whose bytes are missing or suspect is never written to disk."""
         if self.spill is not None and (addr.tier, addr.kind) == (Tier.RAM, LinkKind.ANCHOR):
             self.spill.discard([addr.link_id])
+
+    def _offer_to_cluster(self, addr: LinkAddr) -> None:
+        """A RAM tree link just committed: the worker publishes it to the other replicas."""
+        if self.cluster is None or (addr.tier, addr.kind) != (Tier.RAM, LinkKind.TREE):
+            return
+        record = self.tree.link_record(addr.link_id)
+        job = self.cluster.publish_job(record) if record is not None else None
+        if job is not None:
+            self._cluster_publish.append(job)
 
     def _end_restore(self, req_id: str, entry: _Live, ok: bool, seconds: float) -> None:
         if entry.restoring is not None and not ok and entry.restoring.plan is not None:
@@ -665,7 +693,7 @@ class SchedulerSide:
                 or not block_ids or any(len(b) <= section_block for b in block_ids)):
             return False
         domain = request_domain(self.base_domain, request)
-        tokens = all_tokens[:n]
+        tokens = key_token_ids(all_tokens[:n], getattr(request, "mm_features", None))
         tag = NextToken(int(all_tokens[n])) if self._speculative else None
         r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain, tag)
         if r.addr is None:
