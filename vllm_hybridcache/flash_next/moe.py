@@ -42,8 +42,18 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         self.shared_expert = SharedExpertMLP(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        # split-invariant mode (ops/split_invariant.py): run on tiles of this many rows and
+        # pad every expert GEMM to it, so no GEMM's shape follows the step
+        self.fixed_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_rows:
+            from vllm_hybridcache.flash_next.ops.split_invariant import row_tiles
+
+            return row_tiles(self._forward, x, tile=self.fixed_rows)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
@@ -56,8 +66,12 @@ class SparseMoE(nn.Module):
             tok, slot = torch.where(top_i == e)
             if tok.numel() == 0:
                 continue
-            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[e]) * top_w[tok, slot, None]
+            rows = x[tok]
+            if self.fixed_rows:  # pad to one GEMM shape (the tile's row count)
+                rows = torch.cat([rows, rows.new_zeros(self.fixed_rows - tok.numel(),
+                                                       rows.shape[1])])
+            gate, up = F.linear(rows, self.w13[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[e])[: tok.numel()] * top_w[tok, slot, None]
             # a token picks an expert at most once, so rows are distinct: same sums as
             # transformers' index_add_ (expert order kept), without its slow CPU path
             out[tok] += h.to(out.dtype)

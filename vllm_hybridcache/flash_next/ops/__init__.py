@@ -4,6 +4,10 @@
 plus vLLM's CPU ops where they fit), "triton" (GPU kernels). Without a name the environment
 variable VLLM_HYBRIDCACHE_FLASH_NEXT_OPS decides, else the platform: CPU -> "cpu", ROCm and
 CUDA -> "triton", anything else -> "reference" (ops/triton/select.py).
+
+`VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1` wraps the chosen backend in
+`split_invariant.SplitInvariantOps` (a token's arithmetic no longer depends on where its
+64-aligned forward step starts or how long it is; docs/split-invariance.md).
 """
 
 from __future__ import annotations
@@ -24,10 +28,33 @@ def _default_name() -> str:
     return default_backend_name()
 
 
-@cache
-def get_backend(name: str | None = None) -> FlashNextOps:
-    """Return the (shared, stateless) backend object called `name`."""
+def get_backend(name: str | None = None,
+                split_invariant: bool | None = None) -> FlashNextOps:
+    """Return the (shared, stateless) backend object called `name`; `split_invariant` None
+    reads the process switch (ops/split_invariant.py)."""
+    from vllm_hybridcache.flash_next.ops import split_invariant as si
+
     name = name or _default_name()
+    wrap = si.enabled() if split_invariant is None else split_invariant
+    return _wrapped(name) if wrap else _backend(name)
+
+
+@cache
+def _wrapped(name: str) -> FlashNextOps:
+    """The split-invariant form of backend `name`: Triton pins its two step-dependent launch
+    choices itself; the torch backends get the op replacements of `SplitInvariantOps`."""
+    inner = _backend(name)
+    if inner.name == "triton":
+        from vllm_hybridcache.flash_next.ops.triton import TritonOps
+
+        return TritonOps(split_invariant=True)
+    from vllm_hybridcache.flash_next.ops.split_invariant import SplitInvariantOps
+
+    return SplitInvariantOps(inner)
+
+
+@cache
+def _backend(name: str) -> FlashNextOps:
     if name == "reference":
         from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
 

@@ -177,6 +177,10 @@ class ReferenceOps(FlashNextOps):
         return out.to(x.dtype), seq[..., 1:]
 
     # ---------------------------------------------------------------- QSA
+    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+        """[t, Hi, nb] = q.float() @ block_keys^T (block_keys fp32), before relu."""
+        return torch.matmul(q.float(), block_keys.transpose(0, 1))
+
     def indexer_topk(self, q, raw_keys, key_cu_seqlens, query_seq_idx, query_pos,
                      k_norm_weight, cos, sin, *, budget, compress_ratio, eps):
         ratio = compress_ratio
@@ -209,7 +213,7 @@ class ReferenceOps(FlashNextOps):
                 if nb:
                     # transformers scores each query separately: q.float() @ keys.float().T,
                     # relu, sum over heads, / sqrt(d); a batched matmul gives the same values
-                    scores = torch.relu(torch.matmul(q[qi].float(), bk.transpose(0, 1)))
+                    scores = torch.relu(self.index_scores(q[qi], bk))
                     scores = scores.sum(dim=1) / math.sqrt(d)  # [t, nb]
                     valid = torch.arange(nb, device=q.device)[None] < ncomplete[:, None]
                     masked = scores.masked_fill(~valid, float("-inf"))

@@ -42,9 +42,22 @@ def _cu(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class TritonBackend(FlashNextOps):
-    """Every Flash-Next op on Triton kernels, except the hyper-connection mixer (see module)."""
+    """Every Flash-Next op on Triton kernels, except the hyper-connection mixer (see module).
+
+    ``split_invariant``: a token's arithmetic must not depend on its forward step (docs/
+    split-invariance.md). The kernels already compute per token or per 64-token chunk counted
+    from the step start; two launch choices follow the step and are pinned in this mode:
+    attention rows are never split (the flash-decoding split count follows the step's token
+    count) and the indexer scores with one fixed tile (the autotuned tile follows the step's
+    group count).
+    """
 
     name = "triton"
+
+    def __init__(self, split_invariant: bool = False) -> None:
+        self.split_invariant = split_invariant
+        if split_invariant:
+            self.name = "triton+split_invariant"
 
     # ---------------------------------------------------------------- GDN
     def gdn_chunked_prefill(self, q, k, v, g, beta, cu_seqlens, initial_state, *,
@@ -101,12 +114,14 @@ class TritonBackend(FlashNextOps):
         return indexer_topk_varlen(
             q, raw_keys, _cu(key_cu_seqlens, dev), _cu(query_seq_idx, dev),
             _cu(query_pos, dev), k_norm_weight, cos.contiguous(), sin.contiguous(),
-            budget=budget, compress_ratio=compress_ratio, eps=eps)
+            budget=budget, compress_ratio=compress_ratio, eps=eps,
+            pinned_score_tile=self.split_invariant)
 
     def sparse_attention(self, q, k, v, key_cu_seqlens, query_seq_idx, indices, scale):
         dev = q.device
         return sparse_attention_packed(q, k, v, _cu(key_cu_seqlens, dev),
-                                       _cu(query_seq_idx, dev), _cu(indices, dev), scale)
+                                       _cu(query_seq_idx, dev), _cu(indices, dev), scale,
+                                       splits=1 if self.split_invariant else None)
 
     # ---------------------------------------------------------------- hyper-connections
     def hc_mix(self, x, norm_weight, down_weight, up_weight, inject_weight, *, hc_count, eps):

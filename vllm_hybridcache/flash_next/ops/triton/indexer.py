@@ -295,11 +295,15 @@ def indexer_topk_varlen(
     eps: float,
     block_table: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
+    pinned_score_tile: bool = False,
 ) -> torch.Tensor:
     """QSA selection (``ops.interface.FlashNextOps.indexer_topk``): ``[T, budget+ratio-1]``.
 
     With ``block_table`` and ``seq_lens`` (and ``key_cu_seqlens=None``) ``raw_keys`` is the
     paged cache ``[blocks, block_size, Di]``, read in place (see :func:`pool_block_keys`).
+    ``pinned_score_tile``: score with one fixed tile instead of the autotuned one, whose choice
+    follows the group count of the step's sequences (split-invariant mode: a query's scores
+    must not depend on how many keys its step's sequence holds).
     """
     T, HI, DI = q.shape
     ratio = compress_ratio
@@ -318,14 +322,20 @@ def indexer_topk_varlen(
         def grid(meta: dict) -> tuple[int, int]:
             return (T, triton.cdiv(nb_cols, meta["BB"]))
 
-        _score_kernel[grid](
-            q, block_keys, scores, query_seq_idx, query_pos, block_cu,
-            math.sqrt(DI),
-            q.stride(0), q.stride(1), block_keys.stride(0), scores.stride(0),
-            nb_cols, triton.next_power_of_2(nb_cols),
-            HI=HI, HP=max(16, triton.next_power_of_2(HI)), DI=DI,
-            DP=max(16, triton.next_power_of_2(DI)), RATIO=ratio, UPCAST=interpreting(),
-        )
+        args = (q, block_keys, scores, query_seq_idx, query_pos, block_cu,
+                math.sqrt(DI),
+                q.stride(0), q.stride(1), block_keys.stride(0), scores.stride(0),
+                nb_cols, triton.next_power_of_2(nb_cols))
+        consts = dict(HI=HI, HP=max(16, triton.next_power_of_2(HI)), DI=DI,
+                      DP=max(16, triton.next_power_of_2(DI)), RATIO=ratio,
+                      UPCAST=interpreting())
+        if pinned_score_tile:
+            pinned = indexer_score_autotune_configs()[0]
+            _score_kernel.fn[grid(pinned.kwargs)](
+                *args, **consts, **pinned.kwargs, num_warps=pinned.num_warps,
+                num_stages=pinned.num_stages)
+        else:
+            _score_kernel[grid](*args, **consts)
     cfg = config_for("indexer_topk", q.device)
     _topk_kernel[(T,)](
         scores, out, query_pos, scores.stride(0), out.stride(0),

@@ -1,0 +1,215 @@
+"""Split-invariant forms of the Flash-Next ops whose per-token result depends on the step.
+
+A forward is *split-invariant* at 64-aligned positions when every token's arithmetic is the
+same whether its forward step starts at 0 or at any multiple of 64 and however many tokens the
+step holds. Then the state at any 64-aligned position inside a step is the state a step ending
+there would leave, which is what fine captures need (docs/split-invariance.md).
+
+`tools.split_invariance` found what breaks it on the CPU backend (docs/split-invariance.md):
+
+- `sparse_attention`: the reference's dense-masked form scores each block of queries against
+  every key up to the block's furthest selected position (`span`) and runs the softmax and the
+  probability-times-value product over that span; the span and the query blocks follow the
+  step, so the reduction lengths (and the GEMM blockings) around a token change with it.
+  Here every query is reduced over exactly its own selected rows, a fixed-length list
+  (`budget + ratio - 1`, padded with -1), in ascending position order, with explicit
+  elementwise products and sums over the innermost axis: nothing a query computes depends on
+  the other queries of its step.
+- `causal_conv1d_prefill` and `ple_conv` in bf16: `F.conv1d` picks its kernel by the sequence
+  length, and the bf16 kernels round differently. Here each output is the sum of its K taps,
+  multiplied and added one tap at a time in float32 (a fixed order per token), rounded to the
+  weight dtype before SiLU as the reference does.
+
+- GEMMs: a GEMM's kernel and blocking follow its row count (measured: the MoE expert GEMMs
+  of a short last step, and GEMMs with one or four output columns, give other last bits for
+  the same row). Here every row-wise computation (each `nn.Linear`, `hc_mix`, the MoE block)
+  runs on tiles of exactly `ROW_TILE` rows, the last one padded with zeros, so every GEMM call
+  has one shape. Steps start at multiples of 64 = `ROW_TILE`, so the token at position p is
+  always row p mod 64 of its tile; inside the MoE block every expert GEMM is padded to
+  `ROW_TILE` rows too (a token's row there is its rank among the earlier tokens of its tile
+  routed to the expert, which earlier tokens alone decide).
+- Indexer scores: `q @ keys^T` over every pooled group of the step's sequence, a GEMM whose
+  shape follows the step; here one elementwise product and innermost sum per (query, head,
+  group).
+
+GDN chunked prefill (chunks of 64 counted from the step start) and the norms (one reduction
+per row) are split-invariant at 64-aligned steps and pass through to the wrapped backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
+from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
+
+ENV_VAR = "VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT"
+
+ROW_TILE = 64  # rows of every GEMM call; divides the 64-token alignment of steps
+
+# queries per tile of sparse_attention: bounds the gathered [tile, L, Hkv, D] tensors; a query's
+# result does not depend on its tile (every reduction is per query)
+_TILE_ELEMENTS = 1 << 24
+
+
+def enabled() -> bool:
+    """The process switch (`VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1`); off by default."""
+    value = os.environ.get(ENV_VAR, "0").strip().lower()
+    if value not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"{ENV_VAR} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")
+
+
+def row_tiles(fn, x: torch.Tensor, *args, tile: int = ROW_TILE):
+    """`fn(x, *args)` for a row-wise `fn`, run on tiles of exactly `tile` rows (the last one
+    padded with zeros) and cut back to x's rows; tuple results are cut element by element."""
+    t = x.shape[0]
+    pad = (-t) % tile
+    xp = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+    outs = [fn(xp[i:i + tile], *args) for i in range(0, t + pad, tile)]
+    if isinstance(outs[0], tuple):
+        return tuple(None if parts[0] is None else torch.cat(parts)[:t]
+                     for parts in zip(*outs, strict=True))
+    return torch.cat(outs)[:t] if outs else fn(x, *args)
+
+
+def tile_linear_layers(model: torch.nn.Module) -> int:
+    """Route every `nn.Linear` of `model` (whatever forward the backend gave it) through
+    `row_tiles`, and turn on the MoE blocks' fixed-row mode; returns how many were changed."""
+    from vllm_hybridcache.flash_next.moe import SparseMoE
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not getattr(module, "_row_tiled", False):
+            inner = module.forward
+            module.forward = lambda x, inner=inner: row_tiles(inner, x)
+            module._row_tiled = True
+            n += 1
+        elif isinstance(module, SparseMoE):
+            module.fixed_rows = ROW_TILE
+            n += 1
+    return n
+
+
+def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    cu = cu_seqlens.tolist()
+    return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def conv_taps(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+              conv_state: torch.Tensor | None, dilation: int,
+              activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv, one tap at a time in float32 (see module docstring)."""
+    c, kw = weight.shape
+    state_len = (kw - 1) * dilation
+    w = weight.float()
+    y = torch.empty_like(x)
+    states = []
+    for n, (s, e) in enumerate(_segments(cu_seqlens)):
+        prev = conv_state[n] if conv_state is not None else x.new_zeros(c, state_len)
+        seq = torch.cat([prev.to(x.dtype), x[s:e].t()], dim=-1)  # [C, L + n]
+        length = e - s
+        seqf = seq.float()
+        acc = w[:, :1] * seqf[:, :length]
+        for j in range(1, kw):
+            acc = acc + w[:, j:j + 1] * seqf[:, j * dilation: j * dilation + length]
+        out = acc.to(weight.dtype)
+        if activation is not None:
+            out = F.silu(out)
+        y[s:e] = out.t().to(x.dtype)
+        states.append(seq[:, seq.shape[-1] - state_len:])
+    return y, torch.stack(states) if states else x.new_zeros(0, c, state_len)
+
+
+def sparse_attention_per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               key_cu_seqlens: torch.Tensor, query_seq_idx: torch.Tensor,
+                               indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of each query over its own selected rows only (module docstring)."""
+    t_all, h, d = q.shape
+    hkv = k.shape[1]
+    rep = h // hkv
+    width = indices.shape[1]
+    out = torch.empty_like(q)
+    base = key_cu_seqlens.to(torch.long)[query_seq_idx.to(torch.long)]
+    tile = max(1, _TILE_ELEMENTS // max(1, h * width * d))
+    for s in range(0, t_all, tile):
+        e = min(t_all, s + tile)
+        t = e - s
+        idx = indices[s:e].to(torch.long)
+        valid = idx >= 0
+        rows = base[s:e, None] + idx.clamp(min=0)  # [t, L]
+        ks = k[rows].float().permute(0, 2, 1, 3)  # [t, Hkv, L, D]
+        vs = v[rows].float().permute(0, 2, 1, 3)
+        qq = q[s:e].float().view(t, hkv, rep, 1, d)
+        # [t, Hkv, rep, L]: one dot product of length D per (query, head, row), innermost axis
+        scores = (qq * ks.unsqueeze(2)).sum(-1) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).float()  # rounded as the reference
+        # [t, Hkv, rep, D]: rows added in ascending position order for every query
+        o = (probs.unsqueeze(-1) * vs.unsqueeze(2)).sum(3)
+        out[s:e] = o.reshape(t, h, d).to(q.dtype)
+    return out
+
+
+class _ElementwiseScores(ReferenceOps):
+    """The reference indexer with per-(query, head, group) scores (see module docstring)."""
+
+    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+        t, hi, d = q.shape
+        nb = block_keys.shape[0]
+        out = torch.empty(t, hi, nb, dtype=torch.float32, device=q.device)
+        tile = max(1, _TILE_ELEMENTS // max(1, hi * nb * d))
+        for s in range(0, t, tile):
+            out[s:s + tile] = (q[s:s + tile, :, None, :].float() * block_keys[None, None]
+                               ).sum(-1)
+        return out
+
+
+_INDEXER = _ElementwiseScores()
+
+
+class SplitInvariantOps(FlashNextOps):
+    """A backend whose step-dependent ops are replaced by split-invariant forms; every other
+    op is the wrapped backend's."""
+
+    def __init__(self, inner: FlashNextOps) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}+split_invariant"
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        self.inner.prepare_model(model)
+        tile_linear_layers(model)
+
+    def gdn_chunked_prefill(self, *args, **kwargs):
+        return self.inner.gdn_chunked_prefill(*args, **kwargs)
+
+    def gdn_recurrent_step(self, *args, **kwargs):
+        return self.inner.gdn_recurrent_step(*args, **kwargs)
+
+    def causal_conv1d_prefill(self, x, weight, cu_seqlens, conv_state, activation="silu"):
+        return conv_taps(x, weight, cu_seqlens, conv_state, 1, activation)
+
+    def causal_conv1d_update(self, *args, **kwargs):
+        return self.inner.causal_conv1d_update(*args, **kwargs)
+
+    def indexer_topk(self, *args, **kwargs):
+        return _INDEXER.indexer_topk(*args, **kwargs)
+
+    def sparse_attention(self, q, k, v, key_cu_seqlens, query_seq_idx, indices, scale):
+        return sparse_attention_per_query(q, k, v, key_cu_seqlens, query_seq_idx, indices,
+                                          scale)
+
+    def ple_conv(self, x, weight, dilation, cu_seqlens, conv_state):
+        return conv_taps(x, weight, cu_seqlens, conv_state, dilation, "silu")
+
+    def hc_mix(self, x, *args, **kwargs):
+        return row_tiles(lambda rows: self.inner.hc_mix(rows, *args, **kwargs), x)
+
+    def hc_inject(self, *args, **kwargs):
+        return self.inner.hc_inject(*args, **kwargs)
