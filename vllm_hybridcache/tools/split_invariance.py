@@ -153,24 +153,39 @@ def record_vllm(model_path, ids: list[int], step: int, dtype: str) -> Recording:
     llm = LLM(model=str(model_path), dtype=dtype, enforce_eager=True, seed=0,
               enable_prefix_caching=False, max_model_len=max(len(ids) + 16, 2048),
               max_num_batched_tokens=step, max_num_seqs=1, enable_chunked_prefill=True)
-    try:
-        core = llm.llm_engine.engine_core.engine_core
-        model = core.model_executor.driver_worker.worker.model_runner.model
-        rec = Recording()
-        handles = [module.register_forward_hook(lambda _m, _i, out, name=name: rec.add(name, out))
-                   for name, module in model.named_modules() if name]
-        inner = model.model
-        handles.append(inner.register_forward_pre_hook(
+    rec = Recording()
+    handles: list = []
+
+    def install(model) -> int:
+        # runs on the model inside this process (in-process engine): vLLM's public apply_model
+        for name, module in model.named_modules():
+            if name:
+                handles.append(module.register_forward_hook(
+                    lambda _m, _i, out, name=name: rec.add(name, out)))
+        handles.append(model.model.register_forward_pre_hook(
             lambda _m, args, kwargs: rec.start_step(
                 (args[0] if args and args[0] is not None else kwargs["input_ids"]).shape[0]),
             with_kwargs=True))
+        return len(handles)
+
+    try:
+        if not all(n > 0 for n in llm.apply_model(install)):
+            raise RuntimeError("no module of vLLM's model could be hooked")
         params = SamplingParams(max_tokens=1, temperature=0)
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         for h in handles:
             h.remove()
         return _only_prompt(rec, len(ids))
     finally:
+        # the next pattern builds another engine in this process: take this one down whole
+        import gc
+
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
         llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
 
 
 def _only_prompt(rec: Recording, n: int) -> Recording:
