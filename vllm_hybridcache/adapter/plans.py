@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_hybridcache.core import LinkAddr, LinkRef
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
+from vllm_hybridcache.core.tiers.cluster import ClusterTarget
 
 
 @dataclass
@@ -83,6 +84,10 @@ class StepPlan(KVConnectorMetadata):
     disk_writes: list[WriteJob] = field(default_factory=list)
     disk_forget: list[str] = field(default_factory=list)
     disk_clear: bool = False
+    # cluster tier: where the worker publishes (every plan while the tier is on) and the
+    # committed RAM tree links to publish (docs/cluster.md)
+    cluster_target: ClusterTarget | None = None
+    cluster_publish: list[WriteJob] = field(default_factory=list)
 
 
 @dataclass

@@ -55,6 +55,9 @@ class WorkerSide:
         # session spill: end anchors captured here, oldest first, written at shutdown (the
         # scheduler announced each with its capture; a drop forgets it)
         self._spillable: OrderedDict[int, WriteJob] = OrderedDict()
+        # cluster tier: the publisher (started by the first plan naming a target; Ray is
+        # imported only then), see vllm_hybridcache/cluster/engine.py
+        self._publisher = None
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/instrumentation.py. None in production.
         self.instrumentation: Instrumentation | None = None
@@ -165,6 +168,8 @@ class WorkerSide:
         self._disk_plan(plan)
         if self._writer is not None:
             self._disk_writes(plan)
+        if plan.cluster_target is not None:
+            self._cluster_publish(plan)
         if plan.drops:  # this store holds every tier's payloads (disk hits staged in RAM)
             ids = [a.link_id for a in plan.drops]
             if self._writer is not None:  # the writer may still read some: drop those later
@@ -174,9 +179,24 @@ class WorkerSide:
             for i in (a.link_id for a in plan.drops):
                 self._spillable.pop(i, None)
             self.store.drop(ids)
+            if self._publisher is not None:
+                self._publisher.dropped([a.link_id for a in plan.drops])
         if plan.probes and self.instrumentation is not None:
             for req_id, tokens, block_ids in plan.probes:
                 self.instrumentation.on_prefill_end(self, req_id, tokens, block_ids)
+
+    def _cluster_publish(self, plan: StepPlan) -> None:
+        """Publish committed RAM links to the other replicas (before this plan's drops, so
+        their buffers are alive); a failure is logged and costs only reuse."""
+        if self._publisher is None:
+            from vllm_hybridcache.cluster.engine import Publisher
+
+            self._publisher = Publisher(plan.cluster_target)
+            atexit.register(self._publisher.close)
+        for job in plan.cluster_publish:
+            if self.store.has(job.link_id):
+                bufs = self.store.buffers(job.link_id)
+                self._publisher.publish(job, {**bufs.sections, **bufs.views})
 
     def _disk_writes(self, plan: StepPlan) -> None:
         """Hand committed RAM links to the writer (before this plan's drops, so their buffers
