@@ -61,6 +61,11 @@ class LinkDirectory:
             del self._entries[k]
         return len(gone)
 
+    def entries_of(self, owner: str) -> list[tuple[Key, tuple[bytes, int, int, int, list[Any]]]]:
+        """Every entry of one replica (key, (parent digest, start, end, nbytes, [ref]))."""
+        return [(k, (e[0], e[1], e[2], e[3], e[5])) for k, e in self._entries.items()
+                if e[4] == owner]
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Entries and payload bytes per owner."""
         out: dict[str, dict[str, int]] = {}

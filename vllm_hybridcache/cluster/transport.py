@@ -97,6 +97,10 @@ class RayTransport:
             self._dir = directory_handle()
         return self._dir
 
+    def connect(self) -> None:
+        """Join the cluster and find (or create) the directory now (start-up checks)."""
+        ray.get(self._directory().stats.remote(), timeout=60)
+
     # ------------------------------------------------------------------ scheduler side
     def locate(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> Any:
         try:

@@ -63,8 +63,8 @@ from .base import (
     Tokens,
 )
 
-__all__ = ["ClusterError", "ClusterMiss", "ClusterTier", "ClusterTransport", "Pending",
-           "RemoteEntry", "link_payload"]
+__all__ = ["ClusterError", "ClusterMiss", "ClusterTarget", "ClusterTier", "ClusterTransport",
+           "Pending", "RemoteEntry", "link_payload"]
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
@@ -127,6 +127,16 @@ class ClusterTransport(Protocol):
 
     def forget(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> None:
         """Remove entries that failed (fire and forget)."""
+
+
+class ClusterTarget(msgspec.Struct, frozen=True):
+    """What a worker needs to publish links (sent with every step plan while the tier is on):
+    the Ray address, this engine's fingerprint (every payload carries it), the replica's name
+    in the directory."""
+
+    address: str
+    fingerprint: bytes
+    owner: str
 
 
 class _Stage(StrEnum):

@@ -1,0 +1,112 @@
+"""Opening the cluster tier inside one engine (scheduler side) and publishing from its worker.
+
+Kept here, beside the Ray transport, so the adapter only calls two functions and imports Ray
+only when `cluster_address` is set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vllm_hybridcache.core.disk.writer import WriteJob
+from vllm_hybridcache.core.tiers.cluster import ClusterTarget, ClusterTier, link_payload
+
+from .transport import RayTransport
+
+logger = logging.getLogger("vllm_hybridcache")
+
+SHM = Path("/dev/shm")
+
+
+def _scratch(prefix: str) -> Path:
+    """A private folder on a RAM-backed file system when there is one (staged payloads are
+    read once, right away), removed at exit."""
+    base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
+                      ) -> tuple[ClusterTier, ClusterTarget]:
+    """The scheduler's cluster tier and the target its workers publish to, or a start-up error
+    naming why the cluster cannot be reached (a tier asked for is never silently off)."""
+    from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        raise RuntimeError(
+            "hybridcache: the cluster tier (cluster_address) works with one worker per replica "
+            f"for now (tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
+            f"{pc.pipeline_parallel_size}). Unset VLLM_HYBRIDCACHE_CLUSTER_ADDRESS to run "
+            "without it.")
+    fp = engine_fingerprint(
+        vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
+        msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
+    transport = RayTransport(settings.cluster_address)
+    try:
+        transport.connect()
+    except Exception as e:
+        raise RuntimeError(
+            f"hybridcache: the Ray cluster at cluster_address {settings.cluster_address!r} is not "
+            f"reachable ({type(e).__name__}: {e}); start one (`ray start --head`) or unset "
+            "VLLM_HYBRIDCACHE_CLUSTER_ADDRESS") from e
+    owner = settings.cluster_replica or f"{socket.gethostname()}:{os.getpid()}"
+    tier = ClusterTier(layout, fp.digest, transport, lambda toks: segmentation.cuts(toks.tolist()),
+                       _scratch("hybridcache-cluster-"), settings.cluster_budget_bytes,
+                       float(settings.cluster_timeout_s), next_id=ids, promote=tree.adopt)
+    logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s)",
+                settings.cluster_address, owner, fp.hex[:16])
+    return tier, ClusterTarget(settings.cluster_address, fp.digest, owner)
+
+
+class Publisher:
+    """The worker's half: committed links into the object store, withdrawn when dropped.
+
+    Runs on the model runner's thread; a payload is one link (tens of KiB to a few MiB), put
+    synchronously into the local object store (Ray moves it only when another node fetches).
+    A failed publication is logged and counted, never raised: serving goes on.
+    """
+
+    def __init__(self, target: ClusterTarget) -> None:
+        self.target = target
+        self.transport = RayTransport(target.address, owner=target.owner)
+        self._tmp = _scratch("hybridcache-publish-")
+        self._published: dict[int, tuple[bytes, bytes]] = {}  # link id -> (domain, digest)
+        self.published = 0
+        self.failed = 0
+
+    def publish(self, job: WriteJob, parts: dict[str, Any]) -> None:
+        try:
+            payload = link_payload(job, self.target.fingerprint, parts, self._tmp)
+            self.transport.publish(self.target.fingerprint, job.domain, job.digest,
+                                   job.parent_digest, job.start, job.end, payload)
+            self._published[job.link_id] = (job.domain, job.digest)
+            self.published += 1
+        except Exception as e:
+            self.failed += 1
+            logger.warning("hybridcache: link %d not published to the cluster: %s: %s",
+                           job.link_id, type(e).__name__, e)
+
+    def dropped(self, link_ids) -> None:
+        """Links that left the worker's store: no longer offered to other replicas."""
+        for lid in link_ids:
+            k = self._published.pop(lid, None)
+            if k is not None:
+                try:
+                    self.transport.withdraw(self.target.fingerprint, *k)
+                except Exception as e:
+                    logger.warning("hybridcache: cluster withdraw failed: %s", e)
+
+    def close(self) -> None:
+        self.transport.close()
