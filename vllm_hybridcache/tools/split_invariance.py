@@ -147,6 +147,8 @@ def record_vllm(model_path, ids: list[int], step: int, dtype: str) -> Recording:
     """vLLM's own model for the checkpoint, prefilling `ids` in chunks of `step` tokens, with a
     forward hook on every module (in-process engine; the prompt runs alone)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # one short request: 1 GiB of KV cache, not vLLM's CPU default of most of the machine
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
