@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="embedded model name (default flash-next-tiny,"
                     " or qwen3-next-tiny with --vllm-qwen3-next)")
     ap.add_argument("--ops", default="cpu", choices=["reference", "cpu", "triton"])
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None,
+                    help="default float32 for Flash-Next, bfloat16 for vLLM's Qwen3-Next (its "
+                    "CPU GDN kernel is bf16 only)")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--patterns", nargs="+", default=["one", "256", "64", "64+256"],
                     help="step patterns; the first is the baseline (one, N, F+N)")
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM's own CPU model (in-process engine per pattern)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.vllm_qwen3_next else "float32")
 
     from vllm_hybridcache.models import ensure_model
 
