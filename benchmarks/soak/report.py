@@ -169,7 +169,7 @@ def plot(samples: list[dict[str, Any]], requests: list[RequestRecord],
     axes[0].legend(loc="upper left")
     for key, label, color in (("bytes_held.ram.tree", "RAM tier, tree links", "C0"),
                               ("bytes_held.ram.anchor", "RAM tier, end anchors", "C2"),
-                              ("bytes_held.disk", "disk tier files", "C1")):
+                              ("bytes_held.disk", "disk tier, every kind", "C1")):
         if any(key in p for p in samples):
             lines(axes[1], lambda p, k=key: p.get(k, 0) / 2**20, label, color)
     axes[1].set_ylabel("MiB held")
