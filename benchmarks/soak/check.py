@@ -13,7 +13,8 @@ both runs position by position:
   different pick (the continuations differ from there on).
 
 A corrupted restore moves logprobs by whole nats, so it shows as a wrong token, or, if its
-greedy picks happen to agree, as drift far above `drift_nats` (counted as `drift_exceeded`).
+greedy picks happen to agree, as drift far above `drift_nats` (the runner counts that as the
+unexpected error `drift_exceeded`, as the end-anchor gate fails it).
 """
 
 from __future__ import annotations

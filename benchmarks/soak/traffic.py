@@ -132,6 +132,11 @@ def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], 
             rec.detail = f"position {v.position}: cold margin {v.margin:.3g} nats"
         elif v.outcome == "length":
             rec.outcome, rec.cause = "unexpected_error", "length_mismatch"
+        elif v.max_drift > ctx.drift_nats:
+            # same picks, but logprobs moved beyond the drift batching can cause (the
+            # end-anchor gate's rule): state that is not the cold run's
+            rec.outcome, rec.cause = "unexpected_error", "drift_exceeded"
+            rec.detail = f"logprobs moved by {v.max_drift:.3g} nats"
     if arm == "control" and out.cached_tokens:
         rec.outcome, rec.cause = "unexpected_error", "control_hit"
     ctx.ledger.add(rec)
