@@ -63,3 +63,28 @@ def test_non_hybrid_model_passes_through(tmp_path, capsys):
 def test_hybrid_detection(embedded_model):
     assert flags.is_hybrid_model(str(embedded_model("qwen3-next-tiny")))
     assert flags.is_hybrid_model(str(embedded_model("flash-next-tiny")))
+
+
+def test_disk_tier_with_spill_gets_a_graceful_shutdown(embedded_model, monkeypatch):
+    """With session spill on, SIGTERM must leave the worker time to write end anchors: vLLM's
+    default --shutdown-timeout 0 kills the engine at once."""
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv(flags.WORKER_SHUTDOWN_ENV, raising=False)
+    path = str(embedded_model("qwen3-next-tiny"))
+    monkeypatch.setenv("VLLM_HYBRIDCACHE_DISK_DIR", "/tmp/hc-flags-test")
+    monkeypatch.setenv("VLLM_HYBRIDCACHE_SPILL_TIMEOUT_S", "9")
+    out = flags.apply_plugin(["hybridcache"], ["serve", path])
+    assert out[out.index("--shutdown-timeout") + 1] == str(9 + flags.SPILL_GRACE_MARGIN_S)
+    import os
+
+    assert os.environ[flags.WORKER_SHUTDOWN_ENV] == "10"
+    # the user's own grace wins
+    out = flags.apply_plugin(["hybridcache"], ["serve", path, "--shutdown-timeout=3"])
+    assert out.count("--shutdown-timeout=3") == 1
+    assert not any(a == "--shutdown-timeout" for a in out)
+    # spill off, or no disk tier: vLLM's default stays
+    monkeypatch.setenv("VLLM_HYBRIDCACHE_SESSION_SPILL", "0")
+    assert "--shutdown-timeout" not in flags.apply_plugin(["hybridcache"], ["serve", path])
+    monkeypatch.delenv("VLLM_HYBRIDCACHE_DISK_DIR")
+    monkeypatch.delenv("VLLM_HYBRIDCACHE_SESSION_SPILL")
+    assert "--shutdown-timeout" not in flags.apply_plugin(["hybridcache"], ["serve", path])

@@ -3,17 +3,23 @@
 For a hybrid model: the connector (`--kv-transfer-config`), the segmentation scheduler
 (`--scheduler-cls`), vLLM's own recurrent prefix caching off (`--no-enable-prefix-caching`:
 the connector is the prefix cache), prompt-token details on so clients see `cached_tokens`,
-and the HTTP routes plugin enabled through `VLLM_PLUGINS` (`compat.enable_endpoint_plugin`:
-once set, VLLM_PLUGINS filters the other plugin groups too, so it lists every installed one).
-A non-hybrid model is left exactly as the user asked, with a log line saying so. Flags the user
-gave win: we only add what is absent.
+a graceful shutdown long enough for the session spill when the disk tier is on
+(`--shutdown-timeout`: vLLM's default 0 kills the engine at once on SIGTERM, so end anchors
+could not be written; the worker's own limit `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` is raised
+with it when the spill needs more than vLLM's 5 s), and the HTTP routes plugin enabled
+through `VLLM_PLUGINS` (`compat.enable_endpoint_plugin`: once set, VLLM_PLUGINS filters the
+other plugin groups too, so it lists every installed one). A non-hybrid model is left exactly
+as the user asked, with a log line saying so. Flags the user gave win: we only add what is
+absent.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
 from vllm_hybridcache.compat import enable_endpoint_plugin
 
@@ -27,6 +33,10 @@ CONNECTOR_CONFIG = {
 }
 SCHEDULER_CLS = "vllm_hybridcache.adapter.scheduler.SegmentedScheduler"
 HTTP_PLUGIN = "hybridcache_http"
+SPILL_GRACE_MARGIN_S = 2
+"""Seconds of shutdown grace on top of `spill_timeout_s` (the engine core's own teardown)."""
+WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+VLLM_WORKER_SHUTDOWN_DEFAULT_S = 5
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -70,7 +80,8 @@ def apply_plugin(plugins: list[str], args: list[str]) -> list[str]:
         return args
     from vllm_hybridcache.config import load_settings
 
-    if not load_settings().active:  # budget 0 / disabled: exactly vLLM without the plugin
+    settings = load_settings()
+    if not settings.active:  # budget 0 / disabled: exactly vLLM without the plugin
         print("hybridcache: cache off (budget 0 or disabled); serving with stock vLLM settings",
               flush=True)
         return args
@@ -101,6 +112,23 @@ def apply_plugin(plugins: list[str], args: list[str]) -> list[str]:
         out += ["--no-enable-prefix-caching"]
     if not _has(out, "--enable-prompt-tokens-details"):
         out += ["--enable-prompt-tokens-details"]
+    out = _spill_grace(out, settings)
     enable_endpoint_plugin(HTTP_PLUGIN, always=("hybridcache",))
     print(f"hybridcache: snapshot cache on for {Path(model).name if model else model}", flush=True)
     return out
+
+
+def _spill_grace(args: list[str], settings: Any) -> list[str]:
+    """Give the session spill the shutdown time it needs (see the module docstring).
+
+    Only when the disk tier and the spill are on and the user set no `--shutdown-timeout`;
+    the worker limit is raised in this process's environment (inherited by vLLM's engine
+    processes) only when the user did not set it either.
+    """
+    if not (settings.disk_dir and settings.session_spill) or _has(args, "--shutdown-timeout"):
+        return args
+    grace = settings.spill_timeout_s + SPILL_GRACE_MARGIN_S
+    if WORKER_SHUTDOWN_ENV not in os.environ and settings.spill_timeout_s >= (
+            VLLM_WORKER_SHUTDOWN_DEFAULT_S - 1):
+        os.environ[WORKER_SHUTDOWN_ENV] = str(settings.spill_timeout_s + 1)
+    return [*args, "--shutdown-timeout", str(grace)]
