@@ -78,24 +78,27 @@ class Divergence:
     position: int | None
     max_abs: float
     differing: list[tuple[str, int]]  # every output that differs, with its first position
+    compared: int = 0  # outputs recorded in both runs with the same shape
 
 
 def compare(a: Recording, b: Recording) -> Divergence:
     firsts: list[tuple[int, int, str, float]] = []
+    compared = 0
     for rank, name in enumerate(a.order):
         if name not in b.steps:
             continue
         x, y = a.full(name), b.full(name)
         if x.shape != y.shape:
             continue
+        compared += 1
         rows = (x != y).flatten(1).any(-1).nonzero()
         if rows.numel():
             firsts.append((int(rows[0]), rank, name, float((x - y).abs().max())))
     if not firsts:
-        return Divergence(None, None, 0.0, [])
+        return Divergence(None, None, 0.0, [], compared)
     firsts.sort()
     pos, _, name, worst = firsts[0]
-    return Divergence(name, pos, worst, [(n, p) for p, _, n, _ in firsts])
+    return Divergence(name, pos, worst, [(n, p) for p, _, n, _ in firsts], compared)
 
 
 class _RecordingOps:
@@ -206,7 +209,8 @@ def _only_prompt(rec: Recording, n: int) -> Recording:
 
 def describe(div: Divergence, limit: int = 12) -> str:
     if div.name is None:
-        return "identical: every recorded output agrees bit for bit"
+        return (f"identical: all {div.compared} recorded outputs agree bit for bit"
+                if div.compared else "nothing compared: no output was recorded in both runs")
     lines = [f"first difference: {div.name} at token {div.position} (max |d| over the prompt "
              f"{div.max_abs:.3g})", "outputs that differ (first position):"]
     lines += [f"  {p:6d}  {n}" for n, p in div.differing[:limit]]
