@@ -111,3 +111,20 @@ def test_engine_fingerprint_from_a_vllm_config(tmp_path):
                               "cpu").differences(fp) == ["segmentation"]
     missing = engine_fingerprint(config("no/such-model"), "layout1", "grid=2048", "cpu")
     assert missing.fields["weights"] == "name:no/such-model@"
+
+
+def test_kernel_backend_names_the_split_invariant_forward(monkeypatch):
+    """Flash-Next's split-invariant forward changes the arithmetic: engines that differ only in
+    that switch must not share link files."""
+    from types import SimpleNamespace
+
+    from vllm_hybridcache.adapter.fingerprint import kernel_backend
+    from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
+
+    cfg = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    monkeypatch.delenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, raising=False)
+    off = kernel_backend(cfg)
+    monkeypatch.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "1")
+    on = kernel_backend(cfg)
+    monkeypatch.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "true")
+    assert on != off and kernel_backend(cfg) == on

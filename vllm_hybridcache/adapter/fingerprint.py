@@ -152,15 +152,18 @@ def resolve_model_dir(model: str, revision: str | None) -> Path | None:
 
 def kernel_backend(vllm_config) -> str:
     """The kernel choices that change an engine's arithmetic beyond the device: vLLM's device
-    type and attention backend setting, and the Flash-Next implementation and kernel backend
-    chosen by our environment variables (empty = the platform default)."""
+    type and attention backend setting, and the Flash-Next implementation, kernel backend and
+    split-invariant forward chosen by our environment variables (empty = the platform
+    default)."""
     from vllm_hybridcache.config import FLASH_NEXT_IMPL_ENV, FLASH_NEXT_OPS_ENV
+    from vllm_hybridcache.flash_next.ops import split_invariant
 
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))
     attn = os.environ.get("VLLM_ATTENTION_BACKEND", "")
     return (f"device={device};attention={attn};flash_next_impl="
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
-            f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')}")
+            f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="
+            f"{int(split_invariant.enabled())}")
 
 
 def engine_fingerprint(vllm_config, layout_digest: str, segmentation: str, backend: str,
