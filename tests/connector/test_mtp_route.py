@@ -138,11 +138,6 @@ def test_corrupted_draft_rows_are_caught(llm):
     assert any(warm["state"][n] != cold["state"][n] for n in names)
     clear(llm)
 
-def _k2_only(request) -> None:
-    if request.node.callspec.params["llm"] != 2:
-        pytest.skip("end anchors with drafts: checked on the k = 2 engine")
-
-
 def _spec_counts(llm) -> tuple[int, int]:
     """(draft tokens proposed, draft tokens accepted) so far in this engine."""
     got = {m.name: m.value for m in llm.get_metrics()
@@ -152,11 +147,10 @@ def _spec_counts(llm) -> tuple[int, int]:
             int(got.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
-def test_live_continuation_with_drafts_passes_the_greedy_gate(llm, request):
+def test_live_continuation_with_drafts_passes_the_greedy_gate(llm):
     """Five turns, each the previous prompt + its answer + a new message: every turn resumes at
     the previous turn's end anchor, agrees with a cold run of its prompt, and the drafts of the
     resumed turns are accepted as often as those of the cold runs."""
-    _k2_only(request)
     d0 = _spec_counts(llm)
     turns = anchored_session(llm)
     d1 = _spec_counts(llm)
@@ -180,9 +174,8 @@ def test_live_continuation_with_drafts_passes_the_greedy_gate(llm, request):
     assert warm == cold, (warm, cold)
 
 
-def test_greedy_gate_catches_a_corrupted_anchor_with_drafts(llm, request):
+def test_greedy_gate_catches_a_corrupted_anchor_with_drafts(llm):
     """Negative control: the same gate fails on a resumed run whose anchor was corrupted."""
-    _k2_only(request)
     clear(llm)
     p = [200 + (i * 41) % 2500 for i in range(300)]
     first = run(llm, p)
@@ -210,11 +203,10 @@ def test_greedy_gate_catches_a_corrupted_anchor_with_drafts(llm, request):
         greedy_gate(warm, cold)
 
 
-def test_an_anchor_needs_the_next_token_its_draft_row_read(llm, request):
+def test_an_anchor_needs_the_next_token_its_draft_row_read(llm):
     """The anchor's last draft row read the request's last sampled token: a next turn that
     continues with another token resumes at the tree's link instead (both turns end in the
     first prompt's last token, which the tree link's draft row read), never at the anchor."""
-    _k2_only(request)
     clear(llm)
     p = [200 + (i * 43) % 2500 for i in range(300)]
     first = run(llm, p)
