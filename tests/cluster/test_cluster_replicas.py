@@ -12,12 +12,11 @@ import time
 import uuid
 
 import pytest
+import ray  # the cluster extra: installed by make env
 
-ray = pytest.importorskip("ray")
-
-from vllm_hybridcache.cluster import RayTransport, directory_handle  # noqa: E402
-from vllm_hybridcache.cluster.replica import replica_actor  # noqa: E402
-from vllm_hybridcache.core.keys import PromptKeys  # noqa: E402
+from vllm_hybridcache.cluster import RayTransport, directory_handle
+from vllm_hybridcache.cluster.replica import replica_actor
+from vllm_hybridcache.core.keys import PromptKeys
 
 pytestmark = pytest.mark.slow
 

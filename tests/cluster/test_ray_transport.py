@@ -9,13 +9,12 @@ import time
 
 import numpy as np
 import pytest
+import ray  # the cluster extra: installed by make env
 
-ray = pytest.importorskip("ray")
+from vllm_hybridcache.cluster import RayTransport, directory_handle
+from vllm_hybridcache.core.tiers.cluster import ClusterMiss
 
-from vllm_hybridcache.cluster import RayTransport, directory_handle  # noqa: E402
-from vllm_hybridcache.core.tiers.cluster import ClusterMiss  # noqa: E402
-
-from .test_cluster_tier import DOM, FP, PROMPT, Replica  # noqa: E402
+from .test_cluster_tier import DOM, FP, PROMPT, Replica
 
 
 @pytest.fixture(scope="module")
