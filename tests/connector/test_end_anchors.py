@@ -81,6 +81,12 @@ def test_live_continuation_passes_the_greedy_gate(llm):
 
 def test_greedy_gate_catches_a_corrupted_anchor(llm):
     """Negative control: the same gate fails on a resumed run whose anchor was corrupted."""
+    gate_catches_a_corrupted_anchor(llm)
+
+
+def gate_catches_a_corrupted_anchor(llm) -> None:
+    """An intact end anchor passes the greedy gate against a cold run; the same anchor with its
+    states and rows corrupted fails it (shared with the MTP route's tests)."""
     clear(llm)
     p = [200 + (i * 41) % 2500 for i in range(300)]
     first = run(llm, p)

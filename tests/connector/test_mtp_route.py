@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
-from tests.connector.test_end_anchors import greedy_gate
+from tests.connector.test_end_anchors import gate_catches_a_corrupted_anchor, greedy_gate
 from tests.connector.test_exactness import GRID, A, anchored_session, clear, run
 from vllm_hybridcache.instrumentation import instrument
 
@@ -176,31 +176,7 @@ def test_live_continuation_with_drafts_passes_the_greedy_gate(llm):
 
 def test_greedy_gate_catches_a_corrupted_anchor_with_drafts(llm):
     """Negative control: the same gate fails on a resumed run whose anchor was corrupted."""
-    clear(llm)
-    p = [200 + (i * 41) % 2500 for i in range(300)]
-    first = run(llm, p)
-    nxt = p + first["tokens"] + [11 + (i * 3) % 500 for i in range(30)]
-    clear(llm)
-    cold = run(llm, nxt)
-    clear(llm)
-    run(llm, p)
-    _, worker = engine_parts(llm)
-    run(llm, [1, 2, 3])  # one more step: the anchor's copy lands and is committed
-    clean = run(llm, nxt)
-    assert clean["cached"] == len(p) + len(first["tokens"]) - 1
-    assert greedy_gate(clean, cold) == len(cold["tokens"])     # the intact anchor passes
-    clear(llm)
-    run(llm, p)
-    run(llm, [1, 2, 3])
-    for link_id in list(worker.store._entries):
-        bufs = worker.store.buffers(link_id)
-        for t in (*bufs.sections.values(), *bufs.views.values()):
-            if t.is_floating_point():   # states and K/V rows; the PLE n-gram context holds ids
-                t.mul_(-1.0).add_(0.5)
-    warm = run(llm, nxt)
-    assert warm["cached"] == len(p) + len(first["tokens"]) - 1
-    with pytest.raises(AssertionError, match=r"position \d: logprobs moved"):
-        greedy_gate(warm, cold)
+    gate_catches_a_corrupted_anchor(llm)
 
 
 def test_an_anchor_needs_the_next_token_its_draft_row_read(llm):
