@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -182,13 +183,7 @@ def _stream(session: requests.Session, url: str, body: dict[str, Any],
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return out
-            for raw in r.iter_lines():
-                if not raw or not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in sse_chunks(r):
                 if "error" in chunk:
                     out.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
                     break
@@ -216,6 +211,17 @@ def _stream(session: requests.Session, url: str, body: dict[str, Any],
     if out.error is None and out.prompt_tokens is None:
         out.error = "no usage in the stream (server ignored stream_options.include_usage)"
     return out
+
+
+def sse_chunks(response: requests.Response) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent-events stream, up to its `[DONE]`."""
+    for raw in response.iter_lines():
+        if not raw or not raw.startswith(b"data:"):
+            continue
+        data = raw[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
 
 
 def _warmup(session: requests.Session, root: str, cfg: ReplayConfig,

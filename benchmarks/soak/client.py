@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import requests
 
+from benchmarks.replay import sse_chunks
 from benchmarks.soak.check import Generation, parse_completion_logprobs, parse_logprobs
 
 TOP_LOGPROBS = 5
@@ -92,13 +93,7 @@ def stream_chat(http: requests.Session, root: str, body: dict[str, Any],
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return out
-            for raw in r.iter_lines():
-                if not raw or not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in sse_chunks(r):
                 if "error" in chunk:
                     out.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
                     break
