@@ -35,14 +35,17 @@ import requests
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 
 
-def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+def random_prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    """`n` token ids drawn from the ordinary range of the vocabulary (no special tokens)."""
     return [int(x) for x in rng.integers(1000, min(vocab, 3000), n)]
 
 
-def _complete(base: str, ids: list[int], **extra) -> tuple[float, dict]:
+def complete(base: str, ids: list[int], max_tokens: int = 1, **extra) -> tuple[float, dict]:
+    """One greedy completion of `ids` on the served model "m": (seconds, response body)."""
     t0 = time.perf_counter()
     r = requests.post(base + "/v1/completions", json={
-        "model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0, **extra}, timeout=1800)
+        "model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, **extra},
+        timeout=1800)
     dt = time.perf_counter() - t0
     r.raise_for_status()
     return dt, r.json()
@@ -58,8 +61,8 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
     path = ensure_model(model)
     rng = np.random.default_rng(0)
     vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
-    head_ids = _prompt(rng, head, vocab)
-    tails = [_prompt(rng, tail, vocab) for _ in range(4)]
+    head_ids = random_prompt(rng, head, vocab)
+    tails = [random_prompt(rng, tail, vocab) for _ in range(4)]
     settings = ServerSettings(model_path=str(path), served_name="m",
                               max_model_len=head + tail + 64, port=port,
                               kv_cache_space_gib=4)
@@ -73,8 +76,8 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
     out: dict = {"model": model, "head": head, "tail": tail, "grid": grid}
     try:
         with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
-            out["first_prefill_s"], _ = _complete(srv.base_url, head_ids + tails[0])
-            out["ram_warm_s"], body = _complete(srv.base_url, head_ids + tails[1])
+            out["first_prefill_s"], _ = complete(srv.base_url, head_ids + tails[0])
+            out["ram_warm_s"], body = complete(srv.base_url, head_ids + tails[1])
             out["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:  # every committed link on disk
@@ -89,10 +92,10 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
             out["restart_startup_s"] = srv.startup_s
             # a short unrelated request first: the new process's first forward pays one-time
             # costs that are not the disk tier's (life 1's RAM-warm request came after one)
-            _complete(srv.base_url, tails[3][:64], cache_salt="warm-up")
-            out["disk_s"], body = _complete(srv.base_url, head_ids + tails[2])
+            complete(srv.base_url, tails[3][:64], cache_salt="warm-up")
+            out["disk_s"], body = complete(srv.base_url, head_ids + tails[2])
             out["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-            out["cold_s"], body = _complete(srv.base_url, head_ids + tails[3],
+            out["cold_s"], body = complete(srv.base_url, head_ids + tails[3],
                                             cache_salt=f"cold-{uuid.uuid4().hex}")
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
             st = _disk_stats(srv.base_url)

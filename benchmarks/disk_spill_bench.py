@@ -37,21 +37,12 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from benchmarks.disk_restart_bench import complete, random_prompt
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 
 
-def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return [int(x) for x in rng.integers(1000, min(vocab, 3000), n)]
-
-
 def _complete(base: str, ids: list[int], max_tokens: int = 1, **extra) -> tuple[float, dict]:
-    t0 = time.perf_counter()
-    r = requests.post(base + "/v1/completions", json={
-        "model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, **extra}, timeout=1800)
-    dt = time.perf_counter() - t0
-    r.raise_for_status()
-    return dt, r.json()
+    return complete(base, ids, max_tokens, ignore_eos=True, return_token_ids=True, **extra)
 
 
 def _cached(body: dict) -> int:
@@ -75,8 +66,8 @@ def run(model: str, head: int, tail: int, answer: int, new: int, grid: int, port
     path = ensure_model(model)
     rng = np.random.default_rng(0)
     vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
-    prompt = _prompt(rng, head + tail, vocab)
-    news = [_prompt(rng, new, vocab) for _ in range(3)]
+    prompt = random_prompt(rng, head + tail, vocab)
+    news = [random_prompt(rng, new, vocab) for _ in range(3)]
     settings = ServerSettings(model_path=str(path), served_name="m",
                               max_model_len=head + tail + 2 * (answer + new) + 64, port=port,
                               kv_cache_space_gib=4, extra_args=["--shutdown-timeout", "30"])
