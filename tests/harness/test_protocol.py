@@ -242,14 +242,15 @@ def test_clear_during_a_restore_keeps_the_chain_until_it_ends():
     assert s["restores"] == 1 and s["restores_failed"] == 0
 
 
-@pytest.mark.parametrize("kind", ["image", "embeds"])
+@pytest.mark.parametrize("kind", ["unhashed_image", "embeds"])
 def test_unkeyed_inputs_neither_hit_nor_capture(kind):
-    """Multimodal items and prompt embeddings are not named by the token ids: such a request
-    must not restore a text request's state, and must leave no link or anchor behind."""
+    """Prompt embeddings and multimodal items without a content hash are not named by the token
+    ids: such a request must not restore a text request's state, and must leave no link or
+    anchor behind."""
     e = HarnessEngine()
     e.run(A)
     before, anchors_before = cache_stats(e), cache_stats(e, "anchor")
-    extra = {"image": "img-1"} if kind == "image" else {"embeds": True}
+    extra = {"image": ""} if kind == "unhashed_image" else {"embeds": True}
     out = e.run([*A, 5, 6, 7], **extra)
     assert out.finished and out.cached == 0
     after, anchors_after = cache_stats(e), cache_stats(e, "anchor")
@@ -258,3 +259,14 @@ def test_unkeyed_inputs_neither_hit_nor_capture(kind):
     assert after["reservations"] == before["reservations"] and after["links"] == 3
     assert anchors_after["links"] == anchors_before["links"]
     assert e.run([*A, 5, 6, 7]).cached == 3 * GRID      # control: the same text hits
+
+
+def test_images_are_keyed_by_their_content_hash():
+    """A hashed image is part of the key: the same image hits past its placeholders; another
+    image, or text with the same token ids, never restores past the placeholders' start."""
+    e = HarnessEngine()
+    p = [*A, 5, 6, 7]
+    assert e.run(p, image="img-1").cached == 0          # nothing holds this image yet
+    assert e.run(p, image="img-1").cached == 3 * GRID   # the same image: past it
+    assert e.run(p, image="img-2").cached == 0          # another image: placeholders at 8
+    assert e.run(p).cached == 0                         # the text alone: not the image's state
