@@ -28,6 +28,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import requests
@@ -71,10 +72,8 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
                 "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1",
                 # every committed link written (what the wait below counts on)
                 "VLLM_HYBRIDCACHE_DISK_WRITE_FIRST_TOKENS": "0"}
-    old = {k: os.environ.get(k) for k in env_keys}
-    os.environ.update(env_keys)
     out: dict = {"model": model, "head": head, "tail": tail, "grid": grid}
-    try:
+    with mock.patch.dict(os.environ, env_keys):
         with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
             out["first_prefill_s"], _ = complete(srv.base_url, head_ids + tails[0])
             out["ram_warm_s"], body = complete(srv.base_url, head_ids + tails[1])
@@ -100,12 +99,6 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
             st = _disk_stats(srv.base_url)
             out["disk_restore_seconds_sum"] = st.get("restore_seconds", {}).get("sum")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out["disk_over_ram"] = out["disk_s"] / out["ram_warm_s"]
     out["disk_over_cold"] = out["disk_s"] / out["cold_s"]
     return out

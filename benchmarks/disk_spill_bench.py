@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import requests
@@ -74,11 +75,9 @@ def run(model: str, head: int, tail: int, answer: int, new: int, grid: int, port
     env_keys = {"VLLM_HYBRIDCACHE_DISK_DIR": str(workdir / "disk"),
                 "VLLM_HYBRIDCACHE_GRID": str(grid), "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1",
                 "VLLM_HYBRIDCACHE_SESSION_SPILL": "1"}
-    old = {k: os.environ.get(k) for k in env_keys}
-    os.environ.update(env_keys)
     out: dict = {"model": model, "head": head, "tail": tail, "answer": answer, "new": new,
                  "grid": grid}
-    try:
+    with mock.patch.dict(os.environ, env_keys):
         with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
             out["first_turn_s"], body = _complete(srv.base_url, prompt, max_tokens=answer)
             ans = body["choices"][0]["token_ids"]
@@ -101,12 +100,6 @@ def run(model: str, head: int, tail: int, answer: int, new: int, grid: int, port
             out["cold_s"], body = _complete(srv.base_url, turn,
                                             cache_salt=f"cold-{uuid.uuid4().hex}")
             assert _cached(body) == 0
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out["spill_over_ram_anchor"] = out["spill_s"] / out["ram_anchor_s"]
     out["spill_over_cold"] = out["spill_s"] / out["cold_s"]
     out["tree_only_over_cold"] = out["tree_only_s"] / out["cold_s"]
