@@ -83,29 +83,33 @@ class QSAAttention(nn.Module, AttentionLayerBase):
     def _metadata(self):
         return layer_attn_metadata(self.prefix)
 
+    def _project(self, x_t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The step's projections, rotated by `cos`/`sin` (per token, broadcast over heads):
+        indexer query and raw key; attention q with its output gate, k, v."""
+        t, d, hkv, di = x_t.shape[0], self.head_dim, self.num_kv_heads, self.indexer.head_dim
+        qk = self.indexer.index_qk_proj(x_t)
+        iq = qk[:, : self.indexer.n_heads * di].view(t, self.indexer.n_heads, di)
+        raw_k = qk[:, self.indexer.n_heads * di:]
+        iq = apply_partial_rope(self.indexer.q_layernorm(iq), cos, sin)
+        q, gate = torch.chunk(self.q_proj(x_t).view(t, -1, 2 * d), 2, dim=-1)
+        gate = gate.reshape(t, -1)
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
+        k = apply_partial_rope(self.k_norm(self.k_proj(x_t).view(t, hkv, d)), cos, sin)
+        v = self.v_proj(x_t).view(t, hkv, d)
+        return iq, raw_k, q, gate, k, v
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = self._metadata()
         t = x.shape[0] if meta is None else meta.num_actual_tokens
         x_t, pos = x[:t], positions[:t].long()
-        d, hkv, di = self.head_dim, self.num_kv_heads, self.indexer.head_dim
+        d, hkv = self.head_dim, self.num_kv_heads
         max_pos = int(pos.max()) + 1 if t else 1
         if meta is not None and meta.seq_lens_cpu.numel():
             max_pos = max(max_pos, int(meta.seq_lens_cpu.max()))
         cos_t, sin_t = self.rope.tables(max_pos, x.dtype, x.device)
         cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]
 
-        # indexer query and raw key
-        qk = self.indexer.index_qk_proj(x_t)
-        iq = qk[:, : self.indexer.n_heads * di].view(t, self.indexer.n_heads, di)
-        raw_k = qk[:, self.indexer.n_heads * di:]
-        iq = apply_partial_rope(self.indexer.q_layernorm(iq), cos, sin)
-
-        # attention q (with output gate), k, v
-        q, gate = torch.chunk(self.q_proj(x_t).view(t, -1, 2 * d), 2, dim=-1)
-        gate = gate.reshape(t, -1)
-        q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(self.k_proj(x_t).view(t, hkv, d)), cos, sin)
-        v = self.v_proj(x_t).view(t, hkv, d)
+        iq, raw_k, q, gate, k, v = self._project(x_t, cos, sin)
         rows_new = torch.cat([k.reshape(t, -1), v.reshape(t, -1), raw_k], dim=-1)
 
         if meta is None or self.kv_cache.numel() == 0:

@@ -27,7 +27,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm_hybridcache.flash_next.backend import QSARowsBackend, row_width
 from vllm_hybridcache.flash_next.common import RopeTable
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
-from vllm_hybridcache.flash_next.ops.reference import apply_partial_rope
 from vllm_hybridcache.flash_next.qsa import QSAAttention
 
 
@@ -74,19 +73,11 @@ class MRopeQSAAttention(QSAAttention):
         if positions.ndim == 1:  # text-only profiling paths: the three rows agree
             positions = positions[None].expand(3, -1)
         x_t = x[:t]
-        d, hkv, di, half = self.head_dim, self.num_kv_heads, self.indexer.head_dim, self.rot // 2
+        d, hkv, half = self.head_dim, self.num_kv_heads, self.rot // 2
         cos_q, sin_q = mrope_cos_sin(self.rope, self.section, positions[:, :t], x.dtype)
         cos, sin = cos_q[:, None], sin_q[:, None]
 
-        qk = self.indexer.index_qk_proj(x_t)
-        iq = qk[:, : self.indexer.n_heads * di].view(t, self.indexer.n_heads, di)
-        raw_k = qk[:, self.indexer.n_heads * di:]
-        iq = apply_partial_rope(self.indexer.q_layernorm(iq), cos, sin)
-        q, gate = torch.chunk(self.q_proj(x_t).view(t, -1, 2 * d), 2, dim=-1)
-        gate = gate.reshape(t, -1)
-        q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(self.k_proj(x_t).view(t, hkv, d)), cos, sin)
-        v = self.v_proj(x_t).view(t, hkv, d)
+        iq, raw_k, q, gate, k, v = self._project(x_t, cos, sin)
         rows_new = torch.cat([k.reshape(t, -1), v.reshape(t, -1), raw_k,
                               cos_q[:, :half], sin_q[:, :half]], dim=-1)
 
