@@ -14,11 +14,17 @@ GPU extension for ``PYTORCH_ROCM_ARCH`` (hipcc) and ships it in the wheel (``_pr
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +35,10 @@ DEVICE_NAME = "hybridcache_copy_device"
 CODEOBJ_SOURCE = "snapshot_copy_codeobj.hip"
 CLANG = "clang-19"
 TARGETS = ("gfx1151", "gfx1201")
+# How long a load waits for another live process that is compiling the same build; past it the
+# load fails and the copy backend falls back (``copy_select``), the server keeps starting.
+BUILD_WAIT_S = 900.0
+logger = logging.getLogger(__name__)
 
 
 def csrc_dir() -> Path | None:
@@ -54,13 +64,59 @@ def _load_prebuilt(name: str) -> ModuleType | None:
     return None
 
 
-def _build_dir(name: str, out: Path | None) -> Path:
+def _source_key(src: Path, sources: list[Path]) -> str:
+    """A short digest of what a build depends on: where the sources are (torch's ninja file
+    names them by absolute path, so two checkouts sharing one directory rebuild for each other),
+    their bytes, and the torch and Python versions the module links against."""
+    import torch
+
+    h = hashlib.sha256(f"{src.resolve()}|{torch.__version__}|{sys.version_info[:2]}".encode())
+    for path in sorted(sources):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _build_dir(name: str, src: Path, out: Path | None) -> Path:
+    """``out`` when given, else a directory of torch's extension cache per source tree."""
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         return out
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory(name, verbose=False))
+    sources = [p for p in src.iterdir() if p.suffix in (".h", ".cuh", ".cpp", ".cu", ".hip")]
+    return Path(_get_build_directory(f"{name}-{_source_key(src, sources)}", verbose=False))
+
+
+@contextmanager
+def build_lock(build_dir: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold an ``flock`` (``build_dir/build.flock``) around torch's ``load``.
+
+    Why: torch guards a build with a ``lock`` file it creates and removes itself; a process killed
+    while compiling (a server stopped during its first start) leaves that file behind and every
+    later load waits on it forever. The kernel drops an ``flock`` when its holder dies, and every
+    load of ours takes this one first, so a ``lock`` file found while holding it belongs to a
+    builder that is gone: it is removed, and the build runs again.
+    """
+    fd = os.open(build_dir / "build.flock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir} for "
+                                       f"over {wait_s:.0f} s") from None
+                time.sleep(0.2)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("hybridcache: removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 def load_cpu_twin(out: Path | None = None, verbose: bool = False) -> ModuleType:
@@ -73,9 +129,11 @@ def load_cpu_twin(out: Path | None = None, verbose: bool = False) -> ModuleType:
         raise FileNotFoundError("csrc/ sources not found and no prebuilt CPU twin in the wheel")
     from torch.utils.cpp_extension import load
 
-    return load(name=CPU_NAME, sources=[str(src / "snapshot_copy_cpu.cpp")],
-                extra_include_paths=[str(src)], extra_cflags=["-O3"],
-                build_directory=str(_build_dir(CPU_NAME, out)), verbose=verbose)
+    build = _build_dir(CPU_NAME, src, out)
+    with build_lock(build):
+        return load(name=CPU_NAME, sources=[str(src / "snapshot_copy_cpu.cpp")],
+                    extra_include_paths=[str(src)], extra_cflags=["-O3"],
+                    build_directory=str(build), verbose=verbose)
 
 
 def load_device_extension(out: Path | None = None, verbose: bool = False) -> ModuleType:
@@ -93,10 +151,11 @@ def load_device_extension(out: Path | None = None, verbose: bool = False) -> Mod
         raise FileNotFoundError("csrc/ sources not found and no prebuilt GPU extension")
     from torch.utils.cpp_extension import load
 
-    return load(name=DEVICE_NAME, sources=[str(src / "snapshot_copy_device.cu")],
-                extra_include_paths=[str(src)], extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3"], build_directory=str(_build_dir(DEVICE_NAME, out)),
-                verbose=verbose)
+    build = _build_dir(DEVICE_NAME, src, out)
+    with build_lock(build):
+        return load(name=DEVICE_NAME, sources=[str(src / "snapshot_copy_device.cu")],
+                    extra_include_paths=[str(src)], extra_cflags=["-O3"],
+                    extra_cuda_cflags=["-O3"], build_directory=str(build), verbose=verbose)
 
 
 def clang() -> str | None:
