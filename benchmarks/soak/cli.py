@@ -14,6 +14,7 @@ import argparse
 import json
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--worker-extension-cls", "vllm_hybridcache.instrumentation.FaultInjection"])
     server = SoakServer(settings, env, out / "logs")
     ledger = Ledger()
+    interrupted = _stop_on_signals()
     source = _source_state()
     t_start = time.monotonic()
     try:
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                            message_end_min=args.message_end_min)
         ctx = Context(server, ledger, model=served, size=args.size, max_tokens=args.max_tokens,
                       drift_nats=drift, segmentation=seg)
-        summary, monitor = _run(args, ctx, kinds, families, weights)
+        summary, monitor = _run(args, ctx, kinds, families, weights, interrupted)
     finally:
         server.stop()
         if disk_dir:
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(reqs, faults, monitor.samples, wall_s=wall, startups=server.startups,
                         kinds=kinds,
                         rss_bound_mib_per_min=args.rss_bound, min_window_s=args.min_window)
+    if interrupted.is_set():
+        summary["interrupted"] = f"stopped by a signal after {wall:.0f} s of {args.duration:.0f}"
     command = "python -m benchmarks.soak " + shlex.join(argv if argv is not None
                                                         else sys.argv[1:])
     report = {"command": command, "model": args.model, "dtype": dtype, "drift_nats": drift,
@@ -187,7 +191,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["verdict"] == "pass" else 1
 
 
-def _run(args, ctx: Context, kinds, families, weights):
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM or Ctrl-C ends the traffic early and the run still writes its report (marked
+    ``interrupted``) with everything measured so far; a second signal stops it at once."""
+    event = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        if event.is_set():
+            raise KeyboardInterrupt
+        print(f"soak: signal {signum}: stopping the traffic and writing the report so far",
+              file=sys.stderr)
+        event.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return event
+
+
+def _run(args, ctx: Context, kinds, families, weights, interrupted: threading.Event):
     ledger, server = ctx.ledger, ctx.server
 
     def restart() -> float:
@@ -214,6 +235,8 @@ def _run(args, ctx: Context, kinds, families, weights):
     deadline = start + args.duration
 
     def more() -> bool:
+        if interrupted.is_set():
+            return False
         now = time.monotonic()
         if now < deadline:
             return True
