@@ -1,11 +1,19 @@
-"""The disk tier through the real server: links written in one life serve the next one.
+"""The disk tier through the real server: links written in one life serve the next one, and a
+second server on the same folder.
 
-Life 1: `vllm serve --plugin hybridcache` with `VLLM_HYBRIDCACHE_DISK_DIR` runs three turns of a
+Life 1: two servers (`vllm serve --plugin hybridcache`, same model and settings, so the same
+engine fingerprint) share one `VLLM_HYBRIDCACHE_DISK_DIR`. Server A runs three turns of a
 conversation and the first turn of a second session sharing its system prompt; every committed
-tree link is written to a link file. The server is stopped with SIGTERM and started again on
-the same folder, with three things planted in it: an unrelated file (kept, never read), a file
-that is not a link under a link's name (refused at start) and a flipped byte in the
-conversation's first link past the shared system prompt.
+tree link is written to a link file. Server B then serves that first turn from the files A
+wrote (a disk hit: cached tokens = the deepest cut A reached), and its tokens and logprobs
+equal B's own cold run of it (a unique `cache_salt`). Then both servers run the conversation's
+fourth turn at the same time (interleaved traffic: both read the same files and write the same
+new links), each equal to its own cold run.
+
+Both are stopped with SIGTERM and one server is started again on the same folder, with three
+things planted in it: an unrelated file (kept, never read), a file that is not a link under a
+link's name (refused at start) and a flipped byte in the conversation's first link past the
+shared system prompt.
 
 Life 2: the second session's next turn resumes from the disk tier (cached tokens = the deepest
 cut an earlier prompt reached) and its tokens and logprobs equal a cold run of the same
@@ -21,10 +29,14 @@ state), and this test is about the tree links on disk.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import pytest
 import requests
 
@@ -78,11 +90,30 @@ def _disk_metric(text: str, name: str) -> float:
                if line.startswith(name + "{") and 'tier="disk"' in line)
 
 
-def _file(disk: Path, ids: list[int], cut: int) -> Path:
-    name = f"{PromptKeys(ids).digest(cut).hex()}-{cut}.link"
-    found = list(disk.rglob(name))
-    assert len(found) == 1, name
-    return found[0]
+def _file(domain_dir: Path, ids: list[int], cut: int) -> Path:
+    """The link file of `ids[:cut]` in one domain's folder (cold runs with a unique
+    `cache_salt` write the same names in folders of their own)."""
+    found = domain_dir / f"{PromptKeys(ids).digest(cut).hex()}-{cut}.link"
+    assert found.is_file(), found
+    return found
+
+
+@contextlib.contextmanager
+def _together(*servers: tuple[ServerSettings, Path]) -> Iterator[list]:
+    """Start several servers at once (their start-ups overlap), yield them, stop them all."""
+    cms = [running_server(SYSTEMS["ours"], settings, log) for settings, log in servers]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(cms)) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in cms]
+        started, error = [], None
+        for cm, fut in zip(cms, futures, strict=True):
+            try:
+                started.append(fut.result())
+                stack.push(cm.__exit__)
+            except BaseException as e:  # the others stop, then it raises
+                error = error or e
+        if error is not None:
+            raise error
+        yield started
 
 
 def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
@@ -94,10 +125,12 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
     settings = ServerSettings(model_path=str(embedded_model("qwen3-next-tiny")),
                               served_name="tiny", max_model_len=8192, port=8340,
                               extra_args=["--api-key", KEY])
+    other = msgspec.structs.replace(settings, port=8345)  # server B: same engine, another port
     (_, main), (_, sub) = demo_sessions()[:2]
     try:
-        # ---------------------------------------------------------------- life 1
-        with running_server(SYSTEMS["ours"], settings, tmp_path / "life1.log") as srv:
+        # ------------------------------------------- life 1: servers A and B, one folder
+        with _together((settings, tmp_path / "life1-a.log"),
+                       (other, tmp_path / "life1-b.log")) as (srv, srv_b):
             seg = segmentation(srv)
             earlier = [chat_body(srv, m)["prompt_token_ids"] for m in (*main[:3], sub[0])]
 
@@ -107,18 +140,36 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
 
             st = _wait(srv, all_written)
             assert all_written(st), st
-            files = st["links"]
-            assert files > 0
-        # stopped with SIGTERM; plant an unrelated file, a non-link under a link's name, and
+            assert st["links"] > 0
+            # the one domain so far (no cache_salt yet): cold runs below add folders of theirs
+            (domain_dir,) = {p.parent for p in disk.rglob("*.link")}
+
+            # B serves the second session's first turn from the links A wrote (B's RAM is
+            # empty: every cached token comes from A's files), equal to B's cold run
+            body = _same_as_cold(srv_b, sub[0])
+            want_b = expected_hit(seg, body["prompt_token_ids"], earlier)
+            assert want_b > 0 and cached_tokens(body) == want_b
+            st_b = _wait(srv_b, lambda s: s.get("tokens_served") == want_b)
+            assert (st_b["hits"], st_b["restores"], st_b["tokens_served"]) == (1, 1, want_b)
+            assert st_b.get("restores_failed", 0) == 0
+
+            # interleaved traffic: both servers run the conversation's next turn at once (both
+            # read A's files, both write its new links under the same names), each equal to
+            # its own cold run
+            with ThreadPoolExecutor(2) as pool:
+                bodies = list(pool.map(lambda s: _same_as_cold(s, main[3]), (srv, srv_b)))
+            earlier.append(bodies[0]["prompt_token_ids"])
+            for s in (srv, srv_b):
+                assert _disk(s).get("restores_failed", 0) == 0
+        # both stopped with SIGTERM; plant an unrelated file, a non-link under a link's name, and
         # a flipped byte (in its last bytes: a view part) in the conversation's first link
         # past what it shares with the second session: every deeper link chains through it
-        domain_dir = next(disk.rglob("*.link")).parent
         (domain_dir / "notes.txt").write_text("not a link")
         (domain_dir / ("00" * 16 + "-4096.link")).write_bytes(b"garbage" * 100)
         main_ids, sub_ids = earlier[2], earlier[3]
         damaged_cut = min(c for c in seg.cuts(main_ids) if c < len(main_ids)
                           and main_ids[:c] != sub_ids[:c])
-        damaged = _file(disk, main_ids, damaged_cut)
+        damaged = _file(domain_dir, main_ids, damaged_cut)
         raw = bytearray(damaged.read_bytes())
         raw[-5] ^= 0x10
         damaged.write_bytes(bytes(raw))
