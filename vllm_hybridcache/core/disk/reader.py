@@ -4,7 +4,9 @@ Why through the store: a restore from RAM is the path every exactness test cover
 hit is made into one. The worker reads each file of the chain into freshly allocated store
 buffers under the ids the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32
 as it reads, seals them, and restores with `LinkStore.restore` as for a RAM hit. Nothing is
-restored unless every file of the chain passed.
+restored unless every file of the chain passed. Each part is read with one `readinto` straight
+into its store buffer (no intermediate copy); the buffers get a huge-page hint first
+(hugepages.py: fresh pages fault in 512 times fewer).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from ..store import LinkStore, MissingLinkError
 from ..tiers.base import LinkRef
+from .hugepages import advise_huge_pages
 from .linkfile import LinkFileError, LinkFileProblem, read_header, read_parts
 
 __all__ = ["DiskReadError", "stage_chain"]
@@ -47,7 +50,9 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
                                     f"wants [{ref.start}, {ref.end})")
             bufs = store.allocate(ref.link_id, layout.view_rows(ref.start, ref.end))
             staged.append(ref.link_id)
-            n += read_parts(path, header, base, {**bufs.sections, **bufs.views})
+            parts = {**bufs.sections, **bufs.views}
+            advise_huge_pages(parts.values())  # fresh buffers: fewer page faults (a hint)
+            n += read_parts(path, header, base, parts)
             store.seal(ref.link_id)
         except (LinkFileError, OSError) as e:
             store.drop(staged)
