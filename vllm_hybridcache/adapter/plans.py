@@ -63,6 +63,10 @@ class CaptureJob:
     block_ids: list[list[int]]
     finishing: bool = False
     section_block: int = 0
+    # fine segmentation: > 0 captures the state `inner_offset` tokens after the step's start,
+    # inside the step (the model hands it to the worker's inner-capture hook); 0: the state at
+    # the end of the step, from the state block
+    inner_offset: int = 0
 
     @property
     def link_id(self) -> int:
