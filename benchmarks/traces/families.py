@@ -11,6 +11,8 @@
 - interleaved: sessions used in turn (A, B, A, B, ...): a coding agent and a chat UI on one
   server, so each one's state must survive the other's requests.
 - concurrent: several coding sessions on the shared head, one request of each per wave.
+- image-chat: screenshots (PNG data URLs) and follow-up questions about them, for
+  vision-language models (`image_chat.py`).
 
 Every session draws from its own `random.Random` seeded with a string of (seed, family,
 session), so adding a session never changes the others and a trace is reproducible anywhere.
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.traces import text
+from benchmarks.traces.image_chat import image_chat
 from benchmarks.traces.model import Message, Request, Session, Trace
 from benchmarks.traces.sizes import SIZES, Size
 
@@ -348,6 +351,8 @@ FAMILIES: dict[str, tuple[Callable[[int, Size], tuple[list[_Conversation], list[
     "sub-agents": (sub_agents, "a parent agent and concurrent sub-agents sharing its head"),
     "interleaved": (interleaved, "a coding agent and a chat session used in turn (A, B, A)"),
     "concurrent": (concurrent, "coding sessions on a shared head, one request each per wave"),
+    "image-chat": (image_chat, "screenshots and follow-up questions, sessions in sequence "
+                               "(vision-language models)"),
 }
 
 
