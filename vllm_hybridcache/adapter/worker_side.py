@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_hybridcache.adapter.inner_states import InnerStates
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError
@@ -42,6 +43,8 @@ class WorkerSide:
         self.store = LinkStore(self.parts.layout) if self.parts is not None else None
         self._sections: dict[str, tuple[int, torch.Tensor]] = {}   # name -> (gid, [blocks,...])
         self._rows: dict[str, tuple[int, PagedBlocks]] = {}        # name -> (gid, accessor)
+        # fine segmentation: states inside a step, from the layers that take a capture hook
+        self._inner: InnerStates | None = None
         self._report = StepReport(workers=1)
         self._recving: set[str] = set()
         self._sending: set[str] = set()
@@ -78,9 +81,27 @@ class WorkerSide:
                     f"{spec.shape}/{spec.dtype}"
                 )
             self._sections[name] = (gid, t)
+        self._inject_inner_hooks(ctx)
         for name, gid, layer in self.parts.views:
             self._rows[name] = (gid, PagedBlocks(kv_caches[layer], self.num_blocks,
                                                  self.parts.block_bytes[name]))
+
+    def _inject_inner_hooks(self, ctx) -> None:
+        """Give every state layer that can hand over states inside a step (an `inner_capture`
+        attribute: flash_next/gdn.py) a hook; only when all of them can, so an inner capture
+        never lacks a section. The scheduler side plans inner captures only in fine mode."""
+        layers = {layer for _, _, layer, _ in self.parts.sections}
+        if not layers or not all(hasattr(ctx[layer], "inner_capture") for layer in layers):
+            return
+        self._inner = InnerStates({name: (gid, layer, idx)
+                                   for name, gid, layer, idx in self.parts.sections})
+        for _, gid, layer, _ in self.parts.sections:
+            ctx[layer].inner_capture = self._inner.hook(gid)
+
+    def arm_inner(self, plan: StepPlan) -> None:
+        """Before the step's forward: the offsets this step's inner captures want."""
+        if self._inner is not None:
+            self._inner.arm(plan)
 
     # ------------------------------------------------------------------ loads
     def _load(self, job: LoadJob) -> None:
@@ -140,10 +161,17 @@ class WorkerSide:
         layout = self.parts.layout
         bufs = self.store.allocate(job.link_id, layout.view_rows(job.row_start, job.row_end))
         first = job.row_start // layout.view_block_tokens
+        if job.inner_offset > 0:  # a state inside the step, handed over by the model
+            if self._inner is None:
+                raise RuntimeError("an inner capture on a model without inner-capture hooks")
+            inner = self._inner.sections(job)
+            srcs = [(inner[name], bufs.sections[name]) for name in self._sections]
+        else:
+            srcs = [(t[job.block_ids[gid][job.section_block]], bufs.sections[name])
+                    for name, (gid, t) in self._sections.items()]
         # state slots and every layer's KV blocks: one launch per link (ops/link_copy.py)
         gather_link(
-            [(t[job.block_ids[gid][job.section_block]], bufs.sections[name])
-             for name, (gid, t) in self._sections.items()],
+            srcs,
             [(acc, job.block_ids[gid], first, bufs.views[name])
              for name, (gid, acc) in self._rows.items()])
         self.store.seal(job.link_id)
@@ -165,6 +193,8 @@ class WorkerSide:
                 self._report.failed_saves.add(job.addr)
             if job.finishing:
                 self._sending.add(job.req_id)  # vLLM may free the request's blocks now
+        if self._inner is not None:
+            self._inner.clear()
         self._disk_plan(plan)
         if self._writer is not None:
             self._disk_writes(plan)
