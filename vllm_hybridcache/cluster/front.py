@@ -86,6 +86,7 @@ class Front:
         self.client = client  # made on first use (tests pass one with a mock transport)
         self._health: asyncio.Task | None = None
         self.dead: set[str] = set()  # replicas found dead (on_down ran for them)
+        self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ liveness
     async def check(self, name: str) -> None:
@@ -111,6 +112,12 @@ class Front:
                     self.router.set_up(name, True)
             except httpx.HTTPError:
                 pass
+
+    def _later(self, coro) -> None:
+        """Run `coro` beside the request (a reference is kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _ensure_health(self) -> None:
         """Start the liveness loop once (from the app's lifespan, or the first request where
@@ -174,7 +181,7 @@ class Front:
                 self.router.finished(d.replica, ok=False)
                 if isinstance(e, httpx.TransportError):
                     self.router.set_up(d.replica, False)
-                    asyncio.get_running_loop().create_task(self.check(d.replica))
+                    self._later(self.check(d.replica))
                 continue
             ok_status = resp.status_code < 400
             return StreamingResponse(
@@ -195,7 +202,7 @@ class Front:
         except httpx.HTTPError as e:
             logger.warning("hybridcache front: replica %s failed mid-response: %s", replica, e)
             self.router.set_up(replica, False)
-            asyncio.get_running_loop().create_task(self.check(replica))
+            self._later(self.check(replica))
         finally:
             await resp.aclose()
             self.router.finished(replica, ok, session, keys)
