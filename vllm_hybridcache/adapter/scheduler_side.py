@@ -48,7 +48,15 @@ from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
-from vllm_hybridcache.segmentation import Segmentation, first_cut_after
+from vllm_hybridcache.segmentation import (
+    FINE,
+    STEP,
+    RecentPrompts,
+    Segmentation,
+    first_cut_after,
+    floor_aligned,
+    inner_positions,
+)
 
 if TYPE_CHECKING:
     from vllm_hybridcache.instrumentation import Instrumentation
@@ -74,6 +82,9 @@ class _Live:
     cuts: list[int]
     cut_set: frozenset[int]
     unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
+    # fine segmentation: 64-aligned positions captured inside a step (the prompt's last one,
+    # a junction where it parts from a recent prompt); () in step mode
+    wanted: tuple[int, ...] = ()
     # MTP route: which prompt tokens the draft head's row at a step's last position read
     # (see draft_reads); None off the route. A link fits another prompt only if they match.
     draft_reads: str | None = None
@@ -230,6 +241,29 @@ def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
                         message_end_min=settings.message_end_min)
 
 
+def segmentation_mode(vllm_config) -> tuple[str, str]:
+    """(mode, why) of this engine's segmentation: `fine` (links also at 64-aligned positions
+    inside a step) only where the model says its forward is split-invariant there
+    (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch),
+    and not on a speculative route (the draft rows' tags are step-shaped); `step` otherwise.
+    """
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return STEP, "speculative decoding"
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        mc = vllm_config.model_config
+        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    except Exception as e:  # an unknown architecture: no claim about its forward
+        return STEP, f"model class not resolved ({type(e).__name__})"
+    align = getattr(cls, "inner_capture_align", None)
+    if align is None:
+        return STEP, f"{cls.__name__} is not known to be split-invariant"
+    if align() != 64:
+        return STEP, f"{cls.__name__} runs a forward that is not split-invariant"
+    return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions"
+
+
 def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:
     """A start-up warning when the memory guard will skip most captures, else None.
 
@@ -268,6 +302,8 @@ class SchedulerSide:
             self.reason_inactive = "budget_bytes=0"
         layout = self.parts.layout if self.parts is not None else None
         self.segmentation = resolve_segmentation(settings, vllm_config)
+        self.segmentation_mode, self._mode_why = segmentation_mode(vllm_config)
+        self._recent = RecentPrompts() if self.segmentation_mode == FINE else None
         anchors = settings.session_anchors
         self._speculative = vllm_config.speculative_config is not None
         if (self._speculative and anchors
@@ -339,6 +375,8 @@ class SchedulerSide:
                         "bytes, %d sections / %d views)", self.segmentation.grid,
                         list(self.segmentation.message_end_ids), settings.budget_bytes,
                         len(layout.sections), len(layout.views))
+            logger.info("hybridcache: segmentation mode %s (%s)", self.segmentation_mode,
+                        self._mode_why)
 
     def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource,
                    tree: SnapshotTree, spill: bool) -> DiskTier:
@@ -433,6 +471,11 @@ class SchedulerSide:
                           keys=self.cache.keys(prompt if key_ids is None else key_ids),
                           cuts=cuts, cut_set=frozenset(cuts), unkeyed=key_ids is None,
                           draft_reads=self._draft_reads)
+            # requests with images keep step-aligned links: inner links inside an image's
+            # rows were not tested (docs/split-invariance.md)
+            if (self._recent is not None and not entry.unkeyed
+                    and not getattr(request, "mm_features", None)):
+                entry.wanted = self._fine_positions(entry)
             self._live[request.request_id] = entry
         return entry
 
@@ -572,6 +615,8 @@ class SchedulerSide:
         if end < min(next_cut, prompt_len):
             entry.canonical = False  # step clipped by the token budget: off the segmentation
             return
+        if entry.wanted:
+            self._plan_inner(entry, req_id, start, end, plan)
         if end not in entry.cut_set:
             return
         r = self.cache.reserve(LinkKind.TREE, entry.keys, end, entry.domain,
@@ -581,6 +626,34 @@ class SchedulerSide:
         plan.captures.append(CaptureJob(addr=r.addr, req_id=req_id, row_start=r.start,
                                         row_end=r.end,
                                         block_ids=[list(b) for b in entry.block_ids]))
+
+    def _fine_positions(self, entry: _Live) -> tuple[int, ...]:
+        """Fine mode: the last 64-aligned position before the prompt's end (an identical
+        resend prefills at most 64 tokens) and the last one at or before the point where the
+        prompt parts from a recent prompt of its domain (a junction: the next prompt on that
+        prefix resumes there). Any 64-aligned position is exact in this mode."""
+        tokens = entry.keys.tokens
+        n = len(entry.keys)
+        wanted = {floor_aligned(n - 1)}
+        junction = self._recent.junction(entry.domain, tokens)
+        if junction:
+            wanted.add(floor_aligned(junction))
+        self._recent.remember(entry.domain, tokens)
+        return tuple(sorted(q for q in wanted if q > 0))
+
+    def _plan_inner(self, entry: _Live, req_id: str, start: int, end: int,
+                    plan: StepPlan) -> None:
+        """Fine mode: reserve a link at every wanted position inside the step, in order (each
+        the parent of the next, the step's own link last); the model hands their states over
+        during the forward (CaptureJob.inner_offset). They commit or abort with the report."""
+        for q in inner_positions(start, end, entry.wanted, entry.cut_set):
+            r = self.cache.reserve(LinkKind.TREE, entry.keys, q, entry.domain)
+            if r.addr is None:
+                continue
+            plan.captures.append(CaptureJob(addr=r.addr, req_id=req_id, row_start=r.start,
+                                            row_end=r.end,
+                                            block_ids=[list(b) for b in entry.block_ids],
+                                            inner_offset=q - start))
 
     def _time_prefill(self, entry: _Live, start: int, n: int, prompt_len: int) -> None:
         """Measure the prefill rate for the disk tier's cost check: a request's previous
