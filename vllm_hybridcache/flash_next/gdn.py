@@ -6,9 +6,18 @@ and, when the decoder layer has PLE, the PLE sections too: (n-gram context ids [
 int64, PLE conv inputs [hc * H, (K_ple - 1) * ngram] in the model dtype). vLLM allocates one
 state block per request (`mamba_cache_mode="none"`) and hands us its index; the layer gathers
 the states of the batch, runs the ops and scatters the new states back.
+
+Inner captures (docs/split-invariance.md): when the kernel backend is split-invariant at
+64-aligned positions, the adapter may inject an `InnerCapture` hook. For a prefilling request
+whose state slot the hook names, the layer runs its conv and chunked GDN ops piece by piece,
+cut at the hook's offsets (multiples of 64 from the step's start): the same arithmetic a step
+ending there performs, since the chunks are counted from each call's start. The state after
+each piece is handed to the hook; the layer never sees the cache.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +52,33 @@ def section_dtypes(model_dtype: torch.dtype, with_ple: bool) -> tuple[torch.dtyp
     state is always float32; n-gram context ids are int64."""
     base = (model_dtype, torch.float32)
     return (*base, torch.int64, model_dtype) if with_ple else base
+
+
+INNER_ALIGN = 64  # inner capture offsets are multiples of the GDN chunk size
+
+
+class InnerCapture(Protocol):
+    """Where a layer hands states at positions inside a step (owned by the adapter).
+
+    `offsets(slot)`: the offsets from the step's start (multiples of `INNER_ALIGN`, ascending)
+    at which the prefilling request reading state slot `slot` wants its states; () for none.
+    `put(layer, slot, offset, index, value)`: state `index` of `layer` after `offset` tokens of
+    this step (a tensor the layer no longer writes).
+    """
+
+    def offsets(self, slot: int) -> tuple[int, ...]: ...
+
+    def put(self, layer: str, slot: int, offset: int, index: int, value: torch.Tensor) -> None:
+        ...
+
+
+def capture_pieces(capture: InnerCapture | None, slot: int, length: int) -> list[int]:
+    """Piece ends for one prefilling request of `length` tokens: its wanted offsets inside the
+    step (0 < offset < length, multiples of INNER_ALIGN), then `length`."""
+    if capture is None:
+        return [length]
+    inner = [o for o in capture.offsets(slot) if 0 < o < length and o % INNER_ALIGN == 0]
+    return [*inner, length]
 
 
 class GatedNormSigmoidOrSilu(nn.Module):
@@ -96,6 +132,8 @@ class GatedDeltaNet(nn.Module, MambaBase):
         self.ple_state_owner = ple is not None
         self._shapes = gdn_state_shapes(config) + (ple_state_shapes(config) if ple else [])
         self.kv_cache = (torch.tensor([]),)
+        # injected by the adapter when the backend is split-invariant; None otherwise
+        self.inner_capture: InnerCapture | None = None
         register_forward_layer(vllm_config, prefix, self)
 
     # ------------------------------------------------------------------ MambaBase
@@ -207,7 +245,11 @@ class GatedDeltaNet(nn.Module, MambaBase):
             conv_state[rows], ssm_state[rows] = cs, ss
             self.store_decode_step(b, 0, rows, j, cs)
             self.store_decode_step(b, 1, rows, j, ss)
-        if n > nd:
+        if n > nd and self.wants_inner(b):
+            self._prefill_in_pieces(b, mixed, g, beta, conv_state, ssm_state, out)
+            self.store_prefill_states(b, 0, conv_state)
+            self.store_prefill_states(b, 1, ssm_state)
+        elif n > nd:
             t0 = int(b.cu_seqlens[nd])
             cu = b.cu_seqlens[nd:] - t0
             y, cs = self.ops.causal_conv1d_prefill(mixed[t0:], self.conv_weight, cu,
@@ -221,3 +263,38 @@ class GatedDeltaNet(nn.Module, MambaBase):
             self.store_prefill_states(b, 1, ssm_state)
         core = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))
+
+    # ------------------------------------------------------------------ inner captures
+    def wants_inner(self, b: SectionBatch) -> bool:
+        """Whether a prefilling request of this batch wants states inside the step."""
+        if self.inner_capture is None or not self.has_cache():
+            return False
+        cu = b.cu_seqlens.tolist()
+        return any(len(capture_pieces(self.inner_capture, int(b.read_slots[i]),
+                                      cu[i + 1] - cu[i])) > 1
+                   for i in range(b.num_decodes, b.num_reqs))
+
+    def _prefill_in_pieces(self, b: SectionBatch, mixed, g, beta, conv_state, ssm_state,
+                           out) -> None:
+        """Prefill request by request, each cut at its wanted offsets; hand the states after
+        every inner piece to the hook (module docstring)."""
+        cu = b.cu_seqlens.tolist()
+        for i in range(b.num_decodes, b.num_reqs):
+            slot = int(b.read_slots[i])
+            start = cu[i]
+            prev = 0
+            for end in capture_pieces(self.inner_capture, slot, cu[i + 1] - cu[i]):
+                lo, hi = start + prev, start + end
+                one = torch.tensor([0, hi - lo])
+                y, cs = self.ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, one,
+                                                       conv_state[i:i + 1], "silu")
+                q, k, v = self._split_heads(y)
+                o, ss = self.ops.gdn_chunked_prefill(q, k, v, g[lo:hi], beta[lo:hi], one,
+                                                     ssm_state[i:i + 1])
+                out[lo:hi] = o
+                conv_state[i:i + 1], ssm_state[i:i + 1] = cs, ss
+                if end < cu[i + 1] - cu[i]:
+                    dtypes = self.get_state_dtype()
+                    self.inner_capture.put(self.prefix, slot, end, 0, cs[0].to(dtypes[0]))
+                    self.inner_capture.put(self.prefix, slot, end, 1, ss[0].to(dtypes[1]))
+                prev = end
