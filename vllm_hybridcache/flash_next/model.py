@@ -110,7 +110,11 @@ class DecoderLayer(nn.Module):
             ctx[rows], conv[rows] = c2, k2
             gdn.store_decode_step(batch, 2, rows, j, c2)
             gdn.store_decode_step(batch, 3, rows, j, k2)
-        if n > nd:
+        if n > nd and gdn.wants_inner(batch):
+            self._ple_in_pieces(h, input_ids, batch, ctx, conv, out)
+            gdn.store_prefill_states(batch, 2, ctx)
+            gdn.store_prefill_states(batch, 3, conv)
+        elif n > nd:
             t0 = int(batch.cu_seqlens[nd])
             cu = batch.cu_seqlens[nd:] - t0
             o, c2, k2 = self.ple(h[t0:t], input_ids[t0:t], cu, ctx[nd:], conv[nd:])
@@ -119,6 +123,28 @@ class DecoderLayer(nn.Module):
             gdn.store_prefill_states(batch, 2, ctx)
             gdn.store_prefill_states(batch, 3, conv)
         return torch.cat([h[:t] + out, h[t:]]) if t < h.shape[0] else h + out
+
+    def _ple_in_pieces(self, h, input_ids, batch, ctx, conv, out) -> None:
+        """PLE of each prefilling request cut at its inner capture offsets (gdn.py, "Inner
+        captures"); its sections after every inner piece go to the GDN layer's hook."""
+        from vllm_hybridcache.flash_next.gdn import capture_pieces
+
+        gdn = self.linear_attn
+        hook = gdn.inner_capture
+        cu = batch.cu_seqlens.tolist()
+        for i in range(batch.num_decodes, batch.num_reqs):
+            slot, prev = int(batch.read_slots[i]), 0
+            for end in capture_pieces(hook, slot, cu[i + 1] - cu[i]):
+                lo, hi = cu[i] + prev, cu[i] + end
+                o, c2, k2 = self.ple(h[lo:hi], input_ids[lo:hi], torch.tensor([0, hi - lo]),
+                                     ctx[i:i + 1], conv[i:i + 1])
+                out[lo:hi] = o
+                ctx[i:i + 1], conv[i:i + 1] = c2, k2
+                if end < cu[i + 1] - cu[i]:
+                    dtypes = gdn.get_state_dtype()
+                    hook.put(gdn.prefix, slot, end, 2, c2[0].to(dtypes[2]))
+                    hook.put(gdn.prefix, slot, end, 3, k2[0].to(dtypes[3]))
+                prev = end
 
 
 class FlashNextModel(nn.Module):
@@ -232,6 +258,17 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def inner_capture_align(cls) -> int:
+        """64 when this process's kernel backend is split-invariant at 64-aligned positions
+        (VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT), so states at those positions inside a
+        step can be handed to an injected capture hook (gdn.py); 0 otherwise. The adapter
+        reads this to pick the segmentation mode; the model never talks to the cache."""
+        from vllm_hybridcache.flash_next.gdn import INNER_ALIGN
+        from vllm_hybridcache.flash_next.ops import split_invariant
+
+        return INNER_ALIGN if split_invariant.enabled() else 0
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
