@@ -90,6 +90,12 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # before the forward: inner captures of this step (fine segmentation) arm the hook
+        if self._worker is not None and isinstance(connector_metadata, StepPlan):
+            self._worker.arm_inner(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, StepPlan) and meta.loads:
@@ -151,7 +157,8 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None or not self._sched.active:
             return None
         self._seq += 1
-        return HybridCacheStats(data=encode(self._sched.cache.stats(), self._seq, self._epoch))
+        return HybridCacheStats(data=encode(self._sched.cache.stats(), self._seq, self._epoch,
+                                            self._sched.segmentation_mode))
 
     # =================== segmentation (for the scheduler hook) ===================
     @property

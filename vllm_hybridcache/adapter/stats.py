@@ -44,12 +44,17 @@ def _remember(engine_idx: int, data: dict[str, Any]) -> None:
         _latest[engine_idx] = data
 
 
-def encode(stats: dict[tuple[str, str], CacheStats], seq: int, epoch: str) -> dict[str, Any]:
-    """The connector-stats payload of one snapshot of every (tier, kind)."""
+def encode(stats: dict[tuple[str, str], CacheStats], seq: int, epoch: str,
+           segmentation: str | None = None) -> dict[str, Any]:
+    """The connector-stats payload of one snapshot of every (tier, kind); `segmentation`: the
+    engine's segmentation mode (`step` or `fine`, docs/split-invariance.md)."""
     tiers: dict[str, dict[str, Any]] = {}
     for (tier, kind), st in stats.items():
         tiers.setdefault(tier, {})[kind] = msgspec.to_builtins(st)
-    return {"epoch": epoch, "seq": seq, "tiers": tiers}
+    out: dict[str, Any] = {"epoch": epoch, "seq": seq, "tiers": tiers}
+    if segmentation is not None:
+        out["segmentation"] = segmentation
+    return out
 
 
 def _series(data: dict[str, Any]):

@@ -43,18 +43,21 @@ def _add(acc: dict[str, Any], stats: dict[str, Any]) -> None:
 def aggregate(snapshots: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Sum every engine's stats (counters and gauges alike add across engines).
 
-    Shape: {"tiers": {tier: {<totals over kinds>, "kinds": {kind: {...}}}}, "engines": n}.
-    `tier` is where the bytes live (ram), `kind` what kind of link (tree, anchor); a tier's
-    totals are what it holds and serves whatever the kind.
+    Shape: {"tiers": {tier: {<totals over kinds>, "kinds": {kind: {...}}}}, "engines": n,
+    "segmentation": {engine index: mode}}. `tier` is where the bytes live (ram), `kind` what
+    kind of link (tree, anchor); a tier's totals are what it holds and serves whatever the
+    kind. The mode is `step` (links where a prefill step ends) or `fine` (also at 64-aligned
+    positions inside steps, on a split-invariant forward; docs/split-invariance.md).
     """
     tiers: dict[str, dict[str, Any]] = {}
+    modes = {str(k): d["segmentation"] for k, d in snapshots.items() if "segmentation" in d}
     for data in snapshots.values():
         for tier, kinds in data.get("tiers", {}).items():
             acc = tiers.setdefault(tier, {"kinds": {}})
             for kind, stats in kinds.items():
                 _add(acc["kinds"].setdefault(kind, {}), stats)
                 _add(acc, stats)
-    return {"tiers": tiers, "engines": len(snapshots)}
+    return {"tiers": tiers, "engines": len(snapshots), "segmentation": modes}
 
 
 class HybridCacheEndpoints:
