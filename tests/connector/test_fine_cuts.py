@@ -1,0 +1,72 @@
+"""Fine segmentation: links captured inside a step at 64-aligned positions, where the forward
+is split-invariant (Flash-Next with VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1;
+docs/split-invariance.md). With the default settings (grid 2048) every prompt here is one
+prefill step, so each link below is taken from inside a step, from the states the model hands
+to the worker's hook: the prompt's last 64-aligned position (an identical resend prefills at
+most 64 tokens) and a junction (the last 64-aligned position before a prompt parts from an
+earlier one). Each hit must equal a cold prefill of the same prompt in the same engine, bit
+for bit: every state part at the prompt's end, the logprobs and the greedy tokens.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.connector.conftest import connector_engine, engine_parts
+from tests.connector.test_exactness import clear, run
+from vllm_hybridcache.adapter.domain import request_domain
+from vllm_hybridcache.instrumentation import instrument
+
+pytestmark = pytest.mark.slow
+
+A = [100 + (i * 7) % 3000 for i in range(200)]                  # last 64-aligned: 192
+C = A[:150] + [9 + (i * 17) % 3000 for i in range(40)]           # parts from A at 150: 128
+
+
+@pytest.fixture(scope="module")
+def llm(inproc, monkeypatch_module, embedded_model):
+    monkeypatch_module.setenv("VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT", "1")
+    with connector_engine(embedded_model("flash-next-tiny"), dtype="float32") as engine:
+        instrument(engine)          # state probes at each prefill's end: the "state" of run()
+        yield engine
+
+
+def same(warm, cold) -> None:
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == cold["logprobs"]
+    assert warm["state"] and warm["state"] == cold["state"]
+
+
+def test_fine_mode_hits_inside_steps_equal_cold(llm):
+    sched, worker = engine_parts(llm)
+    assert sched.segmentation_mode == "fine" and sched.segmentation.grid == 2048
+    clear(llm)
+    a_cold = run(llm, A)
+    clear(llm)
+    c_cold = run(llm, C)             # parts from A (seen before) at 150: a junction at 128
+    assert (a_cold["cached"], c_cold["cached"]) == (0, 0)
+
+    clear(llm)
+    run(llm, A)                      # one step; links at 128 (junction) and 192 inside it
+    a_warm = run(llm, A)             # an identical resend: 8 tokens prefilled
+    assert a_warm["cached"] == 192
+    same(a_warm, a_cold)
+    c_warm = run(llm, C)
+    assert c_warm["cached"] == 128
+    same(c_warm, c_cold)
+
+    # negative control: the junction link's state sections, corrupted, are caught
+    tree = sched.tree
+    domain = request_domain(sched.base_domain, SimpleNamespace(cache_salt=None,
+                                                                lora_request=None))
+    res = tree.lookup(tree.keys(C), domain, len(C) - 1)
+    assert res.tokens == 128
+    for t in worker.store.buffers(res.plan.chain[-1].link_id).sections.values():
+        if t.is_floating_point():
+            t.add_(torch.ones_like(t))
+    bad = run(llm, C)
+    assert bad["cached"] == 128
+    assert bad["logprobs"] != c_cold["logprobs"] or bad["state"] != c_cold["state"]
