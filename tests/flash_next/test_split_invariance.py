@@ -162,3 +162,44 @@ def test_switch_selects_the_wrapped_backend(monkeypatch):
     monkeypatch.setenv(split_invariant.ENV_VAR, "yes please")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         get_backend("cpu")
+
+
+# ---------------------------------------------------------------- inner captures
+
+
+class DictCapture:
+    """An `InnerCapture` hook (gdn.py) that keeps every state it is handed."""
+
+    def __init__(self, offsets: tuple[int, ...]) -> None:
+        self._offsets = offsets
+        self.got: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def offsets(self, slot: int) -> tuple[int, ...]:
+        return self._offsets
+
+    def put(self, layer: str, slot: int, offset: int, index: int, value) -> None:
+        self.got[(layer, offset, index)] = value.clone()
+
+
+def test_inner_states_equal_a_step_ending_there(stepper, one_step):
+    """One step of N tokens that hands over its states at 128 and 320 (the GDN and PLE ops
+    run piece by piece) leaves the same logits and final states as without the hook, and each
+    handed-over state equals the state a prefill of the prefix alone leaves (the engine test,
+    tests/connector/test_fine_cuts.py, has the negative control of a bad inner link)."""
+    ids = prompt_ids(N, seed=17)
+    hook = DictCapture((128, 320))
+    gdn, _ = stepper.state_layers()
+    for layer in gdn.values():
+        layer.inner_capture = hook
+    try:
+        got = stepper.prefill(ids, [N])
+    finally:
+        for layer in gdn.values():
+            layer.inner_capture = None
+    assert differences(one_step, got) == []
+    assert len(hook.got) == 2 * (2 * len(gdn) + 2)  # 2 offsets; GDN (2 parts each), PLE (2)
+    for q in (128, 320):
+        prefix = stepper.prefill(ids[:q], [q])
+        for name, parts in prefix.sections.items():
+            for i, part in enumerate(parts):
+                assert torch.equal(hook.got[(name, q, i)], part), (name, q, i)
