@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +36,7 @@ import msgspec
 import requests
 
 from benchmarks.ideal import PromptTokenizer, ideal_cached
+from benchmarks.image_keys import collapse, ideal_ids, image_refs, pad_id
 from benchmarks.traces.model import Message, Request, Trace
 
 
@@ -238,8 +239,13 @@ def _warmup(session: requests.Session, root: str, cfg: ReplayConfig,
     r.raise_for_status()
 
 
-def replay(trace: Trace, cfg: ReplayConfig, tokenizer: PromptTokenizer) -> ReplayResult:
-    """Send the trace wave by wave and measure every request (see the module docstring)."""
+def replay(trace: Trace, cfg: ReplayConfig, tokenizer: PromptTokenizer,
+           after_wave: Callable[[list[int]], None] | None = None) -> ReplayResult:
+    """Send the trace wave by wave and measure every request (see the module docstring).
+
+    `after_wave(indices)` runs after each wave with the indices of its requests (a benchmark
+    reads server-side counters there). Image parts are accounted by `benchmarks.image_keys`.
+    """
     if cfg.history not in ("scripted", "live"):
         raise ValueError(f"history must be 'scripted' or 'live', not {cfg.history!r}")
     root = server_root(cfg.base_url)
@@ -287,6 +293,8 @@ def replay(trace: Trace, cfg: ReplayConfig, tokenizer: PromptTokenizer) -> Repla
             with ThreadPoolExecutor(max_workers=len(wave)) as pool:
                 for i, out in pool.map(run_one, wave):
                     outcomes[i] = out
+            if after_wave is not None:
+                after_wave([index[id(req)] for req in wave])
             if cfg.history == "live":
                 for req in wave:
                     scripted = trace.answer(req)
@@ -300,12 +308,18 @@ def replay(trace: Trace, cfg: ReplayConfig, tokenizer: PromptTokenizer) -> Repla
     results: list[RequestResult] = []
     prompts: list[list[int]] = []
     seen: list[list[int]] = []
+    pad = pad_id(tokenizer)
     for i, req in enumerate(trace.requests):
         out = outcomes[i]
         local = tokenizer.prompt_ids(sent[i], trace.tools(req))
         # What the server processed: its own prompt ids when it returns them (they are the
         # truth; they equal `local` unless the template drifted), then the tokens it generated.
         server_prompt = out.prompt_ids if out.prompt_ids is not None else local
+        shown = out.prompt_ids
+        refs = image_refs(sent[i]) if pad is not None else []
+        if refs:  # pad runs named by their image; the local render has one pad per image
+            server_prompt = ideal_ids(server_prompt, pad, refs)
+            shown = None if shown is None else collapse(shown, pad)
         prompts.append(server_prompt)
         answer_ids = out.output_ids or tokenizer.encode(out.text)
         seen.append(server_prompt + answer_ids if out.error is None else [])
@@ -314,7 +328,7 @@ def replay(trace: Trace, cfg: ReplayConfig, tokenizer: PromptTokenizer) -> Repla
             prompt_tokens=out.prompt_tokens, local_prompt_tokens=len(local),
             cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
             ttft_s=out.ttft_s, e2e_s=out.e2e_s,
-            prompt_ids_match=None if out.prompt_ids is None else out.prompt_ids == local,
+            prompt_ids_match=None if shown is None else shown == local,
             error=out.error))
     ideal = ideal_cached([r.wave for r in trace.requests], prompts, seen)
     for res, value in zip(results, ideal, strict=True):
