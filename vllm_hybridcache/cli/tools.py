@@ -1,4 +1,5 @@
-"""`vllm-hybridcache`: make embedded models, print their paths, serve one with the plugin."""
+"""`vllm-hybridcache`: make embedded models, print their paths, serve one with the plugin, or
+N replicas of a model under Ray behind one port (`cluster`, docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def _serve_embedded(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cluster"]:  # its own parser (flags after `--` go to vllm serve)
+        from vllm_hybridcache.cluster.launcher import main as cluster_main
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return cluster_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vllm-hybridcache", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("make-model", help="write embedded model(s) and print their folders")
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plugin", action="store_true", help="serve with stock vLLM settings")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="further vllm serve flags")
     p.set_defaults(func=_serve_embedded)
+    sub.add_parser("cluster", help="N replicas with the cluster tier under Ray, one OpenAI "
+                   "port (vllm-hybridcache cluster --help)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return args.func(args)
