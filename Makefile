@@ -13,9 +13,10 @@ TOOLCHAIN  := .stamps/toolchain
 APT_PKGS   := clang-19 lld-19 shellcheck
 MODEL      ?= flash-next-tiny
 PORT       ?= 8011
+REPLICAS   ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: env toolchain demo serve test test-fast bench lint models clean-env
+.PHONY: env toolchain demo serve cluster test test-fast bench lint models clean-env
 
 env: $(STAMP)
 
@@ -56,6 +57,10 @@ demo: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/vllm-hybridcache serve-embedded $(MODEL) --port $(PORT)
+
+# REPLICAS engines of MODEL under a local Ray (cluster tier on), one OpenAI port (docs/cluster.md)
+cluster: $(STAMP)
+	$(VENV)/bin/vllm-hybridcache cluster $(MODEL) --replicas $(REPLICAS) --port $(PORT)
 
 test: $(STAMP) $(TOOLCHAIN)
 	$(PY) -m pytest $(PYTEST_ARGS)
