@@ -6,23 +6,33 @@ Every hit is checked against a cold run of the same request in the same server (
 cleared): same tokens, same logprobs, bit for bit. The sensitivity of each check is asserted
 too: the two requests of the different-image case have identical prompt token ids, so a key
 without the image's content would restore the first image's state (the unit-level negative
-control, tests/adapter/test_unkeyed_inputs.py, runs exactly that)."""
+control, tests/adapter/test_unkeyed_inputs.py, runs exactly that).
+
+The server carries the vision probe (`benchmarks.vision_probe`: the tower's calls, counted in
+the worker) and an operator's pixel limit (`VLLM_MAX_IMAGE_PIXELS`), so the same engine shows
+that a conversation encodes its image once and that oversized images are refused."""
 
 from __future__ import annotations
 
 import base64
 import io
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 
+from benchmarks import vision_probe
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 from tests.serving.conftest import KEY, cache_stats, cached_tokens, clear_cache
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
 GRID = 64
+MAX_IMAGE_PIXELS = 4_000_000  # the operator's limit the server runs with (vLLM's own check)
 SYSTEM = ("You are a careful assistant who describes pictures for people who cannot see them. "
           "Describe shapes, colours and their positions, and say when you are unsure. " * 2)
 
@@ -46,10 +56,14 @@ def vl_server(embedded_model, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_HYBRIDCACHE_GRID", str(GRID))
     mp.setenv("VLLM_HYBRIDCACHE_MESSAGE_END_MIN", "16")
+    mp.setenv("VLLM_MAX_IMAGE_PIXELS", str(MAX_IMAGE_PIXELS))
+    # the worker imports the probe from the repository
+    mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                            if p))
     settings = ServerSettings(model_path=str(embedded_model("flash-next-vl-tiny")),
                               served_name="vl", max_model_len=4096, port=8310,
                               extra_args=["--api-key", KEY, "--allowed-local-media-path",
-                                          str(media)])
+                                          str(media), *vision_probe.EXTENSION_ARGS])
     log = tmp_path_factory.mktemp("server") / "vl.log"
     with running_server(SYSTEMS["ours"], settings, log) as srv:
         yield srv, media
@@ -154,20 +168,99 @@ def test_later_turns_hit_past_the_image_and_equal_cold(vl_server):
     _same(warm, cold)
 
 
+def _tower(srv) -> dict:
+    return vision_probe.read(srv.base_url, {"Authorization": f"Bearer {KEY}"})
+
+
+def test_a_conversation_sending_the_same_image_every_turn_encodes_it_once(vl_server):
+    """vLLM 0.32's encoder cache is keyed by the item's hash and outlives the request, so the
+    tower runs once for the image even when the snapshot cache is emptied before every turn
+    (each later turn is then a full prefill that still needs the image's rows)."""
+    srv, _ = vl_server
+    url = _data_url(_png(7))
+    history = [{"role": "system", "content": SYSTEM}, _user(url, " Describe it in one line.")]
+    before = _tower(srv)
+    _run(srv, history)
+    first = _tower(srv)
+    assert (first["calls"], first["images"]) == (before["calls"] + 1, before["images"] + 1)
+    for i, question in enumerate(("Which colour covers most of it?", "Is there a face?")):
+        clear_cache(srv)
+        history = [*history, {"role": "assistant", "content": f"Answer number {i}."},
+                   {"role": "user", "content": question}]
+        out = _run(srv, history)
+        assert out["cached"] == 0  # nothing restored: the prefill ran over the image's rows
+        assert _tower(srv) == first
+    # sensitivity: another picture in the same conversation is encoded
+    _run(srv, [*history, {"role": "assistant", "content": "No."},
+               _user(_data_url(_png(8)), " And this one?")])
+    assert _tower(srv)["images"] == first["images"] + 1
+
+
+def _bad(srv, url: str) -> requests.Response:
+    return _post(srv, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "what is this?"}]}])
+
+
+def _solid_png(w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (w, h), 1).save(buf, format="PNG")  # 1 bit per pixel: small to build
+    return buf.getvalue()
+
+
 def test_bad_images_get_vllm_errors_and_cache_nothing(vl_server):
     srv, _ = vl_server
     clear_cache(srv)
     before = cache_stats(srv)
     garbage = "data:image/png;base64," + base64.b64encode(b"not an image at all").decode()
     thin = _data_url(_png(5, w=1000, h=4))  # aspect ratio beyond what the processor takes
-    for url in (garbage, thin):
-        r = _post(srv, [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": "what is this?"}]}])
-        assert r.status_code == 400, r.text
+    for url, message in ((garbage, "Failed to load image"), (thin, "aspect ratio"),
+                         # over the operator's VLLM_MAX_IMAGE_PIXELS
+                         (_data_url(_solid_png(2500, 2000)), "VLLM_MAX_IMAGE_PIXELS")):
+        r = _bad(srv, url)
+        assert r.status_code == 400 and message in r.text, r.text
+    # beyond PIL's decompression-bomb bound (2 x 89,478,485 pixels): PIL refuses it while
+    # opening, before vLLM's own check; vLLM 0.32 answers 500 (not 400) with PIL's message
+    r = _bad(srv, _data_url(_solid_png(14000, 14000)))
+    assert r.status_code == 500 and "decompression bomb" in r.text, r.text
+    # more image rows than the context holds: vLLM's length check, after processing
+    square = _data_url(_solid_png(256, 256))  # 64 rows each
+    many = [{"type": "image_url", "image_url": {"url": square}}] * (4096 // 64 + 1)
+    r = _post(srv, [{"role": "user", "content": [*many, {"type": "text", "text": "all?"}]}])
+    assert r.status_code == 400 and "maximum context length" in r.text, r.text
     assert cache_stats(srv) == before
     # the server goes on serving
     ok = _run(srv, [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": _data_url(_png(6))}},
         {"type": "text", "text": "and this one?"}]}])
     assert ok["tokens"]
+
+
+def test_an_image_on_a_text_only_registration_is_refused(server, embedded_model):
+    """Our text-only registrations are not multimodal to vLLM: flash-next-tiny's architecture
+    maps to `FlashNextForCausalLM`, which lacks `SupportsMultiModal` (what vLLM's registry
+    checks), like the package's qwen3-next-tiny server, so vLLM's chat front end refuses image
+    parts before anything reaches the engine or the cache."""
+    import json
+    from importlib import import_module
+
+    from vllm.model_executor.models.interfaces import supports_multimodal
+
+    from tests.serving.conftest import chat
+    from vllm_hybridcache.flash_next.registration import ARCHITECTURES
+
+    config = json.loads((embedded_model("flash-next-tiny") / "config.json").read_text())
+    module, name = ARCHITECTURES[config["architectures"][0]].split(":")
+    assert not supports_multimodal(getattr(import_module(module), name))
+    before = cache_stats(server)
+    r = requests.post(server.base_url + "/v1/chat/completions",
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "max_tokens": 2, "messages": [
+                          {"role": "user", "content": [
+                              {"type": "image_url", "image_url": {"url": _data_url(_png(9))}},
+                              {"type": "text", "text": "what is this?"}]}]}, timeout=120)
+    assert r.status_code == 400 and "not a multimodal model" in r.text, r.text
+    assert cache_stats(server) == before
+    assert chat(server, [{"role": "user", "content": "still there?"}])[0]
