@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .keys import PromptKeys
@@ -85,18 +86,28 @@ class SnapshotCache:
                fits: Fits | None = None) -> LookupResult:
         """The deepest hit of any tier (pending hits included: the caller asks again), else the
         primary tier's miss. On a tie a later tier wins unless it is `slow` (a disk hit only
-        counts when it is deeper than what RAM holds). Pure, like every tier's lookup."""
+        counts when it is deeper than what RAM holds). Pure, like every tier's lookup.
+
+        `shortened` says whether any tier refused (by `fits`) a link deeper than the answer:
+        an end anchor refused beyond a tree hit counts, a tree link refused below an anchor
+        hit does not."""
         best: LookupResult | None = None
         primary: LookupResult | None = None
+        refused = 0
         for t in self._tiers.values():
             res = t.lookup(tokens, domain, limit, fits)
+            refused = max(refused, res.refused)
             if t is self._primary:
                 primary = res
             if res.hit and (best is None or res.tokens > best.tokens
                             or (res.tokens == best.tokens and not t.slow)):
                 best = res
         assert primary is not None
-        return best if best is not None else primary
+        out = best if best is not None else primary
+        shortened = refused > out.tokens
+        if shortened != out.shortened or refused != out.refused:
+            out = msgspec.structs.replace(out, shortened=shortened, refused=refused)
+        return out
 
     def miss(self, reason: MissReason, prompt_tokens: int, limit: int) -> LookupResult:
         """A miss the adapter decides without looking (e.g. `unkeyed_input`), answered by the

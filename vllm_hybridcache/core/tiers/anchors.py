@@ -106,7 +106,7 @@ class EndAnchors(CacheTier):
         n_prompt = int(arr.shape[0])
         lim = n_prompt if limit is None else max(0, min(int(limit), n_prompt))
         if not self.enabled:
-            return self._miss(MissReason.DISABLED, n_prompt, lim, False)
+            return self._miss(MissReason.DISABLED, n_prompt, lim)
         best: _Anchor | None = None
         refused = 0
         for a in self._anchors.values():
@@ -120,14 +120,15 @@ class EndAnchors(CacheTier):
                 best = a
         depth = int(best.tokens.shape[0]) if best is not None else 0
         if best is None:
-            return self._miss(MissReason.NO_PREFIX, n_prompt, lim, refused > 0)
+            return self._miss(MissReason.NO_PREFIX, n_prompt, lim, refused)
         return LookupResult(True, depth, self._plan(best), None, n_prompt, lim,
                             tier=self.tier.value, kind=self.kind.value,
-                            pending=not best.committed, shortened=refused > depth)
+                            pending=not best.committed, shortened=refused > depth,
+                            refused=refused)
 
-    def _miss(self, reason: MissReason, n: int, lim: int, shortened: bool) -> LookupResult:
+    def _miss(self, reason: MissReason, n: int, lim: int, refused: int = 0) -> LookupResult:
         return LookupResult(False, 0, None, reason.value, n, lim, tier=self.tier.value,
-                            kind=self.kind.value, shortened=shortened)
+                            kind=self.kind.value, shortened=refused > 0, refused=refused)
 
     def record_lookup(self, res: LookupResult) -> None:
         record_lookup(self._rec, res)

@@ -111,7 +111,8 @@ class LookupResult(msgspec.Struct, frozen=True):
     whose miss reason is reported. `pending`: the hit's copy is not confirmed yet; the caller
     should ask again after the next step rather than miss (end anchors of a request that has
     just finished). `shortened`: a link matched the prompt's tokens deeper than the hit but was
-    refused by the `fits` predicate.
+    refused by the `fits` predicate; `refused`: the deepest such cut (0 if none), so the facade
+    can tell whether a refusal in one tier was deeper than another tier's hit.
     """
 
     hit: bool
@@ -125,6 +126,7 @@ class LookupResult(msgspec.Struct, frozen=True):
     kind: str = LinkKind.TREE.value
     pending: bool = False
     shortened: bool = False
+    refused: int = 0
 
 
 class Reservation(msgspec.Struct, frozen=True):

@@ -351,7 +351,7 @@ class SnapshotTree(CacheTier):
         if best is not None:
             plan = self._plan(best)
             return LookupResult(True, best.p, plan, None, n, lim, collisions,
-                                shortened=shortened)
+                                shortened=shortened, refused=refused)
         if collisions:
             reason = MissReason.VERIFY_FAILED
         elif self._ghosts.match(keys, domain, 0, lim):
@@ -361,7 +361,7 @@ class SnapshotTree(CacheTier):
         else:
             reason = MissReason.NO_PREFIX
         return LookupResult(False, 0, None, reason.value, n, lim, collisions,
-                            shortened=shortened)
+                            shortened=shortened, refused=refused)
 
     # ------------------------------------------------------------------ restores
     def record_lookup(self, res: LookupResult) -> None:
