@@ -8,9 +8,11 @@ tree link is written to a link file. Server B then serves that first turn from t
 wrote (a disk hit: cached tokens = the deepest cut A reached), and its tokens and logprobs
 equal B's own cold run of it (a unique `cache_salt`). Then both servers run the conversation's
 fourth turn at the same time (interleaved traffic: both read the same files and write the same
-new links), each equal to its own cold run.
+new links), each equal to its own cold run. B is then killed with SIGKILL right after a cold
+run whose links its writer is writing, A stopped with SIGTERM: every link file left verifies
+in full (header and every part's CRC-32; a cut write leaves only a temporary).
 
-Both are stopped with SIGTERM and one server is started again on the same folder, with three
+One server is started again on the same folder, with three
 things planted in it: an unrelated file (kept, never read), a file that is not a link under a
 link's name (refused at start) and a flipped byte in the conversation's first link past the
 shared system prompt.
@@ -30,8 +32,11 @@ state), and this test is about the tree links on disk.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +58,7 @@ from tests.serving.conftest import (
     segmentation,
 )
 from vllm_hybridcache.core import PromptKeys
+from vllm_hybridcache.core.disk.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +102,24 @@ def _file(domain_dir: Path, ids: list[int], cut: int) -> Path:
     found = domain_dir / f"{PromptKeys(ids).digest(cut).hex()}-{cut}.link"
     assert found.is_file(), found
     return found
+
+
+def _all_links_verify(disk: Path) -> int:
+    """Every link file under `disk` is complete: header and every part's CRC-32 verify.
+    Temporaries (a write a kill cut short) are skipped: never read, swept when stale."""
+    n = 0
+    for p in disk.rglob("*.link"):
+        if p.name.startswith(TMP_PREFIX):
+            continue
+        raw = p.read_bytes()
+        _, hlen, _ = _PRE.unpack(raw[:_PRE.size])
+        fp = msgspec.msgpack.decode(raw[_PRE.size:_PRE.size + hlen],
+                                    type=LinkFileHeader).fingerprint
+        header, base = read_header(p, fp)
+        for e in header.parts:
+            assert zlib.crc32(raw[base + e.offset:base + e.offset + e.nbytes]) == e.crc32, p
+        n += 1
+    return n
 
 
 @contextlib.contextmanager
@@ -161,9 +185,17 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
             earlier.append(bodies[0]["prompt_token_ids"])
             for s in (srv, srv_b):
                 assert _disk(s).get("restores_failed", 0) == 0
-        # both stopped with SIGTERM; plant an unrelated file, a non-link under a link's name, and
-        # a flipped byte (in its last bytes: a view part) in the conversation's first link
-        # past what it shares with the second session: every deeper link chains through it
+
+            # kill -9 of server B with its writer busy: a cold run (fresh salt) has just
+            # committed links the writer writes in the background; SIGKILL the whole process
+            # group at once (no drain)
+            chat_body(srv_b, main[3], cache_salt=f"killed-{uuid.uuid4().hex}")
+            os.killpg(srv_b.pid, signal.SIGKILL)
+        # whatever the kill cut short left no torn link: every `.link` verifies in full
+        assert _all_links_verify(disk) > 0
+        # B killed, A stopped with SIGTERM; plant an unrelated file, a non-link under a link's
+        # name, and a flipped byte (in its last bytes: a view part) in the conversation's first
+        # link past what it shares with the second session: every deeper link chains through it
         (domain_dir / "notes.txt").write_text("not a link")
         (domain_dir / ("00" * 16 + "-4096.link")).write_bytes(b"garbage" * 100)
         main_ids, sub_ids = earlier[2], earlier[3]
