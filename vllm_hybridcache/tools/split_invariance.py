@@ -13,6 +13,14 @@ is the op whose inputs still agreed; everything after it may just propagate it.
 Flash-Next (`--ops reference|cpu|triton`) runs in-process through `tools.flash_next_steps`
 (seconds per pattern; the Triton kernels through Triton's CPU interpreter, so keep prompts
 short).
+
+vLLM's own models (`--engine qwen3-next-tiny`) run in a vLLM engine, one child process per
+pattern (an engine per step size: vLLM's chunked prefill with `max_num_batched_tokens` = the
+step, `max_num_seqs` = 1); the child runs its engine in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor: without it the CPU worker is another
+process and the hooks record there), so hooks installed through `LLM.apply_model` record in the
+child itself, and it saves the recording for the parent to compare. Patterns there are
+`one` or `N` (the token budget sets every step but the last).
 """
 
 from __future__ import annotations
@@ -143,6 +151,70 @@ def record_flash_next(stepper, ids: list[int], steps: list[int]) -> tuple[Record
     return rec, result
 
 
+def _engine_child(model: str, dtype: str, tokens: int, step: int, seed: int, out: str) -> int:
+    """One pattern in a vLLM engine of this process; saves (order, steps, prompt logprobs)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a fixed KV cache, not a fraction
+    from vllm import LLM, SamplingParams
+
+    from vllm_hybridcache.models import ensure_model
+
+    ids = prompt(tokens, seed)
+    llm = LLM(model=str(ensure_model(model)), dtype=dtype, max_model_len=max(2048, tokens + 64),
+              max_num_batched_tokens=step, max_num_seqs=1, enable_chunked_prefill=True,
+              enable_prefix_caching=False, enforce_eager=True, seed=0,
+              distributed_executor_backend="uni")  # the worker in this process: hooks record here
+    rec = Recording()
+    steps: list[int] = []
+
+    def install(model) -> int:
+        n = 0
+        for name, module in model.named_modules():
+            if name:
+                module.register_forward_hook(lambda _m, _i, o, name=name: rec.add(name, o))
+                n += 1
+
+        def start(_m, args, kwargs):
+            pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            steps.append(int(pos.shape[-1]))
+            rec.start_step(steps[-1])
+
+        # on the outer model: vLLM's compile decorator replaces the inner model's __call__,
+        # which skips that module's own hooks (its layers' hooks still run)
+        model.register_forward_pre_hook(start, with_kwargs=True)
+        return n
+
+    hooked = llm.apply_model(install)
+    res = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    lp = [float(next(iter(d.values())).logprob) for d in res.prompt_logprobs[1:]]
+    torch.save({"order": rec.order, "steps": rec.steps, "sizes": steps, "hooked": hooked,
+                "prompt_logprobs": lp}, out)
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+def prompt(tokens: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 4000, (tokens,), generator=g).tolist()
+
+
+def record_engine(model: str, dtype: str, tokens: int, step: int, seed: int,
+                  workdir: str) -> tuple[Recording, dict]:
+    """Run one pattern in a child process (a fresh engine) and load its recording."""
+    import subprocess
+
+    out = os.path.join(workdir, f"rec-{step}.pt")
+    cmd = [sys.executable, "-m", "vllm_hybridcache.tools.split_invariance", "--engine", model,
+           "--dtype", dtype, "--tokens", str(tokens), "--seed", str(seed),
+           "--child-step", str(step), "--child-out", out]
+    subprocess.run(cmd, check=True)
+    data = torch.load(out)
+    rec = Recording(order=data["order"], steps=data["steps"])
+    return rec, data
+
+
 def describe(div: Divergence, limit: int = 12) -> str:
     if div.name is None:
         return (f"identical: all {div.compared} recorded outputs agree bit for bit"
@@ -178,12 +250,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--invariant", action="store_true",
                     help="Flash-Next with the split-invariant forward switched on")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--engine", default=None,
+                    help="a vLLM model (embedded name, e.g. qwen3-next-tiny) run in vLLM "
+                         "engines instead of the in-process Flash-Next driver")
+    ap.add_argument("--child-step", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child_step is not None:
+        return _engine_child(args.engine, args.dtype, args.tokens, args.child_step, args.seed,
+                             args.child_out)
+    if args.engine is not None:
+        return main_engine(args)
 
     from vllm_hybridcache.models import ensure_model
 
-    g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(10, 4000, (args.tokens,), generator=g).tolist()
+    ids = prompt(args.tokens, args.seed)
     if args.ops == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from vllm_hybridcache.tools.flash_next_steps import FlashNextStepper
@@ -198,6 +279,34 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.patterns[0]} vs {text} ({len(pat)} steps)")
         print(describe(compare(base, record_flash_next(stepper, ids, pat)[0])))
         sys.stdout.flush()
+    return 0
+
+
+def main_engine(args) -> int:
+    import tempfile
+
+    def step_of(text: str) -> int:
+        if text == "one":
+            return args.tokens
+        if "+" in text:
+            raise SystemExit("engine patterns are 'one' or N (the token budget sets the steps)")
+        return int(text)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base, bdata = record_engine(args.engine, args.dtype, args.tokens,
+                                    step_of(args.patterns[0]), args.seed, tmp)
+        for text in args.patterns[1:]:
+            rec, data = record_engine(args.engine, args.dtype, args.tokens, step_of(text),
+                                      args.seed, tmp)
+            print(f"== {args.engine} (vLLM engine) {args.dtype}: {args.patterns[0]} "
+                  f"(steps {bdata['sizes']}) vs {text} (steps {data['sizes']}); "
+                  f"{data['hooked']} modules hooked")
+            print(describe(compare(base, rec)))
+            a, b = bdata["prompt_logprobs"], data["prompt_logprobs"]
+            diff = [i + 1 for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+            print(f"prompt logprobs: {len(diff)} of {len(a)} positions differ"
+                  + (f", first at position {diff[0]}" if diff else ""))
+            sys.stdout.flush()
     return 0
 
 
