@@ -1,21 +1,25 @@
 """Restart scenario: next-turn latency after a server restart, served cold, from RAM, from disk.
 
-One server with the disk tier (`VLLM_HYBRIDCACHE_DISK_DIR`) on a fresh folder:
-1. life 1: a prompt of `--head` tokens plus a tail is prefilled (captures every grid cut, the
-   writer writes them); a second prompt with the same head and another tail measures the
-   **RAM-warm** latency; the server waits until every committed link is on disk and stops
+One server with the disk tier (`VLLM_HYBRIDCACHE_DISK_DIR`) on a fresh folder, one independent
+head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
+1. life 1: for each head, a prompt of the head plus a tail is prefilled (captures every grid
+   cut, the writer writes them); a second prompt with the same head and another tail measures
+   the **RAM-warm** latency; the server waits until every committed link is on disk and stops
    (SIGTERM);
-2. life 2 on the same folder: after a short unrelated warm-up request (a new process's first
-   forward pays one-time costs), the head with a third tail measures the **disk** latency (the
-   head is read from link files, verified, restored, promoted); the same head with a unique
-   `cache_salt` measures **cold** (same engine, nothing to reuse).
+2. the files are dropped from the page cache (`posix_fadvise(DONTNEED)` per file; a restart
+   after a reboot reads them from the device; `--keep-page-cache` to skip);
+3. life 2 on the same folder: after a short unrelated warm-up request (a new process's first
+   forward pays one-time costs), for each head: the head with a third tail measures the
+   **disk** latency (the head is read from link files, verified, restored, promoted) and the
+   worker's part of it (`restore_seconds`: reading, verifying and restoring the files); the
+   same head with a unique `cache_salt` measures **cold** (same engine, nothing to reuse).
 
 Each request asks for one token (`/v1/completions` with prompt token ids, `max_tokens=1`), so
 its latency is the time to first token plus one HTTP round trip. Token ids are seeded and
 avoid the message-end ids, so cuts fall on the grid only.
 
 Usage: python -m benchmarks.run --micro disk_restart [--restart-model qwen3-next-tiny]
-       [--head 16384]
+       [--head 4096,16384,32768] [--keep-page-cache]
 Prints one JSON line; docs/benchmarks/disk.md records the results.
 """
 
@@ -33,6 +37,7 @@ from unittest import mock
 import numpy as np
 import requests
 
+from benchmarks.disk_bench import drop_cache
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 
 
@@ -56,28 +61,34 @@ def _disk_stats(base: str) -> dict:
     return requests.get(base + "/v1/cache/stats").json()["tiers"].get("disk", {})
 
 
-def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -> dict:
+def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: Path,
+        drop_page_cache: bool = True) -> dict:
     from vllm_hybridcache.models import ensure_model
 
     path = ensure_model(model)
     rng = np.random.default_rng(0)
     vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
-    head_ids = random_prompt(rng, head, vocab)
+    # one independent head per size (no shared prefix: each is served by its own chain)
+    head_ids = {h: random_prompt(rng, h, vocab) for h in heads}
     tails = [random_prompt(rng, tail, vocab) for _ in range(4)]
     settings = ServerSettings(model_path=str(path), served_name="m",
-                              max_model_len=head + tail + 64, port=port,
+                              max_model_len=max(heads) + tail + 64, port=port,
                               kv_cache_space_gib=4)
     env_keys = {"VLLM_HYBRIDCACHE_DISK_DIR": str(workdir / "disk"),
                 "VLLM_HYBRIDCACHE_GRID": str(grid), "VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0",
                 "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1",
                 # every committed link written (what the wait below counts on)
                 "VLLM_HYBRIDCACHE_DISK_WRITE_FIRST_TOKENS": "0"}
-    out: dict = {"model": model, "head": head, "tail": tail, "grid": grid}
+    out: dict = {"model": model, "heads": heads, "tail": tail, "grid": grid,
+                 "page_cache_dropped": drop_page_cache, "by_head": {}}
+    by = {h: out["by_head"].setdefault(str(h), {}) for h in heads}
     with mock.patch.dict(os.environ, env_keys):
         with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
-            out["first_prefill_s"], _ = complete(srv.base_url, head_ids + tails[0])
-            out["ram_warm_s"], body = complete(srv.base_url, head_ids + tails[1])
-            out["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for h in heads:
+                by[h]["first_prefill_s"], _ = complete(srv.base_url, head_ids[h] + tails[0])
+                by[h]["ram_warm_s"], body = complete(srv.base_url, head_ids[h] + tails[1])
+                by[h]["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"][
+                    "cached_tokens"]
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:  # every committed link on disk
                 ram = requests.get(srv.base_url + "/v1/cache/stats").json()["tiers"]["ram"]
@@ -87,35 +98,58 @@ def run(model: str, head: int, tail: int, grid: int, port: int, workdir: Path) -
                 time.sleep(1)
             out["disk_files"] = st.get("links", 0)
             out["disk_bytes"] = st.get("bytes_held", 0)
+        files = list((workdir / "disk").rglob("*.link"))
+        if drop_page_cache:  # a restart after a reboot: the files come from the device
+            drop_cache(files)
         with running_server(SYSTEMS["ours"], settings, workdir / "life2.log") as srv:
             out["restart_startup_s"] = srv.startup_s
             # a short unrelated request first: the new process's first forward pays one-time
             # costs that are not the disk tier's (life 1's RAM-warm request came after one)
             complete(srv.base_url, tails[3][:64], cache_salt="warm-up")
-            out["disk_s"], body = complete(srv.base_url, head_ids + tails[2])
-            out["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-            out["cold_s"], body = complete(srv.base_url, head_ids + tails[3],
-                                            cache_salt=f"cold-{uuid.uuid4().hex}")
-            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
-            st = _disk_stats(srv.base_url)
-            out["disk_restore_seconds_sum"] = st.get("restore_seconds", {}).get("sum")
-    out["disk_over_ram"] = out["disk_s"] / out["ram_warm_s"]
-    out["disk_over_cold"] = out["disk_s"] / out["cold_s"]
+            for h in heads:
+                before = _disk_stats(srv.base_url).get("restore_seconds", {}).get("sum") or 0.0
+                by[h]["disk_s"], body = complete(srv.base_url, head_ids[h] + tails[2])
+                by[h]["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"][
+                    "cached_tokens"]
+                st = _wait_restore(srv.base_url, before)
+                by[h]["disk_restore_seconds"] = (
+                    (st.get("restore_seconds", {}).get("sum") or 0.0) - before)
+                by[h]["cold_s"], body = complete(srv.base_url, head_ids[h] + tails[3],
+                                                 cache_salt=f"cold-{uuid.uuid4().hex}")
+                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
+    for b in by.values():
+        b["disk_over_ram"] = b["disk_s"] / b["ram_warm_s"]
+        b["disk_over_cold"] = b["disk_s"] / b["cold_s"]
     return out
+
+
+def _wait_restore(base: str, before: float) -> dict:
+    """The disk tier's stats once the last restore's seconds arrived (they ride on the next
+    step's output), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        st = _disk_stats(base)
+        if (st.get("restore_seconds", {}).get("sum") or 0.0) > before or \
+                time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # not --model: benchmarks.run keeps that one for its trace replays
     ap.add_argument("--restart-model", default="qwen3-next-tiny")
-    ap.add_argument("--head", type=int, default=16384)
+    ap.add_argument("--head", default="16384", help="head sizes, comma list (4096,16384,32768)")
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="leave the files in the page cache between the lives (default: drop)")
     ap.add_argument("--tail", type=int, default=128)
     ap.add_argument("--grid", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8420)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hc-restart-") as work:
-        print(json.dumps(run(args.restart_model, args.head, args.tail, args.grid, args.port,
-                             Path(work))))
+        heads = [int(h) for h in args.head.split(",")]
+        print(json.dumps(run(args.restart_model, heads, args.tail, args.grid, args.port,
+                             Path(work), drop_page_cache=not args.keep_page_cache)))
     return 0
 
 
