@@ -18,6 +18,14 @@ which is also what the next draft step receives. Greedy outputs do not depend on
 
 State: the MTP layer's QSA rows are one more attention-like KV-cache group (per-token rows),
 registered under `mtp.layers.{num_hidden_layers}.self_attn`.
+
+Rebuilding rows: the row the draft layer writes at position i depends only on the target's
+hidden row at i, the token it is given there and i itself (K, V and the index key come from
+the layer's input row; no row reads another before attention). `MTPModule.draft_rows` computes
+those rows by the very code `forward` runs (`streams`, the layer's hyper-connection mix, the
+attention layer's `_project`), so with inputs of the same shape it gives the same bits. The
+module is registered in vLLM's static forward context as `DRAFT_HEAD` so that code outside the
+model (the snapshot cache's adapter) can find it; the model itself never calls anyone.
 """
 
 from __future__ import annotations
@@ -29,10 +37,13 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 
+from vllm_hybridcache.compat import register_forward_layer
 from vllm_hybridcache.flash_next.common import Qwen4RMSNorm, RopeTable
 from vllm_hybridcache.flash_next.hyper import GatedResidual
 from vllm_hybridcache.flash_next.model import DecoderLayer, load_flash_next_weights
 from vllm_hybridcache.flash_next.ops import get_backend
+
+DRAFT_HEAD = "mtp.draft_head"  # the MTPModule's name in vLLM's static forward context
 
 
 class MTPModule(nn.Module):
@@ -58,9 +69,11 @@ class MTPModule(nn.Module):
             DecoderLayer(layer_cfg, 0, vllm_config, self.ops, self.rope,
                          f"mtp.layers.{self.start + i}") for i in range(n))
         self.hyper_connection_mixer = GatedResidual(config, self.ops, use_combine=False)
+        register_forward_layer(vllm_config, DRAFT_HEAD, self)
 
-    def forward(self, input_ids, positions, hidden_states, inputs_embeds=None,
-                spec_step_idx: int = 0) -> torch.Tensor:
+    def streams(self, input_ids, hidden_states, inputs_embeds=None) -> torch.Tensor:
+        """The draft layer's input streams `[T, hc * H]`: the normed, projected token
+        embedding added to every stream of the normed, projected target state."""
         e = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         e = self.fc_embedding(self.pre_fc_norm_embedding(e))
         t = e.shape[0]
@@ -69,10 +82,33 @@ class MTPModule(nn.Module):
             hs = hs.repeat(1, self.hc_count)
         hs = self.pre_fc_norm_hidden(hs)
         hs = self.fc_hidden(hs.view(t, self.hc_count, self.hidden))
-        streams = (hs + e.unsqueeze(1)).flatten(1)
+        return (hs + e.unsqueeze(1)).flatten(1)
+
+    def forward(self, input_ids, positions, hidden_states, inputs_embeds=None,
+                spec_step_idx: int = 0) -> torch.Tensor:
+        streams = self.streams(input_ids, hidden_states, inputs_embeds)
         layer = self.layers[spec_step_idx % len(self.layers)]
         mixed, _ = self.hyper_connection_mixer(layer(streams, positions, None))
         return mixed
+
+    @torch.inference_mode()
+    def draft_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows `[K | V | index key]` (`[T, width]`, activation dtype) that the draft layer
+        of a first draft pass writes for these inputs, by attention layer name.
+
+        Same code as `forward` up to the rows (a row depends only on its own inputs), so rows
+        computed from inputs of the shape a forward had equal that forward's rows bit for bit.
+        vLLM's drafter runs the first MTP layer on every pass (it passes no step index).
+        """
+        streams = self.streams(input_ids, hidden_states)
+        layer = self.layers[0]
+        mixed, _ = layer.attn_hyper_connection(streams)
+        attn = layer.self_attn
+        t, pos = mixed.shape[0], positions.long()
+        cos_t, sin_t = attn.rope.tables(int(pos.max()) + 1, mixed.dtype, mixed.device)
+        _, raw_k, _, _, k, v = attn._project(mixed, cos_t[pos][:, None], sin_t[pos][:, None])
+        return {attn.prefix: torch.cat([k.reshape(t, -1), v.reshape(t, -1), raw_k], dim=-1)}
 
 
 class FlashNextMTP(nn.Module):
