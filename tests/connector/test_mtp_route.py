@@ -4,11 +4,14 @@ The draft head's own K/V rows are one more KV-cache group, so links carry them l
 and vLLM defers the connector's save until the draft model has run, so the rows a link copies
 are the ones the draft wrote in that step. One row per link is special: the draft head's row
 at a step's last position p - 1 reads one more token, which vLLM's default (padded-batch)
-proposer takes from the prompt's last token. A link at cut p therefore fits every prompt that
-shares the tokens up to the cut and ends in the same token (every chat prompt ends in the same
-generation prompt): extensions, branches at the cut or after it, chains of links. A prompt with
-another last token is refused (counted as shortened), and restoring it anyway changes the draft
-head's rows and nothing else, which the forced restore below shows.
+proposer takes from the prompt's last token. Each link keeps the target's hidden row there
+(the draft head's other input), and a restore rebuilds that row for the new prompt's token
+(adapter/draft_rows.py). So a link at cut p fits every prompt that shares the tokens up to the
+cut, whatever comes after: extensions, branches at the cut or after it, chains of links, with
+the capturing prompt's last token or another one; nothing is refused (shortened). Restoring
+without the rebuild leaves draft-head rows that differ from the cold run for a prompt with
+another last token (and nothing else), and corrupting a kept hidden row is caught, which the
+negative controls below show.
 Warm runs must equal cold runs (tokens, logprobs, every state part, the draft head's rows
 included). Links are keyed by route: an engine with MTP records `mtp`, and AR and MTP links
 never meet. (Greedy tokens with MTP equal those without it: tests/flash_next/test_mtp.py.)
@@ -31,6 +34,8 @@ import torch
 from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_end_anchors import gate_catches_a_corrupted_anchor, greedy_gate
 from tests.connector.test_exactness import GRID, A, anchored_session, clear, run
+from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT
+from vllm_hybridcache.adapter.scheduler_side import _Live
 from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -43,12 +48,14 @@ PROMPTS = {
     "ext": A + X + [LAST],                       # extends A, same last token: 3-link chain
     "branch_at_cut": A[: 2 * GRID] + Y + [LAST],         # parts from A at the cut
     "branch_after_cut": A[: 2 * GRID + 1] + Y + [LAST],  # parts one token after the cut
-    "ext_other_last": A + X,                     # extends A, another last token: no link fits
+    "ext_other_last": A + X,                     # extends A, another last token: 4-link chain
+    "branch_other_last": A[: 2 * GRID + 1] + Y,  # a branch after the cut, another last token
 }
 # tokens each warm run resumes at after a run of A (and of the prompts before it)
 EXPECTED = {"A": 3 * GRID, "ext": 3 * GRID, "branch_at_cut": 2 * GRID,
-            "branch_after_cut": 2 * GRID, "ext_other_last": 0}
-assert Y[0] != A[2 * GRID] and X[-1] != LAST
+            "branch_after_cut": 2 * GRID, "ext_other_last": 4 * GRID,  # ext's link at 1024
+            "branch_other_last": 2 * GRID}
+assert Y[0] != A[2 * GRID] and X[-1] != LAST and Y[-1] != LAST
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +80,8 @@ def _draft_views(sched) -> list[str]:
 def test_links_record_the_mtp_route_and_carry_the_draft_rows(llm):
     sched, _ = engine_parts(llm)
     assert sched.base_domain["route"] == "mtp"       # AR engines record "ar": never shared
-    assert sched._draft_reads == "last"              # vLLM's padded drafter batch
+    assert sched._draft_reads == "rebuild"           # Flash-Next's head, padded drafter batch
+    assert any(s.name == DRAFT_INPUT for s in sched.parts.layout.sections)
     assert sched.anchors.enabled                     # end anchors: the tests below
     assert _draft_views(sched), sched.parts.layout.views
 
@@ -90,8 +98,7 @@ def test_mtp_warm_equals_cold(llm):
     run(llm, A)
     warms = {name: run(llm, p) for name, p in PROMPTS.items()}
     assert {k: w["cached"] for k, w in warms.items()} == EXPECTED
-    # only the prompt with another last token was refused a deeper link
-    assert sched.tree.stats().shortened == shortened + 1
+    assert sched.tree.stats().shortened == shortened      # nothing was refused
     for name, warm in warms.items():
         cold = colds[name]
         assert warm["tokens"] == cold["tokens"], name
@@ -99,19 +106,20 @@ def test_mtp_warm_equals_cold(llm):
         assert warm["state"] == cold["state"], name      # the draft head's rows included
 
 
-def test_a_link_refused_for_another_last_token_really_differs(llm, monkeypatch):
-    """Shortened means unusable: restoring A's chain for a prompt with another last token
-    (the fits predicate switched off for this request) leaves draft-head rows that differ from
-    its cold run, and nothing else: the target's parts, tokens and logprobs stay equal."""
+def test_without_the_rebuild_another_last_token_differs(llm, monkeypatch):
+    """Negative control for the rebuild: restoring A's chain for a prompt with another last
+    token without rebuilding the boundary rows (each link's row as A's prefill wrote it) leaves
+    draft-head rows that differ from its cold run, and nothing else: the target's parts, tokens
+    and logprobs stay equal. So the rebuild is what makes the warm run above equal."""
     p = PROMPTS["ext_other_last"]
     clear(llm)
     cold = run(llm, p)
     clear(llm)
     run(llm, A)
-    sched, _ = engine_parts(llm)
-    monkeypatch.setattr(sched, "_draft_reads", None)   # new requests: no draft tag, no fits
+    monkeypatch.setattr(_Live, "draft_rebuild", lambda self, chain, token: None)
     forced = run(llm, p)
     monkeypatch.undo()
+    sched, _ = engine_parts(llm)
     clear(llm)
     assert forced["cached"] == 3 * GRID
     names = set(_draft_views(sched))
@@ -119,6 +127,24 @@ def test_a_link_refused_for_another_last_token_really_differs(llm, monkeypatch):
     assert {k: v for k, v in forced["state"].items() if k not in names} == {
         k: v for k, v in cold["state"].items() if k not in names}
     assert forced["tokens"] == cold["tokens"] and forced["logprobs"] == cold["logprobs"]
+
+
+def test_a_corrupted_boundary_input_is_caught(llm):
+    """Negative control: the rebuilt rows come from the kept hidden rows; perturbing them
+    (a ulp-sized change is enough) changes the restored draft-head rows."""
+    p = PROMPTS["ext_other_last"]
+    clear(llm)
+    cold = run(llm, p)
+    clear(llm)
+    run(llm, A)
+    sched, worker = engine_parts(llm)
+    for link_id in list(worker.store._entries):
+        h = worker.store.buffers(link_id).sections[DRAFT_INPUT]
+        h.copy_(torch.nextafter(h, torch.full_like(h, float("inf"))))
+    warm = run(llm, p)
+    clear(llm)
+    assert warm["cached"] == 3 * GRID
+    assert any(warm["state"][n] != cold["state"][n] for n in _draft_views(sched))
 
 
 def test_corrupted_draft_rows_are_caught(llm):

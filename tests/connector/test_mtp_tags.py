@@ -1,5 +1,7 @@
 """The MTP route's draft tags without an engine: which prompt tokens a link's boundary draft
-row read, per speculative path, and which prompts a link therefore fits.
+row read, per speculative path, and which prompts a link therefore fits; where the boundary row
+is rebuilt instead (Flash-Next's MTP head), which prompts a link fits and what a restore
+rebuilds; and what counts as a shortened lookup across tiers.
 
 The engine test (test_mtp_route.py) measures the default path; this checks the tag logic for
 every path, including the conservative one kept for paths not measured in an engine.
@@ -9,15 +11,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DraftRebuild, rebuild_input
 from vllm_hybridcache.adapter.scheduler_side import (
     DRAFT_READS_BOTH,
     DRAFT_READS_LAST,
+    DRAFT_REBUILD,
+    DraftStep,
     NextToken,
     _Live,
     anchor_end,
     draft_reads,
 )
-from vllm_hybridcache.core.keys import PromptKeys, blake2b_128
+from vllm_hybridcache.core import EndAnchors, IdSource, LinkKind, SnapshotCache, SnapshotTree
+from vllm_hybridcache.core.keys import PromptKeys, blake2b_128, make_domain
 
 
 def _config(method: str | None, padded: bool = True, parallel: bool = False):
@@ -27,9 +33,63 @@ def _config(method: str | None, padded: bool = True, parallel: bool = False):
         method=method, disable_padded_drafter_batch=not padded, parallel_drafting=parallel))
 
 
-def _live(tokens: list[int], reads: str | None) -> _Live:
-    return _Live(domain=b"d", keys=PromptKeys(tokens, blake2b_128), cuts=[], cut_set=frozenset(),
-                 draft_reads=reads)
+def _live(tokens: list[int], reads: str | None, cuts: tuple[int, ...] = ()) -> _Live:
+    return _Live(domain=b"d", keys=PromptKeys(tokens, blake2b_128), cuts=list(cuts),
+                 cut_set=frozenset(cuts), draft_reads=reads)
+
+
+def _draft_config(arch: str = "Qwen4ExpMTP", method: str = "mtp", padded: bool = True,
+                  layers: int = 1):
+    text = SimpleNamespace(mtp_num_hidden_layers=layers)
+    draft = SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]), hf_text_config=text,
+                            get_hidden_size=lambda: 64)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(dtype="torch.float32"),
+        speculative_config=SimpleNamespace(method=method, disable_padded_drafter_batch=not padded,
+                                           parallel_drafting=False, draft_model_config=draft))
+
+
+def test_the_boundary_rows_are_rebuilt_only_where_measured():
+    """Flash-Next's MTP head on the padded drafter batch keeps the target's hidden row at each
+    link's end (one section); every other path keeps the draft tags."""
+    spec = rebuild_input(_draft_config())
+    assert (spec.name, spec.shape, spec.dtype) == (DRAFT_INPUT, (64,), "float32")
+    assert rebuild_input(SimpleNamespace(speculative_config=None)) is None
+    assert rebuild_input(_draft_config(padded=False)) is None
+    assert rebuild_input(_draft_config(arch="Qwen3NextMTP")) is None
+    assert rebuild_input(_draft_config(method="eagle")) is None
+    assert rebuild_input(_draft_config(layers=2)) is None
+    # the section joins the layout (what links hold), not the KV-backed sections
+    from vllm_hybridcache.adapter.draft_rows import with_draft_input
+    from vllm_hybridcache.adapter.parts import PartMap
+    from vllm_hybridcache.core import StateLayout
+    from vllm_hybridcache.core.layout import SectionSpec
+
+    gdn = SectionSpec(name="gdn", shape=(4,), dtype="float32")
+    parts = PartMap(layout=StateLayout(sections=(gdn,)), sections=(("gdn", 0, "l0", 0),),
+                    views=(), block_bytes={})
+    out = with_draft_input(parts, spec)
+    assert out.layout.sections == (gdn, spec) and out.sections == parts.sections
+    assert with_draft_input(parts, None) is parts
+
+
+def test_rebuilt_links_fit_every_prompt_that_shares_their_tokens():
+    """On the rebuild route a link's tag is the shape of the step that ended at its cut; a
+    restore rebuilds each chain link's boundary row with the new prompt's last token."""
+    a = list(range(10, 90))
+    cuts = (16, 32, 48, 64)
+    tag = _live(a, DRAFT_REBUILD, cuts).draft_tag(48)
+    assert tag == DraftStep(32)
+    for other in ([*a, 7, 8], [*a[:48], 5, 6], [*a[:49], 5, 6], [*a, 7, 8, a[-1]]):
+        live = _live(other, DRAFT_REBUILD, tuple(c for c in cuts if c < len(other)))
+        assert live.fits(48, tag)
+    assert _live(a, DRAFT_REBUILD, cuts).draft_tag(len(a)) == DraftStep(64)  # prompt's end too
+    # a prompt whose step ending at 48 would start elsewhere does not fit (other row count)
+    assert not _live(a, DRAFT_REBUILD, (20, 48)).fits(48, tag)
+    chain = (SimpleNamespace(end=16), SimpleNamespace(end=32), SimpleNamespace(end=48))
+    live = _live([*a, 3], DRAFT_REBUILD, cuts)
+    assert live.draft_rebuild(chain, 3) == DraftRebuild(3, ((16, 0), (32, 16), (48, 32)))
+    assert _live(a, DRAFT_READS_LAST, cuts).draft_rebuild(chain, 3) is None
 
 
 def test_which_tokens_the_boundary_row_reads_per_path():
@@ -124,3 +184,43 @@ def test_routes_never_cross():
     assert tree.lookup(prompt, d_ar, 49).tokens == 32
     res = tree.lookup(prompt, d_mtp, 49)
     assert (res.hit, res.miss_reason) == (False, "domain_mismatch")
+
+
+def test_a_refusal_counts_as_shortened_only_where_it_was_deeper_than_the_answer():
+    """`shortened` is decided over every tier: an end anchor refused beyond the tree's hit
+    counts, a tree link refused below an anchor's hit does not (that reuse was not lost)."""
+    from vllm_hybridcache.core import StateLayout, TreeConfig
+    from vllm_hybridcache.core.layout import SectionSpec
+
+    layout = StateLayout(sections=(SectionSpec(name="s", shape=(4,), dtype="float32"),))
+    d = make_domain(model="m")
+    ids = IdSource()
+    tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 20, memory_floor_bytes=0),
+                        next_id=ids)
+    cache = SnapshotCache([tree,
+                           EndAnchors(layout, max_count=4, budget_bytes=1 << 20, next_id=ids)])
+    prompt = list(range(500, 900))
+
+    def publish(kind, p, tag):
+        r = cache.reserve(kind, prompt, p, d, tag)
+        assert cache.commit(r.addr)
+
+    publish(LinkKind.TREE, 64, "ok")
+    publish(LinkKind.TREE, 128, "ok")
+    publish(LinkKind.ANCHOR, 300, "no")
+    fits = lambda p, tag: tag == "ok"  # noqa: E731
+    res = cache.lookup(prompt, d, len(prompt) - 1, fits)
+    assert (res.tokens, res.kind, res.shortened, res.refused) == (128, "tree", True, 300)
+    before = tree.stats().shortened
+    cache.record_lookup(res)
+    assert tree.stats().shortened == before + 1
+    cache.clear("ram", "anchor")
+    publish(LinkKind.TREE, 192, "no")
+    publish(LinkKind.ANCHOR, 300, "ok")     # the anchor fits: the refused 192 is below it
+    res = cache.lookup(prompt, d, len(prompt) - 1, fits)
+    assert (res.tokens, res.kind, res.shortened) == (300, "anchor", False)
+    cache.clear()
+    publish(LinkKind.TREE, 64, "ok")
+    publish(LinkKind.ANCHOR, 40, "no")      # refused, but shallower than the tree's hit
+    res = cache.lookup(prompt, d, len(prompt) - 1, fits)
+    assert (res.tokens, res.shortened) == (64, False)

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm_hybridcache.adapter.draft_rows import DraftRebuild
 from vllm_hybridcache.core import LinkAddr, LinkRef
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.cluster import ClusterTarget
@@ -40,6 +41,8 @@ class LoadJob:
     # per chain link, and the fingerprint their headers must carry; () for RAM hits
     sources: tuple[str, ...] = ()
     fingerprint: bytes = b""
+    # MTP route: rebuild each link's boundary draft row for this prompt (adapter/draft_rows.py)
+    draft: DraftRebuild | None = None
 
     def addr(self, link_id: int) -> LinkAddr:
         return LinkAddr(self.tier, self.kind, link_id)
@@ -67,6 +70,9 @@ class CaptureJob:
     # inside the step (the model hands it to the worker's inner-capture hook); 0: the state at
     # the end of the step, from the state block
     inner_offset: int = 0
+    # MTP route: the first position of the prefill step that ends at row_end; the link keeps
+    # the draft head's boundary input of that step (adapter/draft_rows.py). -1: none
+    draft_step: int = -1
 
     @property
     def link_id(self) -> int:

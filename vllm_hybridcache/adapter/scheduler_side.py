@@ -12,6 +12,7 @@ later states are not cold-exact.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
+from vllm_hybridcache.adapter.draft_rows import DraftRebuild, rebuild_input, with_draft_input
 from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
 from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
@@ -112,14 +114,24 @@ class _Live:
     def draft_route(self) -> bool:
         return self.draft_reads is not None
 
+    def prev_cut(self, p: int) -> int:
+        """The first position of this prompt's prefill step that ends at cut p (the cut
+        before it, or 0): steps run from cut to cut (segmentation scheduler)."""
+        i = bisect.bisect_left(self.cuts, p)
+        return self.cuts[i - 1] if i > 0 else 0
+
     def draft_tag(self, end: int) -> object:
-        """The prompt tokens the draft head's boundary row read when this prompt's state at
-        `end` was captured; -1 at the prompt's end, where the row read the sampled token and
-        fits no prompt. None off the MTP route. `last`: the prompt's last token (vLLM's padded
-        drafter batch, its default); `both`: the token after the cut and the last token (any
-        other drafter path, kept conservative)."""
+        """What the draft head's boundary row depends on beyond the tokens before `end`, for
+        a link of this prompt at `end`; None off the MTP route. `rebuild`: the row is rebuilt
+        for each prompt on restore (adapter/draft_rows.py), so only the step's shape matters
+        (DraftStep). Otherwise the prompt tokens the row read: -1 at the prompt's end, where
+        it read the sampled token and fits no prompt; `last`: the prompt's last token (vLLM's
+        padded drafter batch, its default); `both`: the token after the cut and the last
+        token (any other drafter path, kept conservative)."""
         if self.draft_reads is None:
             return None
+        if self.draft_reads == DRAFT_REBUILD:
+            return DraftStep(self.prev_cut(end))
         toks = self.keys.tokens
         n = len(self.keys)
         if end >= n:
@@ -133,6 +145,22 @@ class _Live:
         if isinstance(tag, NextToken):  # an end anchor: its last draft row read tag.token
             return p < len(self.keys) and int(self.keys.tokens[p]) == tag.token
         return tag == self.draft_tag(p)
+
+    def draft_rebuild(self, chain, last_token: int) -> DraftRebuild | None:
+        """The boundary rows a restore of `chain` (LinkRefs, root first) rebuilds for this
+        prompt, whose cold prefill gives every partial step's last draft row its last token;
+        None off the rebuild route."""
+        if self.draft_reads != DRAFT_REBUILD:
+            return None
+        return DraftRebuild(last_token, tuple((r.end, self.prev_cut(r.end)) for r in chain))
+
+
+class DraftStep(NamedTuple):
+    """A tree link's tag on the MTP rebuild route: the first position of the prefill step that
+    ended at its cut. The link keeps the draft head's input at its boundary row, and a restore
+    rebuilds that row on a step of this shape, which must be the new prompt's step too."""
+
+    start: int
 
 
 class NextToken(NamedTuple):
@@ -166,6 +194,7 @@ def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: 
 
 DRAFT_READS_LAST = "last"
 DRAFT_READS_BOTH = "both"
+DRAFT_REBUILD = "rebuild"
 
 
 def draft_reads(vllm_config) -> str | None:
@@ -290,8 +319,9 @@ class SchedulerSide:
         self.settings = settings
         self.reason_inactive: str | None = None
         self.parts: PartMap | None = None
+        rebuild = rebuild_input(vllm_config)  # MTP: boundary draft rows rebuilt on restore
         try:
-            self.parts = part_map(kv_cache_config)
+            self.parts = with_draft_input(part_map(kv_cache_config), rebuild)
         except UnsupportedModel as e:
             self.reason_inactive = str(e)
         if self.parts is not None and not settings.enabled:
@@ -352,9 +382,12 @@ class SchedulerSide:
         # (see draft_reads). A link at cut p therefore fits a prompt only if that token matches
         # the capturing prompt's: each link carries it as its tag, and the tree's lookup ends a
         # chain at the first link that does not fit. On vLLM's default path it is the prompt's
-        # last token, and chat prompts all end in the same generation prompt.
-        self._draft_reads = (draft_reads(vllm_config)
-                             if self.base_domain.get("route") == "mtp" else None)
+        # last token, and chat prompts all end in the same generation prompt. Where the draft
+        # head can rebuild that row (Flash-Next's MTP head, adapter/draft_rows.py), links keep
+        # its input instead and fit every prompt that shares their tokens.
+        self._draft_reads = (None if self.base_domain.get("route") != "mtp"
+                             else DRAFT_REBUILD if rebuild is not None
+                             else draft_reads(vllm_config))
         self._live: dict[str, _Live] = {}
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
         self._loads: list[LoadJob] = []
@@ -541,9 +574,12 @@ class SchedulerSide:
                 fp = self._cluster_target.fingerprint
             elif sources and self._disk_target:
                 fp = self._disk_target.fingerprint
+            draft = None
+            if res.kind == LinkKind.TREE:
+                draft = entry.draft_rebuild(res.plan.chain, int(request.prompt_token_ids[-1]))
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
-                                       sources=sources, fingerprint=fp))
+                                       sources=sources, fingerprint=fp, draft=draft))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup
             # (evicted or cleared), so report a failed load and let vLLM recompute.
@@ -623,9 +659,18 @@ class SchedulerSide:
                                tag=entry.draft_tag(end))
         if r.addr is None:
             return
+        draft_step = -1
+        if entry.draft_reads == DRAFT_REBUILD:
+            if r.start != start or start != entry.prev_cut(end):
+                # the link would span an earlier step's boundary row (a cut skipped before),
+                # which read this prompt's last token and has no input kept: no link
+                self.cache.abort(r.addr)
+                return
+            draft_step = start
         plan.captures.append(CaptureJob(addr=r.addr, req_id=req_id, row_start=r.start,
                                         row_end=r.end,
-                                        block_ids=[list(b) for b in entry.block_ids]))
+                                        block_ids=[list(b) for b in entry.block_ids],
+                                        draft_step=draft_step))
 
     def _fine_positions(self, entry: _Live) -> tuple[int, ...]:
         """Fine mode: the last 64-aligned position before the prompt's end (an identical

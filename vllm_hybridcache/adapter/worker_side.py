@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_hybridcache.adapter.draft_rows import (
+    DRAFT_INPUT,
+    BoundaryTap,
+    find_draft_head,
+    rebuild_input,
+    with_draft_input,
+)
 from vllm_hybridcache.adapter.inner_states import InnerStates
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
@@ -35,11 +42,14 @@ class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config) -> None:
         self.vllm_config = vllm_config
         self.num_blocks = int(kv_cache_config.num_blocks)
+        self.kv_cache_groups = kv_cache_config.kv_cache_groups
         self.parts: PartMap | None = None
         try:
-            self.parts = part_map(kv_cache_config)
+            self.parts = with_draft_input(part_map(kv_cache_config), rebuild_input(vllm_config))
         except UnsupportedModel:
             self.parts = None
+        # MTP route: the draft head's boundary inputs (adapter/draft_rows.py); None elsewhere
+        self._tap: BoundaryTap | None = None
         self.store = LinkStore(self.parts.layout) if self.parts is not None else None
         self._sections: dict[str, tuple[int, torch.Tensor]] = {}   # name -> (gid, [blocks,...])
         self._rows: dict[str, tuple[int, PagedBlocks]] = {}        # name -> (gid, accessor)
@@ -85,6 +95,9 @@ class WorkerSide:
         for name, gid, layer in self.parts.views:
             self._rows[name] = (gid, PagedBlocks(kv_caches[layer], self.num_blocks,
                                                  self.parts.block_bytes[name]))
+        draft = [s for s in self.parts.layout.sections if s.name == DRAFT_INPUT]
+        if draft:
+            self._tap = find_draft_head(ctx, self.kv_cache_groups, draft[0])
 
     def _inject_inner_hooks(self, ctx) -> None:
         """Give every state layer that can hand over states inside a step (an `inner_capture`
@@ -112,12 +125,17 @@ class WorkerSide:
         if job.sources:
             self._stage(job)
         dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
+        if self._tap is not None:  # each link's boundary input: read below, not restored
+            dst[DRAFT_INPUT] = self._tap.scratch
 
         def sink(name: str, start: int, rows: torch.Tensor) -> None:
             gid, acc = self._rows[name]
             acc.scatter(job.block_ids[gid], start, rows)
 
         self.store.restore(job.chain, dst, sink)
+        if job.draft is not None and self._tap is not None:
+            hidden = [self.store.buffers(ref.link_id).sections[DRAFT_INPUT] for ref in job.chain]
+            self._tap.rebuild(job.draft, hidden, job.block_ids[self._tap.gid])
 
     def _stage(self, job: LoadJob) -> None:
         """Read a disk hit's files into the store under the chain's ids (core/disk/reader.py);
@@ -174,6 +192,13 @@ class WorkerSide:
             srcs,
             [(acc, job.block_ids[gid], first, bufs.views[name])
              for name, (gid, acc) in self._rows.items()])
+        if self._tap is not None:
+            dst = bufs.sections[DRAFT_INPUT]
+            if job.draft_step >= 0:
+                dst.copy_(self._tap.take(job.block_ids[self._tap.gid][0], job.row_end,
+                                         job.draft_step))
+            else:
+                dst.zero_()  # an end anchor: no boundary row is rebuilt from it
         self.store.seal(job.link_id)
 
     def save(self, plan: StepPlan) -> None:
@@ -214,6 +239,8 @@ class WorkerSide:
         if plan.probes and self.instrumentation is not None:
             for req_id, tokens, block_ids in plan.probes:
                 self.instrumentation.on_prefill_end(self, req_id, tokens, block_ids)
+        if self._tap is not None:
+            self._tap.clear()  # this step's draft passes are done
 
     def _cluster_publish(self, plan: StepPlan) -> None:
         """Publish committed RAM links to the other replicas (before this plan's drops, so
