@@ -101,3 +101,30 @@ def compare(served: Generation, cold: Generation, drift_nats: float = DRIFT_NATS
         return Verdict(compared=min(len(served.tokens), len(cold.tokens)), outcome="length",
                        max_drift=worst)
     return Verdict(compared=len(cold.tokens), outcome="same", max_drift=worst)
+
+
+def judge(v: Verdict, hit_kind: str | None, drift_nats: float,
+          anchor_drift_nats: float | None) -> tuple[str, str, str]:
+    """(outcome, cause, detail) of a checked answer: `ok` or `unexpected_error`.
+
+    Tree hits and misses are cold-exact: a wrong token, a length mismatch or drift beyond
+    `drift_nats` with the same picks fails them. End-anchor hits (`hit_kind == "anchor"`) are
+    session-exact, their state descends from decode steps: they are held to the end-anchor gate,
+    `anchor_drift_nats`; None (bf16, where the decode-vs-prefill drift is the CPU kernels' and
+    no tolerance is both safe and tight) records their verdict without judging it.
+    """
+    tol = drift_nats
+    if hit_kind == "anchor":
+        if anchor_drift_nats is None:
+            return "ok", "", ""
+        tol = anchor_drift_nats
+    if v.outcome == "wrong":
+        return ("unexpected_error", "wrong_token",
+                f"position {v.position}: cold margin {v.margin:.3g} nats")
+    if v.outcome == "length":
+        return "unexpected_error", "length_mismatch", ""
+    if v.max_drift > tol:
+        # same picks, but logprobs moved beyond the drift batching can cause (the end-anchor
+        # gate's rule): state that is not the cold run's
+        return "unexpected_error", "drift_exceeded", f"logprobs moved by {v.max_drift:.3g} nats"
+    return "ok", "", ""

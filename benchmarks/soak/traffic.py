@@ -20,7 +20,7 @@ from typing import Any
 
 import requests
 
-from benchmarks.soak.check import compare
+from benchmarks.soak.check import compare, judge
 from benchmarks.soak.client import (
     Outcome,
     chat_body,
@@ -42,13 +42,15 @@ class Context:
 
     def __init__(self, server: SoakServer, ledger: Ledger, *, model: str, size: str,
                  max_tokens: int, drift_nats: float, segmentation: Segmentation,
-                 timeout_s: float = 600.0) -> None:
+                 anchor_drift_nats: float | None = None, timeout_s: float = 600.0) -> None:
         self.server = server
         self.ledger = ledger
         self.model = model
         self.size = size
         self.max_tokens = max_tokens
         self.drift_nats = drift_nats
+        self.anchor_drift_nats = anchor_drift_nats
+        """The end-anchor gate's tolerance; None: anchor hits are reported, not judged."""
         self.segmentation = segmentation
         self.timeout_s = timeout_s
         self.t0 = time.monotonic()
@@ -127,16 +129,9 @@ def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], 
         v = compare(out.generation, cold.generation, ctx.drift_nats)
         rec.check, rec.compared, rec.margin, rec.max_drift = (v.outcome, v.compared, v.margin,
                                                               v.max_drift)
-        if v.outcome == "wrong":
-            rec.outcome, rec.cause = "unexpected_error", "wrong_token"
-            rec.detail = f"position {v.position}: cold margin {v.margin:.3g} nats"
-        elif v.outcome == "length":
-            rec.outcome, rec.cause = "unexpected_error", "length_mismatch"
-        elif v.max_drift > ctx.drift_nats:
-            # same picks, but logprobs moved beyond the drift batching can cause (the
-            # end-anchor gate's rule): state that is not the cold run's
-            rec.outcome, rec.cause = "unexpected_error", "drift_exceeded"
-            rec.detail = f"logprobs moved by {v.max_drift:.3g} nats"
+        outcome, cause, detail = judge(v, rec.hit_kind, ctx.drift_nats, ctx.anchor_drift_nats)
+        if outcome != "ok":
+            rec.outcome, rec.cause, rec.detail = outcome, cause, detail
     if arm == "control" and out.cached_tokens:
         rec.outcome, rec.cause = "unexpected_error", "control_hit"
     ctx.ledger.add(rec)

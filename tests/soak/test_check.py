@@ -85,3 +85,20 @@ def test_parse_completion_logprobs_reads_token_ids():
     g = parse_completion_logprobs(lp)
     assert g.tokens == [4, 2]
     assert g.top == [{4: -0.2, 5: -1.2}, {9: -0.1, 2: -0.7}]
+
+
+def test_judge_holds_tree_hits_and_anchor_hits_to_their_own_rule():
+    from benchmarks.soak.check import Verdict, judge
+
+    moved = Verdict(compared=8, outcome="same", max_drift=0.37)
+    wrong = Verdict(compared=2, outcome="wrong", max_drift=0.0, margin=0.5, position=1)
+    # bf16: cold-exact answers judged at the bf16 tolerance, anchors reported only
+    assert judge(moved, "tree", 0.25, None)[:2] == ("unexpected_error", "drift_exceeded")
+    assert judge(moved, None, 0.25, None)[:2] == ("unexpected_error", "drift_exceeded")
+    assert judge(moved, "anchor", 0.25, None)[0] == "ok"
+    assert judge(wrong, "anchor", 0.25, None)[0] == "ok"
+    # float32: anchors held to the end-anchor gate like everything else
+    assert judge(moved, "anchor", 1e-3, 1e-3)[:2] == ("unexpected_error", "drift_exceeded")
+    assert judge(wrong, "anchor", 1e-3, 1e-3)[:2] == ("unexpected_error", "wrong_token")
+    assert judge(Verdict(compared=8, outcome="same", max_drift=2e-6), "anchor", 1e-3,
+                 1e-3)[0] == "ok"
