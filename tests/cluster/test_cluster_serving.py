@@ -8,9 +8,12 @@ qwen3-next-tiny placed by a local Ray, behind the front on Ray Serve's port (the
   on the replica that served its previous turn, and the share is reported;
 - a turn forced to the other replica resumes from the owner's links (cluster tier) and equals a
   cold prefill there (unique cache_salt) in tokens and logprobs;
-- last (it takes a replica away): one replica killed while requests run on it loses none of
-  them (the front retries them on the other one, output equal to a cold run there) and its
-  links leave the directory.
+- a link listed under another fingerprint is never used; links whose owner died before the
+  fetch are a counted `owner_lost` miss with the cold output; negative control: a forged link
+  (state bytes altered, checksums valid) is restored and the output then differs from cold;
+- last (it takes a replica away): one replica killed while a request runs on it loses nothing
+  (the front retries it on the other one, output equal to a cold run there bit for bit), the
+  conversation it owned moves, and its links leave the directory.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import ray
 import requests
 
 from benchmarks.servers import free_port
-from vllm_hybridcache.cluster import directory_handle
+from vllm_hybridcache.cluster import RayTransport, directory_handle
 from vllm_hybridcache.cluster.directory import NAMESPACE
 from vllm_hybridcache.cluster.launcher import Cluster
+from vllm_hybridcache.core.keys import PromptKeys
 
 pytestmark = pytest.mark.slow
 
@@ -157,49 +161,180 @@ def test_a_turn_on_the_other_replica_resumes_from_the_owners_links_and_equals_co
     assert w["logprobs"]["top_logprobs"] == c["logprobs"]["top_logprobs"]
 
 
+def conversation(seed: int, turns: int) -> list[list[int]]:
+    """Token-id prompts of turns 1..turns: each extends the previous by 300 tokens, the first
+    is 600 tokens; `seed` keeps conversations of different tests apart."""
+    out = [[(seed * 997 + 100 + i * 7) % 3000 + 10 for i in range(600)]]
+    for t in range(1, turns):
+        out.append(out[-1] + [(seed * 131 + t * 31 + i * 13) % 3000 + 10 for i in range(300)])
+    return out
+
+
+def cluster_tier(cluster, name: str) -> dict:
+    return stats(cluster)["replicas"][name]["tiers"]["cluster"]
+
+
+def directory_entries(owner: str, prompt: list[int]) -> list:
+    """The directory's entries of `owner` on the grid cuts of `prompt` (default domain)."""
+    keys = PromptKeys(prompt)
+    digests = {keys.digest(c) for c in range(GRID, len(prompt) + 1, GRID)}
+    return [(k, e) for k, e in ray.get(directory_handle().entries_of.remote(owner))
+            if k[2] in digests]
+
+
+def pinned(name: str) -> dict:
+    return {"x-hybridcache-replica": name}
+
+
+def cold_on(cluster, name: str, prompt: list[int]) -> dict:
+    out = _completion(cluster, prompt, body={"cache_salt": f"cold-{uuid.uuid4().hex}"},
+                      **pinned(name))
+    assert cached(out) == 0 and out["replica"] == name
+    return out
+
+
+def test_a_link_of_another_fingerprint_is_never_used(cluster):
+    turns = conversation(2, 2)
+    _completion(cluster, turns[0], **pinned("r0"))
+    entries = directory_entries("r0", turns[0])
+    assert entries
+    d = directory_handle()
+    for (fp, dom, digest), (parent, start, end, nbytes, refs) in entries:
+        foreign = bytes(x ^ 0xFF for x in fp)
+        ray.get(d.publish.remote(foreign, dom, digest, parent, start, end, nbytes, "r0", refs))
+        ray.get(d.forget.remote(fp, dom, [digest]))
+    restores = cluster_tier(cluster, "r1")["restores"]
+    out = _completion(cluster, turns[1], **pinned("r1"))
+    assert cached(out) == 0
+    assert cluster_tier(cluster, "r1")["restores"] == restores
+    assert out["choices"][0]["token_ids"] == cold_on(cluster, "r1", turns[1])["choices"][0][
+        "token_ids"]
+
+
+@ray.remote(num_cpus=0)
+class Ghost:
+    """A replica stand-in that re-publishes payloads as their owner, then dies."""
+
+    def __init__(self) -> None:
+        self.t = RayTransport(ray.get_runtime_context().gcs_address, owner="ghost")
+
+    def publish(self, items) -> list:
+        for it in items:
+            self.t.publish(*it)
+        return [ray.put(b"probe")]
+
+
+def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cluster):
+    turns = conversation(3, 2)
+    _completion(cluster, turns[0], **pinned("r0"))
+    entries = directory_entries("r0", turns[0])
+    assert entries
+    items = [(fp, dom, digest, parent, start, end, bytes(ray.get(refs[0])))
+             for (fp, dom, digest), (parent, start, end, _, refs) in entries]
+    ghost = Ghost.remote()
+    probe = ray.get(ghost.publish.remote(items))[0]  # the entries now name the ghost
+    assert not directory_entries("r0", turns[0])
+    ray.kill(ghost, no_restart=True)
+    for _ in range(600):  # Ray learns of an owner's death asynchronously
+        try:
+            ray.get(probe, timeout=10)
+        except ray.exceptions.OwnerDiedError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("Ray never reported the ghost dead")
+    lost = cluster_tier(cluster, "r1")["misses"].get("owner_lost", 0)
+    out = _completion(cluster, turns[1], **pinned("r1"))
+    assert cached(out) == 0
+    assert cluster_tier(cluster, "r1")["misses"].get("owner_lost", 0) == lost + 1
+    ref = cold_on(cluster, "r1", turns[1])
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert out["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"]
+    assert not directory_entries("ghost", turns[0])  # the dead owner's entries are gone
+
+
+def _forge(payload: bytes, fingerprint: bytes, folder) -> bytes:
+    """The same link with slightly different state bytes and valid checksums (what a bug in a
+    copy would produce): every header check and CRC passes."""
+    import numpy as np
+
+    from vllm_hybridcache.core.disk.linkfile import read_header, write_link_file
+
+    src, dst = folder / "src.link", folder / "forged.link"
+    src.write_bytes(payload)
+    h, base = read_header(src, fingerprint)
+    parts = {}
+    for e in h.parts:
+        a = np.frombuffer(payload, np.uint8, e.nbytes, base + e.offset).copy()
+        a[::16] ^= 0x04
+        parts[e.name] = a
+    write_link_file(dst, fingerprint=h.fingerprint, domain=h.domain, digest=h.digest,
+                    parent_digest=h.parent_digest, start=h.start, end=h.end,
+                    tokens=h.token_ids(), rows=h.rows, parts=parts)
+    return dst.read_bytes()
+
+
+def test_negative_control_a_wrong_remote_state_changes_the_output(cluster, tmp_path):
+    """The comparison with a cold prefill catches a bad restore: a forged link (valid
+    checksums, state bytes altered) is restored and the output differs from the cold one."""
+    turns = conversation(4, 2)
+    _completion(cluster, turns[0], **pinned("r0"))
+    entries = sorted(directory_entries("r0", turns[0]), key=lambda ke: ke[1][2])
+    assert entries
+    items = []
+    for i, ((fp, dom, digest), (parent, start, end, _, refs)) in enumerate(entries):
+        data = bytes(ray.get(refs[0]))
+        if i == len(entries) - 1:
+            data = _forge(data, fp, tmp_path)
+        items.append((fp, dom, digest, parent, start, end, data))
+    ghost = Ghost.remote()
+    ray.get(ghost.publish.remote(items))
+    try:
+        out = _completion(cluster, turns[1], **pinned("r1"))
+        assert cached(out) == entries[-1][1][2]  # the forged chain was restored
+        ref = cold_on(cluster, "r1", turns[1])
+        assert out["choices"][0]["logprobs"] != ref["choices"][0]["logprobs"]
+    finally:
+        ray.kill(ghost)
+
+
 def test_zz_a_replica_killed_mid_trace_loses_no_request_and_its_links_leave(cluster):
-    """Runs last in the module: it takes r1 away. Requests pinned to r1 are in flight when its
-    server is SIGKILLed (engine and all); each is retried on r0 and answers the tokens a cold
-    run on r0 answers; r1's links leave the directory; the front keeps serving. The retried
-    requests run batched on r0 and the reference alone, so logprobs are compared to a
-    tolerance here (bit for bit holds only for requests run alone: the test above; batched,
-    they moved by up to 0.03 on this machine)."""
+    """Runs last in the module: it takes r1 away. A conversation lives on r1; a request is in
+    flight on r1 when its server is SIGKILLed (engine and all): the front retries it on r0,
+    which answers exactly what a cold run of it answers there (run alone, so bit for bit in
+    token ids and logprobs); the conversation's next turn goes to r0; r1's links leave the
+    directory; the front keeps serving."""
     victim, survivor = "r1", "r0"
     directory = directory_handle()
-    # r1 holds published links (the earlier tests of this module served on it)
-    prompts = [words(500 + i, 1500) for i in range(4)]
-    post(cluster, "/v1/completions", {"prompt": words(499, 600), "max_tokens": 2},
-         **{"x-hybridcache-replica": victim})
-    assert ray.get(directory.entries_of.remote(victim))
-
-    def ask(p: str) -> requests.Response:
-        return requests.post(cluster.url + "/v1/completions",
-                             json={"model": "tiny", "prompt": p, "max_tokens": 48,
-                                   "temperature": 0, "logprobs": 2, "return_token_ids": True},
-                             headers={"x-hybridcache-replica": victim}, timeout=600)
-
+    session = f"loss-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": words(498, 400)}]
+    first = post(cluster, "/v1/chat/completions", {"messages": messages, "max_tokens": 4},
+                 **{"x-session-id": session, **pinned(victim)})
+    assert first.headers["x-hybridcache-replica"] == victim
+    assert ray.get(directory.entries_of.remote(victim))  # r1 holds published links
+    prompt = conversation(9, 3)[2]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 128, "temperature": 0,
+            "logprobs": 5, "return_token_ids": True}
     retries = stats(cluster)["routing"]["retries"]
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(ask, p) for p in prompts]
-        for _ in range(600):  # until the front has them all on r1
-            if stats(cluster)["routing"]["replicas"][victim]["inflight"] == len(prompts):
+    with cf.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(requests.post, cluster.url + "/v1/completions", json=body,
+                             headers=pinned(victim), timeout=600)
+        for _ in range(600):  # until the front has it on r1
+            if stats(cluster)["routing"]["replicas"][victim]["inflight"] == 1:
                 break
             time.sleep(0.05)
         ray.get(cluster.actors[victim].kill.remote())
-        answers = [f.result() for f in futures]
-    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
-    assert all(a.headers["x-hybridcache-replica"] == survivor for a in answers)
-    assert stats(cluster)["routing"]["retries"] >= retries + len(prompts)
-    for p, a in zip(prompts, answers, strict=True):
-        cold = requests.post(cluster.url + "/v1/completions",
-                             json={"model": "tiny", "prompt": p, "max_tokens": 48,
-                                   "temperature": 0, "logprobs": 2, "return_token_ids": True,
-                                   "cache_salt": f"cold-{uuid.uuid4().hex}"},
-                             timeout=600).json()["choices"][0]
-        got = a.json()["choices"][0]
-        assert got["token_ids"] == cold["token_ids"]
-        assert got["logprobs"]["token_logprobs"] == pytest.approx(
-            cold["logprobs"]["token_logprobs"], abs=0.1)
+        answer = future.result()
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-hybridcache-replica"] == survivor
+    assert stats(cluster)["routing"]["retries"] == retries + 1
+    got = answer.json()["choices"][0]
+    ref = post(cluster, "/v1/completions", {**body, "cache_salt": f"cold-{uuid.uuid4().hex}"},
+               **pinned(survivor))
+    assert ref.headers["x-hybridcache-replica"] == survivor and cached(ref.json()) == 0
+    ref = ref.json()["choices"][0]
+    assert got["token_ids"] == ref["token_ids"]
+    assert got["logprobs"] == ref["logprobs"]
     for _ in range(600):  # the front's liveness loop tells the directory
         if not ray.get(directory.entries_of.remote(victim)):
             break
@@ -208,5 +343,10 @@ def test_zz_a_replica_killed_mid_trace_loses_no_request_and_its_links_leave(clus
     s = stats(cluster)
     assert s["routing"]["replicas"][victim]["up"] is False
     assert "error" in s["replicas"][victim] and s["engines"] == 1
-    r = post(cluster, "/v1/completions", {"prompt": words(777, 100), "max_tokens": 2})
-    assert r.headers["x-hybridcache-replica"] == survivor
+    reply = first.json()["choices"][0]["message"]["content"]
+    messages += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": words(497, 50)}]
+    nxt = post(cluster, "/v1/chat/completions", {"messages": messages, "max_tokens": 4},
+               **{"x-session-id": session})
+    assert nxt.headers["x-hybridcache-replica"] == survivor
+    assert nxt.headers["x-hybridcache-route"] == "owner_down"
