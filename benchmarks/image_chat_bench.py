@@ -32,7 +32,13 @@ import msgspec
 from benchmarks import vision_probe
 from benchmarks.ideal import PromptTokenizer
 from benchmarks.replay import ReplayConfig, ReplayResult, replay
-from benchmarks.servers import SYSTEMS, ServerSettings, reset_cache, running_server
+from benchmarks.servers import (
+    SYSTEMS,
+    ServerSettings,
+    process_tree_cpu_s,
+    reset_cache,
+    running_server,
+)
 from benchmarks.traces import SIZES, Request, Session, Trace, generate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,8 +74,10 @@ def new_screenshot(trace: Trace, req: Request) -> bool:
 
 
 def run_system(srv, trace: Trace, tokenizer: PromptTokenizer,
-               max_tokens: int) -> tuple[ReplayResult, list[dict[str, float]]]:
-    """Replay `trace` on a running server; the tower's totals per request (one per wave)."""
+               max_tokens: int) -> tuple[ReplayResult, list[dict[str, float]], float | None]:
+    """Replay `trace` on a running server; the tower's totals per request (one per wave) and
+    the CPU seconds the server's processes spent on the replay (its own work: on a shared
+    machine this moves less with other jobs' load than TTFT does)."""
     tower: dict[int, dict[str, float]] = {}
     last = vision_probe.read(srv.base_url)
 
@@ -82,16 +90,19 @@ def run_system(srv, trace: Trace, tokenizer: PromptTokenizer,
         last = now
 
     cfg = ReplayConfig(base_url=srv.base_url, model="vl", max_tokens=max_tokens)
+    cpu0 = process_tree_cpu_s(srv.pid)
     result = replay(trace, cfg, tokenizer, after_wave=after_wave)
-    return result, [tower[i] for i in range(len(trace.requests))]
+    cpu1 = process_tree_cpu_s(srv.pid)
+    cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    return result, [tower[i] for i in range(len(trace.requests))], cpu
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(trace: Trace, result: ReplayResult,
-              tower: list[dict[str, float]]) -> dict[str, Any]:
+def summarize(trace: Trace, result: ReplayResult, tower: list[dict[str, float]],
+              server_cpu_s: float | None) -> dict[str, Any]:
     rs = result.requests
     ok = [r for r in rs if r.error is None]
     new = [r for r in ok if new_screenshot(trace, trace.requests[r.index])]
@@ -116,6 +127,7 @@ def summarize(trace: Trace, result: ReplayResult,
         "tower_s_per_run": _median([t["seconds"] / t["calls"] for t in tower if t["calls"]]),
         "tower_share_new": share(new), "tower_share_follow": share(follow),
         "follow_ups_with_a_tower_run": sum(1 for r in follow if tower[r.index]["calls"]),
+        "server_cpu_s": server_cpu_s,
     }
 
 
@@ -126,6 +138,8 @@ def _fmt(v: Any, kind: str = "") -> str:
         return f"{100 * v:.1f}%"
     if kind == "ms":
         return f"{1000 * v:.0f}"
+    if kind == "s":
+        return f"{v:.1f}"
     return str(v)
 
 
@@ -139,15 +153,16 @@ def render(summary: dict[str, dict[str, Any]], trace: Trace, command: str) -> st
         f"{len(trace.sessions)} sessions, {len(trace.requests)} requests ({n_new} bring a new "
         f"screenshot, the rest are follow-ups resending the history with its images).", "",
         "| system | cached / ideal | TTFT p50 ms | vs off | new-screenshot p50 ms | "
-        "follow-up p50 ms | tower runs | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "follow-up p50 ms | server CPU s | tower runs | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         ratio = (f"{s['ttft_p50_s'] / base:.2f}" if base and s["ttft_p50_s"] else "n/a")
         lines.append(
             f"| {name} | {_fmt(s['cached_of_ideal'], 'pct')} | {_fmt(s['ttft_p50_s'], 'ms')} "
             f"| {ratio} | {_fmt(s['ttft_p50_new_s'], 'ms')} | "
-            f"{_fmt(s['ttft_p50_follow_s'], 'ms')} | {s['tower_runs']} | {s['errors']} |")
+            f"{_fmt(s['ttft_p50_follow_s'], 'ms')} | {_fmt(s.get('server_cpu_s'), 's')} | "
+            f"{s['tower_runs']} | {s['errors']} |")
     lines += [
         "", "The vision tower's share of TTFT (median over requests of tower seconds / TTFT; "
         "tower seconds measured in the worker):", "",
@@ -192,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, dict[str, Any]] = {}
     for name in args.systems.split(","):
         with running_server(SYSTEMS[name], settings, args.logs / f"{name}.log") as srv:
-            result, tower = run_system(srv, trace, tokenizer, args.max_tokens)
-            summary[name] = summarize(trace, result, tower)
+            summary[name] = summarize(trace, *run_system(srv, trace, tokenizer,
+                                                         args.max_tokens))
             print(name, summary[name], flush=True)
             if name == "nocache":
                 reset_cache(srv.base_url)
                 control = without_reuse(trace)
-                result, tower = run_system(srv, control, tokenizer, args.max_tokens)
-                summary[NO_REUSE] = summarize(control, result, tower)
+                summary[NO_REUSE] = summarize(control, *run_system(srv, control, tokenizer,
+                                                                   args.max_tokens))
                 print(NO_REUSE, summary[NO_REUSE], flush=True)
     text = render(summary, trace, command)
     print(text)
