@@ -20,13 +20,10 @@ Prints one JSON line; docs/benchmarks/disk.md records the results.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import tempfile
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -35,29 +32,8 @@ import requests
 from benchmarks import report as rep
 from benchmarks.ideal import PromptTokenizer
 from benchmarks.replay import ReplayConfig, replay
-from benchmarks.servers import SYSTEMS, ServerSettings, reset_cache, running_server
+from benchmarks.servers import SYSTEMS, ServerSettings, reset_cache, running_servers
 from benchmarks.traces import SIZES, generate
-
-
-@contextlib.contextmanager
-def servers_together(*servers: tuple[ServerSettings, dict[str, str], Path]) -> Iterator[list]:
-    """Start `ours` servers at once (start-ups overlap), each with its own extra environment;
-    yield them; stop them all."""
-    base = SYSTEMS["ours"]
-    cms = [running_server(msgspec.structs.replace(base, env={**base.env, **env}), settings, log)
-           for settings, env, log in servers]
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(cms)) as pool:
-        futures = [pool.submit(cm.__enter__) for cm in cms]
-        started, error = [], None
-        for cm, fut in zip(cms, futures, strict=True):
-            try:
-                started.append(fut.result())
-                stack.push(cm.__exit__)
-            except BaseException as e:  # the others are stopped by the stack, then it raises
-                error = error or e
-        if error is not None:
-            raise error
-        yield started
 
 
 def _disk(base: str) -> dict:
@@ -78,9 +54,14 @@ def run(model: str, family: str, size: str, reps: int, port: int, workdir: Path)
     out: dict = {"model": model, "trace": family, "size": size, "reps": reps,
                  "ttft_p50_ms": {"off": [], "on": []}, "replay_s": {"off": [], "on": []},
                  "disk_writes": [], "disk_write_bytes": [], "disk_writes_dropped": []}
-    with servers_together((settings, off_env, workdir / "off.log"),
-                          (msgspec.structs.replace(settings, port=port + 10), on_env,
-                           workdir / "on.log")) as (off, on):
+    base = SYSTEMS["ours"]
+
+    def ours(env: dict[str, str]):
+        return msgspec.structs.replace(base, env={**base.env, **env})
+
+    with running_servers((ours(off_env), settings, workdir / "off.log"),
+                         (ours(on_env), msgspec.structs.replace(settings, port=port + 10),
+                          workdir / "on.log")) as (off, on):
         order = []
         for i in range(reps):
             order += [("off", off), ("on", on)] if i % 2 == 0 else [("on", on), ("off", off)]

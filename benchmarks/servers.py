@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import msgspec
@@ -267,3 +268,23 @@ def running_server(spec: SystemSpec, settings: ServerSettings,
                             pid=proc.pid)
     finally:
         _stop(proc)
+
+
+@contextmanager
+def running_servers(*servers: tuple[SystemSpec, ServerSettings, Path]
+                    ) -> Iterator[list[RunningServer]]:
+    """Start several servers at once (their start-ups overlap), yield them in order, always
+    stop them all; if one fails to start, the others are stopped and its error raised."""
+    cms = [running_server(spec, settings, log) for spec, settings, log in servers]
+    with ExitStack() as stack, ThreadPoolExecutor(len(cms)) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in cms]
+        started, error = [], None
+        for cm, fut in zip(cms, futures, strict=True):
+            try:
+                started.append(fut.result())
+                stack.push(cm.__exit__)
+            except BaseException as e:  # the others are stopped by the stack, then it raises
+                error = error or e
+        if error is not None:
+            raise error
+        yield started

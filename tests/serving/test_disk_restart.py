@@ -31,13 +31,11 @@ state), and this test is about the tree links on disk.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,7 +43,13 @@ import msgspec
 import pytest
 import requests
 
-from benchmarks.servers import SYSTEMS, ServerError, ServerSettings, running_server
+from benchmarks.servers import (
+    SYSTEMS,
+    ServerError,
+    ServerSettings,
+    running_server,
+    running_servers,
+)
 from demo.conversation import demo_sessions
 from tests.serving.conftest import (
     GRID,
@@ -122,24 +126,6 @@ def _all_links_verify(disk: Path) -> int:
     return n
 
 
-@contextlib.contextmanager
-def _together(*servers: tuple[ServerSettings, Path]) -> Iterator[list]:
-    """Start several servers at once (their start-ups overlap), yield them, stop them all."""
-    cms = [running_server(SYSTEMS["ours"], settings, log) for settings, log in servers]
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(cms)) as pool:
-        futures = [pool.submit(cm.__enter__) for cm in cms]
-        started, error = [], None
-        for cm, fut in zip(cms, futures, strict=True):
-            try:
-                started.append(fut.result())
-                stack.push(cm.__exit__)
-            except BaseException as e:  # the others stop, then it raises
-                error = error or e
-        if error is not None:
-            raise error
-        yield started
-
-
 def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
     disk = tmp_path / "disk"
     mp = pytest.MonkeyPatch()
@@ -153,8 +139,8 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
     (_, main), (_, sub) = demo_sessions()[:2]
     try:
         # ------------------------------------------- life 1: servers A and B, one folder
-        with _together((settings, tmp_path / "life1-a.log"),
-                       (other, tmp_path / "life1-b.log")) as (srv, srv_b):
+        with running_servers((SYSTEMS["ours"], settings, tmp_path / "life1-a.log"),
+                             (SYSTEMS["ours"], other, tmp_path / "life1-b.log")) as (srv, srv_b):
             seg = segmentation(srv)
             earlier = [chat_body(srv, m)["prompt_token_ids"] for m in (*main[:3], sub[0])]
 
