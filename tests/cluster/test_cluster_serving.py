@@ -27,6 +27,7 @@ import ray
 import requests
 
 from benchmarks.servers import free_port
+from tests.cluster.conftest import wait_owner_dead
 from vllm_hybridcache.cluster import RayTransport, directory_handle
 from vllm_hybridcache.cluster.directory import NAMESPACE
 from vllm_hybridcache.cluster.launcher import Cluster
@@ -235,14 +236,7 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cl
     probe = ray.get(ghost.publish.remote(items))[0]  # the entries now name the ghost
     assert not directory_entries("r0", turns[0])
     ray.kill(ghost, no_restart=True)
-    for _ in range(600):  # Ray learns of an owner's death asynchronously
-        try:
-            ray.get(probe, timeout=10)
-        except ray.exceptions.OwnerDiedError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("Ray never reported the ghost dead")
+    wait_owner_dead(probe, "ghost")
     lost = cluster_tier(cluster, "r1")["misses"].get("owner_lost", 0)
     out = _completion(cluster, turns[1], **pinned("r1"))
     assert cached(out) == 0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import ray  # the cluster extra: installed by make env
 
+from tests.cluster.conftest import wait_owner_dead
 from vllm_hybridcache.cluster import RayTransport, directory_handle
 from vllm_hybridcache.core.tiers.cluster import ClusterMiss
 
@@ -124,15 +125,7 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss(local_ray, tmp_path, la
     c.tier.transport = RayTransport(local_ray, owner="c")
     probe = ray.get(pub.probe.remote())[0]
     ray.kill(pub, no_restart=True)
-    # Ray learns of an owner's death asynchronously: wait until its objects read as lost
-    for _ in range(600):
-        try:
-            ray.get(probe, timeout=10)
-        except ray.exceptions.OwnerDiedError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("Ray never reported the owner dead")
+    wait_owner_dead(probe)
     keys = c.cache.keys(PROMPT)
     for _ in range(4000):
         res = c.cache.lookup(keys, DOM, len(PROMPT) - 1)
