@@ -110,44 +110,33 @@ def run(folder: Path, links: int, mib: int) -> dict:
         file_bytes = sum(p.stat().st_size for p in files)
 
         chain = [LinkRef(100 + i, i * rows, (i + 1) * rows) for i in range(links)]
-        reads = []
-        for _ in range(3):
-            drop_cache(files)
-            t0 = time.perf_counter()
-            stage_chain(store, chain, [str(p) for p in files], FP)
-            reads.append(time.perf_counter() - t0)
-            store.drop([r.link_id for r in chain])
+        paths = [str(p) for p in files]
 
-        # the same reads without the reader's huge-page hint (core/disk/hugepages.py)
-        no_hint = []
-        with mock.patch.object(reader, "advise_huge_pages", lambda parts: False):
+        def timed_reads(into: LinkStore, cold: bool = True) -> list[float]:
+            """Three staged reads of the chain into `into`: from the device (page cache
+            dropped first) or, `cold=False`, from a page cache just warmed by a read."""
+            times = []
             for _ in range(3):
-                drop_cache(files)
+                if cold:
+                    drop_cache(files)
+                else:
+                    stage_chain(into, chain, paths, FP)
+                    into.drop([r.link_id for r in chain])
                 t0 = time.perf_counter()
-                stage_chain(store, chain, [str(p) for p in files], FP)
-                no_hint.append(time.perf_counter() - t0)
-                store.drop([r.link_id for r in chain])
+                stage_chain(into, chain, paths, FP)
+                times.append(time.perf_counter() - t0)
+                into.drop([r.link_id for r in chain])
+            return times
 
+        reads = timed_reads(store)
+        # the same reads without the reader's huge-page hint (core/disk/hugepages.py)
+        with mock.patch.object(reader, "advise_huge_pages", lambda parts: False):
+            no_hint = timed_reads(store)
         # the same reads into a store carving links out of reused slabs (how the worker's
         # pinned store works on a GPU host): no fresh pages to fault in per read
-        slab_store = LinkStore(lay, pin_memory=False, slab_bytes=DEFAULT_SLAB_BYTES)
-        slab_reads = []
-        for _ in range(3):
-            drop_cache(files)
-            t0 = time.perf_counter()
-            stage_chain(slab_store, chain, [str(p) for p in files], FP)
-            slab_reads.append(time.perf_counter() - t0)
-            slab_store.drop([r.link_id for r in chain])
-
+        slab_reads = timed_reads(LinkStore(lay, pin_memory=False, slab_bytes=DEFAULT_SLAB_BYTES))
         # the CPU side alone: the same staging from the page cache (copy + CRC + buffers)
-        cached = []
-        for _ in range(3):
-            stage_chain(store, chain, [str(p) for p in files], FP)  # warm the page cache
-            store.drop([r.link_id for r in chain])
-            t0 = time.perf_counter()
-            stage_chain(store, chain, [str(p) for p in files], FP)
-            cached.append(time.perf_counter() - t0)
-            store.drop([r.link_id for r in chain])
+        cached = timed_reads(store, cold=False)
         big = os.urandom(64 << 20)
         t0 = time.perf_counter()
         zlib.crc32(big)
