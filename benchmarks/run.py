@@ -43,7 +43,7 @@ from benchmarks.servers import (
     reset_cache,
     running_server,
 )
-from benchmarks.traces import FAMILIES, SIZES, Trace, generate
+from benchmarks.traces import FAMILIES, SIZES, TEXT_FAMILIES, Trace, generate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -258,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-name", help="model name the server answers to "
                    "(default: --model; set it for remote servers that use another name)")
     p.add_argument("--trace", default="coding-agent",
-                   help=f"comma list of families or 'all' ({', '.join(FAMILIES)})")
+                   help=f"comma list of families, or 'all' for the text families "
+                        f"({', '.join(TEXT_FAMILIES)}; image families need a VL model: "
+                        f"{', '.join(f for f in FAMILIES if f not in TEXT_FAMILIES)})")
     p.add_argument("--size", default="ci", help=f"comma list of sizes ({', '.join(SIZES)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="native,nocache,ours",
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
 
-    families = list(FAMILIES) if args.trace == "all" else args.trace.split(",")
+    families = list(TEXT_FAMILIES) if args.trace == "all" else args.trace.split(",")
     sizes = args.size.split(",")
     systems = args.systems.split(",")
     for kind, names, known in (("system", systems, SYSTEMS), ("trace family", families, FAMILIES),

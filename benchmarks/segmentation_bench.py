@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import msgspec
 
 from benchmarks.ideal import PromptTokenizer, ideal_cached
-from benchmarks.traces import FAMILIES, Trace, generate
+from benchmarks.traces import TEXT_FAMILIES, Trace, generate
 from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.segmentation import Segmentation
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = PromptTokenizer(path)
     im_end = tok.tok.convert_tokens_to_ids("<|im_end|>")
     settings = parse_settings(args.settings)
-    families = list(FAMILIES) if args.traces == "all" else args.traces.split(",")
+    families = list(TEXT_FAMILIES) if args.traces == "all" else args.traces.split(",")
 
     print(f"# segmentation_bench: model {args.model}, size {args.size}, "
           f"vLLM step budget {args.step_tokens} tokens")

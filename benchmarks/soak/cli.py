@@ -31,7 +31,7 @@ from benchmarks.soak.monitor import Monitor
 from benchmarks.soak.report import plot, summarize
 from benchmarks.soak.server import SoakServer
 from benchmarks.soak.traffic import Context, session_worker
-from benchmarks.traces import FAMILIES, SIZES
+from benchmarks.traces import SIZES, TEXT_FAMILIES
 from vllm_hybridcache.segmentation import Segmentation
 
 # vLLM's CPU GDN kernels run only in bf16, so qwen3-next models cannot be checked in float32;
@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drift-nats", type=float, default=None,
                    help=f"greedy-check tolerance (default by dtype: {DRIFT})")
     p.add_argument("--size", default="ci", choices=sorted(SIZES))
-    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--families", default=",".join(TEXT_FAMILIES),
+                   help="trace families (default: every text family; image-chat needs a "
+                        "vision-language model)")
     p.add_argument("--concurrency", type=int, default=2, help="session workers")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--budget-bytes", type=int, default=24 << 20,

@@ -129,7 +129,8 @@ def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], 
         v = compare(out.generation, cold.generation, ctx.drift_nats)
         rec.check, rec.compared, rec.margin, rec.max_drift = (v.outcome, v.compared, v.margin,
                                                               v.max_drift)
-        outcome, cause, detail = judge(v, rec.hit_kind, ctx.drift_nats, ctx.anchor_drift_nats)
+        outcome, cause, detail = judge(v, rec.hit_kind, ctx.drift_nats, ctx.anchor_drift_nats,
+                                       control=arm == "control")
         if outcome != "ok":
             rec.outcome, rec.cause, rec.detail = outcome, cause, detail
     if arm == "control" and out.cached_tokens:

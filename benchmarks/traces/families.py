@@ -354,6 +354,10 @@ FAMILIES: dict[str, tuple[Callable[[int, Size], tuple[list[_Conversation], list[
     "image-chat": (image_chat, "screenshots and follow-up questions, sessions in sequence "
                                "(vision-language models)"),
 }
+# Families whose requests carry images: only a vision-language model serves them, so "all" (the
+# default of the runners, the soak) means the text families and these are named explicitly.
+IMAGE_FAMILIES = ("image-chat",)
+TEXT_FAMILIES = tuple(f for f in FAMILIES if f not in IMAGE_FAMILIES)
 
 
 def generate(family: str, size: str = "ci", seed: int = 0) -> Trace:

@@ -102,3 +102,13 @@ def test_judge_holds_tree_hits_and_anchor_hits_to_their_own_rule():
     assert judge(wrong, "anchor", 1e-3, 1e-3)[:2] == ("unexpected_error", "wrong_token")
     assert judge(Verdict(compared=8, outcome="same", max_drift=2e-6), "anchor", 1e-3,
                  1e-3)[0] == "ok"
+
+
+def test_judge_reports_the_control_arm_without_failing_it():
+    from benchmarks.soak.check import Verdict, judge
+
+    moved = Verdict(compared=8, outcome="same", max_drift=0.69)
+    wrong = Verdict(compared=2, outcome="wrong", max_drift=0.0, margin=0.5, position=1)
+    for v in (moved, wrong):
+        assert judge(v, None, 0.25, None, control=True)[0] == "ok"
+        assert judge(v, None, 0.25, None)[0] == "unexpected_error"
