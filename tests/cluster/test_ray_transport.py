@@ -105,8 +105,7 @@ def test_cluster_tier_over_ray_restores_byte_for_byte(local_ray, tmp_path, layou
     b = Replica(FakeCluster(), "b", layout, tmp_path)
     b.tier.transport = RayTransport(local_ray, owner="b")
     keys = b.cache.keys(PROMPT)
-    res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
-    assert res.pending
+    res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)  # "not yet", or a hit if Ray was quick
     for _ in range(12000):  # the fetch runs in the background: up to a minute on a loaded box
         res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
         if not res.pending:
