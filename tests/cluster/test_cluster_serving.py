@@ -36,8 +36,11 @@ from vllm_hybridcache.core.keys import PromptKeys
 pytestmark = pytest.mark.slow
 
 GRID = 256
+# A replica learns of a dead owner when its fetch's RPC to that owner fails, which on a loaded
+# 2-core box took longer than the default 10 s lookup timeout (the miss then read `timeout`, not
+# `owner_lost`); 60 s leaves Ray room to answer, and only a failing lookup waits for it.
 ENV = {"VLLM_HYBRIDCACHE_GRID": str(GRID), "VLLM_HYBRIDCACHE_MESSAGE_END_MIN": "64",
-       "VLLM_CPU_KVCACHE_SPACE": "1"}
+       "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HYBRIDCACHE_CLUSTER_TIMEOUT_S": "60"}
 SERVE_ARGS = ["--served-model-name", "tiny", "--max-model-len", "8192",
               "--enable-prompt-tokens-details", "--seed", "0", "--enforce-eager"]
 
