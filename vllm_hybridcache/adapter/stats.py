@@ -145,6 +145,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                   "restore (counted under tier ram)." + _BY, "promoted"),
     "vllm:hybridcache_swept": ("Folders of other engine fingerprints and stale temporary "
                                "files deleted (disk tier)." + _BY, "swept"),
+    "vllm:hybridcache_remote_fetches": ("Chains of links fetched from another replica, staged "
+                                        "and verified (cluster tier)." + _BY, "fetches"),
+    "vllm:hybridcache_remote_fetch_bytes": ("Payload bytes fetched from other replicas "
+                                            "(cluster tier)." + _BY, "fetch_bytes"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "vllm:hybridcache_links": ("Links held in the snapshot cache." + _BY, "links"),
@@ -163,6 +167,12 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
                                          "capture_seconds"),
     "vllm:hybridcache_restore_seconds": ("Seconds to restore one chain of links." + _BY,
                                          "restore_seconds"),
+    "vllm:hybridcache_remote_fetch_seconds": ("Seconds from a remote fetch issued to its chain "
+                                              "staged and verified (cluster tier)." + _BY,
+                                              "fetch_seconds"),
+    "vllm:hybridcache_remote_locate_seconds": ("Seconds the cluster directory took to answer a "
+                                               "locate (cluster tier)." + _BY,
+                                               "locate_seconds"),
 }
 # the (tier, kind) series exported as zeros before any snapshot arrives
 SERIES: tuple[tuple[str, str], ...] = tuple(
