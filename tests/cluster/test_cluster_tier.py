@@ -274,6 +274,30 @@ def test_lost_owner_object_or_timeout_is_a_counted_miss(pair, fault, reason):
     b.cache.sanity_check()
 
 
+def test_fetch_time_and_bytes_are_counted_from_the_fetch_issued_to_payloads_staged(pair):
+    """The stats weigh a transfer against the prefill it saved: seconds from the fetch issued
+    to the chain staged and verified, its bytes, and the directory's answer time apart."""
+    c, _a, b = pair
+    keys = b.cache.keys(PROMPT)
+    assert b.cache.lookup(keys, DOM, len(PROMPT) - 1).pending  # locate issued at t = 0
+    b.clock.t = 0.5
+    assert b.cache.lookup(keys, DOM, len(PROMPT) - 1).pending  # located; fetch issued
+    b.clock.t = 2.0
+    res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)           # payloads here and staged
+    assert res.hit and res.tier == "cluster"
+    st = b.tier.stats()
+    payload = sum(e.nbytes for e in c.entries.values())
+    assert st.fetches == 1 and st.fetch_bytes == payload == b.tier.remote_bytes
+    assert st.fetch_seconds.count == 1 and st.fetch_seconds.sum == pytest.approx(1.5)
+    assert st.locate_seconds.count == 1 and st.locate_seconds.sum == pytest.approx(0.5)
+    c.dead.add("a")  # a failed fetch adds neither seconds nor bytes
+    other = PROMPT[:200]
+    assert not b.lookup(other)[1].hit
+    st = b.tier.stats()
+    assert st.misses[ClusterMiss.OWNER_LOST] == 1
+    assert st.fetches == 1 and st.fetch_seconds.count == 1 and st.fetch_bytes == payload
+
+
 def test_staged_bytes_count_against_the_budget(tmp_path, layout):
     c = FakeCluster()
     a = Replica(c, "a", layout, tmp_path)

@@ -49,7 +49,7 @@ from ..disk.linkfile import LinkFileError, LinkFileProblem, read_header, write_l
 from ..disk.writer import WriteJob
 from ..keys import Hasher, PromptKeys, blake2b_128
 from ..layout import StateLayout
-from ..stats import CacheStats, MissReason, SkipReason, StatsRecorder
+from ..stats import SECONDS_BOUNDS, CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
 from .base import (
     CacheTier,
     Fits,
@@ -63,8 +63,8 @@ from .base import (
     Tokens,
 )
 
-__all__ = ["ClusterError", "ClusterMiss", "ClusterTarget", "ClusterTier", "ClusterTransport",
-           "Pending", "RemoteEntry", "link_payload"]
+__all__ = ["ClusterError", "ClusterMiss", "ClusterStats", "ClusterTarget", "ClusterTier",
+           "ClusterTransport", "Pending", "RemoteEntry", "link_payload"]
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
@@ -129,6 +129,22 @@ class ClusterTransport(Protocol):
         """Remove entries that failed (fire and forget)."""
 
 
+class ClusterStats(CacheStats, kw_only=True):
+    """The cluster tier's stats: a CacheStats plus what remote payloads cost to bring here, so
+    the transfer can be weighed against the prefill it saved (docs/cluster.md). Times are as
+    the scheduler sees them: it polls a pending answer once per step, so on a busy replica
+    they include up to one step of waiting after the bytes arrived."""
+
+    fetches: int = 0      # chains fetched, staged and verified (payloads ready)
+    fetch_bytes: int = 0  # their payload bytes
+    # fetch issued -> every payload of the chain on this node, staged and verified
+    fetch_seconds: Histogram = msgspec.field(
+        default_factory=lambda: Histogram.empty(SECONDS_BOUNDS))
+    # locate issued -> the directory's answer (every located prefix, found or not)
+    locate_seconds: Histogram = msgspec.field(
+        default_factory=lambda: Histogram.empty(SECONDS_BOUNDS))
+
+
 class ClusterTarget(msgspec.Struct, frozen=True):
     """What a worker needs to publish links (sent with every step plan while the tier is on):
     the Ray address, this engine's fingerprint (every payload carries it), the replica's name
@@ -154,6 +170,7 @@ class _Op:
     stage: _Stage
     started: float
     pending: Pending | None = None
+    fetch_started: float = 0.0
     chain: list[RemoteEntry] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
     nbytes: int = 0
@@ -221,6 +238,10 @@ class ClusterTier(CacheTier):
         self.remote_bytes = 0     # payload bytes fetched
         self.remote_seconds = 0.0  # locate + fetch time of fetched chains
         self.published = 0
+        self._fetch_seconds = Histogram.empty(SECONDS_BOUNDS)
+        self._locate_seconds = Histogram.empty(SECONDS_BOUNDS)
+        self._fetches = 0
+        self._fetch_bytes = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -310,6 +331,7 @@ class ClusterTier(CacheTier):
                 if not op.pending.done():
                     self._check_timeout(op, now)
                     return
+                self._locate_seconds.observe(max(0.0, now - op.started))
                 chain = self._chain(op.pending.result(), keys)
                 if not chain:
                     op.stage, op.pending, op.started = _Stage.NONE, None, now
@@ -319,6 +341,7 @@ class ClusterTier(CacheTier):
                     raise ClusterError(ClusterMiss.BUDGET, f"{nbytes} bytes to stage")
                 op.chain, op.nbytes = chain, nbytes
                 op.pending, op.stage = self.transport.fetch(chain), _Stage.FETCH
+                op.fetch_started = self._clock()
             if op.stage is _Stage.FETCH:
                 if not op.pending.done():
                     self._check_timeout(op, now)
@@ -327,8 +350,12 @@ class ClusterTier(CacheTier):
                 op.pending = None
                 self._stage(op, payloads, keys, domain)
                 op.stage = _Stage.READY
-                self.remote_bytes += sum(len(p) for p in payloads)
+                nbytes = sum(len(p) for p in payloads)
+                self.remote_bytes += nbytes
                 self.remote_seconds += max(0.0, now - op.started)
+                self._fetches += 1
+                self._fetch_bytes += nbytes
+                self._fetch_seconds.observe(max(0.0, self._clock() - op.fetch_started))
                 op.started = now
         except ClusterError as e:
             self._fail(op, e.reason, domain, now)
@@ -553,8 +580,12 @@ class ClusterTier(CacheTier):
         self._ops.clear()
 
     # ------------------------------------------------------------------ stats
-    def stats(self) -> CacheStats:
-        snap = self._rec.snapshot()
+    def stats(self) -> ClusterStats:
+        base = self._rec.snapshot()
+        snap = ClusterStats(**{f: getattr(base, f) for f in base.__struct_fields__},
+                            fetches=self._fetches, fetch_bytes=self._fetch_bytes,
+                            fetch_seconds=self._fetch_seconds.copy(),
+                            locate_seconds=self._locate_seconds.copy())
         snap.captures = self.published
         snap.links = len(self)
         snap.links_pinned = sum(len(ids) for ids in self._active)
