@@ -1,0 +1,113 @@
+"""Two replicas of flash-next-tiny (Flash-Next: GDN and PLE states, QSA rows, fine segmentation)
+on a local Ray: turns 1..k on replica A, turn k+1 forced to replica B resumes from A's links
+through the cluster tier and equals a cold prefill on B (a fresh cache_salt) in token ids and
+logprobs, bit for bit; negative control: a forged link of A's chain (state bytes altered,
+checksums valid) is restored on B and the logprobs then differ from the cold ones.
+
+The replicas are the in-process engine actors of `vllm_hybridcache.cluster.replica` (two Ray
+actors, no HTTP front): the cheapest pair of engines with the cluster tier on. The qwen3-next-tiny
+pair of test_cluster_serving.py covers the launcher, the front and routing.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+
+from tests.cluster.test_cluster_serving import Ghost, _forge
+from vllm_hybridcache.cluster import directory_handle
+from vllm_hybridcache.cluster.directory import NAMESPACE
+from vllm_hybridcache.cluster.replica import replica_actor
+from vllm_hybridcache.core.keys import PromptKeys
+
+pytestmark = pytest.mark.slow
+
+GRID = 256
+SETTINGS = {"grid": GRID, "message_end_min": 64, "cluster_timeout_s": 60}
+ENGINE = {"max_model_len": 4096, "max_num_batched_tokens": 2048, "enforce_eager": True,
+          "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def replicas(embedded_model):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False,
+             namespace=NAMESPACE, log_to_driver=False)
+    made = []
+    try:
+        Replica = replica_actor(num_cpus=1)
+        model = str(embedded_model("flash-next-tiny"))
+        made = [Replica.remote(model, n, SETTINGS, ENGINE) for n in ("A", "B")]
+        ray.get([r.stats.remote() for r in made])
+        yield made
+    finally:
+        for r in made:
+            try:
+                ray.get(r.shutdown.remote(), timeout=120)
+            except ray.exceptions.RayError:
+                pass
+        ray.shutdown()
+        mp.undo()
+
+
+def conversation(seed: int, turns: int) -> list[list[int]]:
+    """Prompts of turns 1..turns: 600 tokens, then 300 more per turn."""
+    out = [[(seed * 997 + 100 + i * 7) % 3000 + 10 for i in range(600)]]
+    for t in range(1, turns):
+        out.append(out[-1] + [(seed * 131 + t * 31 + i * 13) % 3000 + 10 for i in range(300)])
+    return out
+
+
+def entries_of(owner: str, prompt: list[int]) -> list:
+    """The directory's entries of `owner` that end on a 64-aligned position of `prompt`."""
+    keys = PromptKeys(prompt)
+    digests = {keys.digest(c) for c in range(64, len(prompt) + 1, 64)}
+    return sorted(((k, e) for k, e in ray.get(directory_handle().entries_of.remote(owner))
+                   if k[2] in digests), key=lambda ke: ke[1][2])
+
+
+def cluster_restores(replica) -> int:
+    return ray.get(replica.stats.remote())["cluster/tree"]["restores"]
+
+
+def test_a_turn_on_the_other_replica_resumes_from_the_owners_links_and_equals_cold(replicas):
+    a, b = replicas
+    turns = conversation(1, 4)
+    for p in turns[:3]:
+        ray.get(a.generate.remote(p))
+    assert entries_of("A", turns[2])
+    before = cluster_restores(b)
+    warm = ray.get(b.generate.remote(turns[3]))
+    assert warm["cached"] >= GRID  # A's links, fetched through the cluster tier
+    assert cluster_restores(b) == before + 1
+    cold = ray.get(b.generate.remote(turns[3], salt=f"cold-{uuid.uuid4().hex}"))
+    assert cold["cached"] == 0
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == cold["logprobs"]
+
+
+def test_negative_control_a_forged_remote_link_changes_the_logprobs(replicas, tmp_path):
+    a, b = replicas
+    turns = conversation(2, 2)
+    ray.get(a.generate.remote(turns[0]))
+    entries = entries_of("A", turns[0])
+    assert entries
+    items = []
+    for i, ((fp, dom, digest), (parent, start, end, _, refs)) in enumerate(entries):
+        data = bytes(ray.get(refs[0]))
+        if i == len(entries) - 1:
+            data = _forge(data, fp, tmp_path)
+        items.append((fp, dom, digest, parent, start, end, data))
+    ghost = Ghost.remote()
+    ray.get(ghost.publish.remote(items))  # the chain now names the ghost, its deepest forged
+    try:
+        out = ray.get(b.generate.remote(turns[1]))
+        assert out["cached"] == entries[-1][1][2]  # the forged chain was restored
+        cold = ray.get(b.generate.remote(turns[1], salt=f"cold-{uuid.uuid4().hex}"))
+        assert cold["cached"] == 0
+        assert out["logprobs"] != cold["logprobs"]
+    finally:
+        ray.kill(ghost)
