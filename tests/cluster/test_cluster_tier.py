@@ -324,5 +324,32 @@ def test_mtp_route_and_published_links_once(pair, layout):
     assert not res.hit
     rec = a.tree.link_record(a.tree.lookup(a.tree.keys(PROMPT), DOM).plan.deepest)
     assert a.tier.publish_job(rec) is None  # published already
-    a.tier.unpublished(rec.domain, rec.digest)
+    a.tier.unpublished([rec.link_id])  # dropped here: published again if captured again
     assert a.tier.publish_job(rec) is not None
+
+
+def test_a_link_published_at_its_capture_is_the_committed_links_publication(tmp_path, layout):
+    """The job made when the link is reserved (the worker publishes it right after the
+    capture, in the same step) names exactly what the committed link's record names, and the
+    commit does not publish it twice; tagged links (MTP route) are not published."""
+    c = FakeCluster()
+    a = Replica(c, "a", layout, tmp_path)
+    keys = a.tree.keys(PROMPT)
+    early, ids = [], []
+    for cut in _cuts(keys.tokens):
+        r = a.cache.reserve("tree", keys, cut, DOM)
+        assert (r.parent_id is not None) == (r.start > 0)
+        early.append(a.tier.capture_job(r.link_id, keys, DOM, r.start, r.end))
+        assert a.tier.capture_job(r.link_id, keys, DOM, r.start, r.end) is None  # once
+        ids.append(r.link_id)
+        bufs = a.store.allocate(r.link_id, layout.view_rows(r.start, r.end))
+        a.store.seal(r.link_id)
+        assert bufs is not None and a.cache.commit(r.addr)
+    for job, lid in zip(early, ids, strict=True):
+        rec = a.tree.link_record(lid)
+        assert a.tier.publish_job(rec) is None  # the commit: published at the capture
+        a.tier.unpublished([lid])
+        assert a.tier.publish_job(rec) == job
+    assert early[0].parent_digest == b"" and early[1].parent_digest == early[0].digest
+    r = a.cache.reserve("tree", a.tree.keys(PROMPT[:300]), 300, DOM)
+    assert a.tier.capture_job(r.link_id, keys, DOM, r.start, r.end, tag=("draft", 1)) is None

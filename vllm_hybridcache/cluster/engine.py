@@ -62,12 +62,30 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
             f"reachable ({type(e).__name__}: {e}); start one (`ray start --head`) or unset "
             "VLLM_HYBRIDCACHE_CLUSTER_ADDRESS") from e
     owner = settings.cluster_replica or f"{socket.gethostname()}:{os.getpid()}"
-    tier = ClusterTier(layout, fp.digest, transport, lambda toks: segmentation.cuts(toks.tolist()),
+    tier = ClusterTier(layout, fp.digest, transport, remote_cuts(vllm_config, segmentation),
                        _scratch("hybridcache-cluster-"), settings.cluster_budget_bytes,
                        float(settings.cluster_timeout_s), next_id=ids, promote=tree.adopt)
     logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s)",
                 settings.cluster_address, owner, fp.hex[:16])
     return tier, ClusterTarget(settings.cluster_address, fp.digest, owner)
+
+
+def remote_cuts(vllm_config, segmentation):
+    """Where a remote link may end on a prompt (the positions a lookup asks the directory
+    about): the segmentation's cuts, and in fine mode every 64-aligned position too, since
+    links are captured there inside a step (the prompt's last one, junctions) and are exact
+    (docs/split-invariance.md)."""
+    from vllm_hybridcache.adapter.scheduler_side import segmentation_mode
+    from vllm_hybridcache.segmentation import FINE, FINE_ALIGN
+
+    if segmentation_mode(vllm_config)[0] != FINE:
+        return lambda toks: segmentation.cuts(toks.tolist())
+
+    def cuts(toks) -> list[int]:
+        return sorted(set(segmentation.cuts(toks.tolist()))
+                      .union(range(FINE_ALIGN, len(toks) + 1, FINE_ALIGN)))
+
+    return cuts
 
 
 class Publisher:

@@ -24,8 +24,11 @@ How a remote hit is served (docs/cluster.md):
 - Staged bytes count against `budget_bytes` until the restore ends; a successful restore is
   promoted into the RAM tree (`promote`), whose budget then holds it.
 
-Publication: the adapter asks `publish_job` for every committed RAM tree link; the worker turns
-the job into a payload with `link_payload` and hands it to the transport.
+Publication: the adapter asks `capture_job` for every RAM tree link a step captures, and the
+worker publishes it right after the capture, in that step (`publish_job`, at the commit, then
+finds it published; it publishes what was not, e.g. a link captured before the tier saw it).
+The worker turns the job into a payload with `link_payload` and hands it to the transport.
+Transfer costs (fetches, bytes, fetch and locate seconds) are in `ClusterStats`.
 
 Single-threaded: the scheduler thread only.
 """
@@ -233,7 +236,9 @@ class ClusterTier(CacheTier):
         self._offered: OrderedDict[int, tuple[_Op, PromptKeys, bytes]] = OrderedDict()
         self._active: dict[tuple[int, ...], tuple[_Op, PromptKeys, bytes]] = {}
         self._dropped: list[int] = []
-        self._published: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        # (domain, digest) -> id of the link published under it; and back
+        self._published: OrderedDict[tuple[bytes, bytes], int] = OrderedDict()
+        self._published_ids: dict[int, tuple[bytes, bytes]] = {}
         self._rec = StatsRecorder()
         self.remote_bytes = 0     # payload bytes fetched
         self.remote_seconds = 0.0  # locate + fetch time of fetched chains
@@ -510,24 +515,57 @@ class ClusterTier(CacheTier):
     def publish_job(self, record: Any) -> WriteJob | None:
         """The publication of a committed RAM tree link (a LinkRecord), or None: links of the
         MTP route (tagged: a payload does not carry the draft-row tag) and links this engine
-        already published are not."""
-        if record.tag is not None or not self.enabled:
+        already published (among them every link `capture_job` published at its capture)."""
+        if record.tag is not None:
             return None
-        k = (record.domain, record.digest)
+        return self._job(record.link_id, record.domain, record.digest, record.parent_digest,
+                         record.start, record.end, record.tokens)
+
+    def capture_job(self, link_id: int, keys: PromptKeys, domain: bytes, start: int, end: int,
+                    tag: Any = None) -> WriteJob | None:
+        """The publication of a RAM tree link reserved in this step, for the worker to publish
+        right after it captured the link (in the same step), or None (tagged, published
+        already, tier off).
+
+        Why at the capture and not at the commit: the scheduler learns of the commit from the
+        step's report, after the step, so a job made then rides the *next* step's plan, and
+        the links committed by a request's last step were published only after its response
+        (or, in an engine that stops stepping when idle, at its next request). The worker
+        publishes only links it captured and sealed; with one worker per replica (the only
+        shape the cluster tier runs in) that capture is the confirmation the commit waits for.
+        A link the scheduler aborts after all is dropped from the worker's store, which
+        withdraws it. A link starting past 0 has a parent link ending at its start (the tree
+        reserves from the deepest link it holds), whose digest is the prompt's at `start`."""
+        if tag is not None:
+            return None
+        return self._job(link_id, domain, keys.digest(end),
+                         keys.digest(start) if start > 0 else b"", start, end,
+                         keys.token_bytes(start, end))
+
+    def _job(self, link_id: int, domain: bytes, digest: bytes, parent_digest: bytes,
+             start: int, end: int, tokens: bytes) -> WriteJob | None:
+        if not self.enabled:
+            return None
+        k = (domain, digest)
         if k in self._published:
             return None
-        self._published[k] = None
+        self._published[k] = link_id
+        self._published_ids[link_id] = k
         while len(self._published) > 4 * OFFERED_MAX * 16:
-            self._published.popitem(last=False)
+            _, old = self._published.popitem(last=False)
+            self._published_ids.pop(old, None)
         self.published += 1
-        return WriteJob(record.link_id, record.domain, record.digest, record.parent_digest,
-                        record.start, record.end, record.tokens,
-                        self.layout.view_rows(record.start, record.end))
+        return WriteJob(link_id, domain, digest, parent_digest, start, end, tokens,
+                        self.layout.view_rows(start, end))
 
-    def unpublished(self, domain: bytes, digest: bytes) -> None:
-        """The worker stopped offering this link (dropped from its store): publish it again if
-        it comes back."""
-        self._published.pop((domain, digest), None)
+    def unpublished(self, link_ids: Sequence[int]) -> None:
+        """Links that left this engine (evicted, aborted, cleared): the worker withdraws them
+        from the directory as it drops them, and a link captured again under the same key is
+        published again."""
+        for lid in link_ids:
+            k = self._published_ids.pop(lid, None)
+            if k is not None and self._published.get(k) == lid:
+                del self._published[k]
 
     # ------------------------------------------------------------------ housekeeping
     def invalidate(self, link_ids: Sequence[int]) -> int:
