@@ -630,6 +630,15 @@ class SchedulerSide:
             plan.disk_forget, plan.disk_clear = self.disk.take_writer_ops()
         if self.cluster is not None:
             plan.cluster_target = self._cluster_target
+            self.cluster.unpublished([a.link_id for a in plan.drops])
+            for c in plan.captures:  # published by the worker right after its capture
+                entry = self._live.get(c.req_id)
+                if entry is not None and (c.addr.tier, c.addr.kind) == (Tier.RAM, LinkKind.TREE):
+                    job = self.cluster.capture_job(c.addr.link_id, entry.keys, entry.domain,
+                                                   c.row_start, c.row_end,
+                                                   entry.draft_tag(c.row_end))
+                    if job is not None:
+                        self._cluster_publish.append(job)
             plan.cluster_publish, self._cluster_publish = self._cluster_publish, []
         return plan
 
