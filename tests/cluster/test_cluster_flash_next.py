@@ -2,7 +2,10 @@
 on a local Ray: turns 1..k on replica A, turn k+1 forced to replica B resumes from A's links
 through the cluster tier and equals a cold prefill on B (a fresh cache_salt) in token ids and
 logprobs, bit for bit; negative control: a forged link of A's chain (state bytes altered,
-checksums valid) is restored on B and the logprobs then differ from the cold ones.
+checksums valid) is restored on B and the logprobs then differ from the cold ones. And the
+deepest link of a request, committed by its last step, is in the directory once the request
+returned, with no further step on its replica (the in-process engine steps only while it has
+requests), so a turn moved right after it resumes from the full depth.
 
 The replicas are the in-process engine actors of `vllm_hybridcache.cluster.replica` (two Ray
 actors, no HTTP front): the cheapest pair of engines with the cluster tier on. The qwen3-next-tiny
@@ -11,6 +14,7 @@ pair of test_cluster_serving.py covers the launcher, the front and routing.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -111,3 +115,27 @@ def test_negative_control_a_forged_remote_link_changes_the_logprobs(replicas, tm
         assert out["logprobs"] != cold["logprobs"]
     finally:
         ray.kill(ghost)
+
+
+def test_the_link_committed_by_a_requests_last_step_is_published_by_its_response(replicas):
+    """A prompt of 3 grid cuts and one output token: its last prefill step [512, 768) is the
+    request's last step and captures the deepest link, at 768. A's engine runs no step after
+    `generate` returns, so that link is in the directory only if the worker published it in
+    that step (before the fix it waited for A's next request). Ray delivers the call to the
+    directory asynchronously: the loop waits only for that delivery. B then resumes a longer
+    prompt from that depth and answers what a cold prefill answers."""
+    a, b = replicas
+    prompt = [(3 * 997 + 100 + i * 7) % 3000 + 10 for i in range(3 * GRID)]
+    deepest = len(prompt)
+    ray.get(a.generate.remote(prompt, max_tokens=1))
+    for _ in range(600):
+        ends = [e[2] for _, e in entries_of("A", prompt)]
+        if deepest in ends:
+            break
+        time.sleep(0.1)
+    assert deepest in ends, ends
+    longer = prompt + [(i * 17) % 3000 + 10 for i in range(100)]
+    warm = ray.get(b.generate.remote(longer))
+    assert warm["cached"] == deepest
+    cold = ray.get(b.generate.remote(longer, salt=f"cold-{uuid.uuid4().hex}"))
+    assert warm["tokens"] == cold["tokens"] and warm["logprobs"] == cold["logprobs"]
