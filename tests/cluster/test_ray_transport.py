@@ -141,3 +141,22 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss(local_ray, tmp_path, la
         time.sleep(0.05)
     assert ray.get(d.stats.remote()).get("pub") is None  # its entries left the directory
     assert not np.any([c.store.has(i) for i in range(1, 20)])
+
+
+def test_the_owner_book_keeps_the_fronts_owners_in_a_ray_actor(local_ray):
+    """What a restarted front reads back: owners written fire-and-forget, dumped in order."""
+    from vllm_hybridcache.cluster.owners import OwnerBookActor
+    from vllm_hybridcache.cluster.routing import Outcome, Router
+
+    book = OwnerBookActor.remote()
+    try:
+        book.remember.remote("s1", [b"k" * 16], "r1")
+        book.remember.remote(None, [b"j" * 16, b"k" * 16], "r0")
+        sessions, prefixes = ray.get(book.dump.remote(), timeout=60)
+        assert sessions == [("s1", "r1")] and prefixes == [(b"j" * 16, "r0"), (b"k" * 16, "r0")]
+        r = Router(["r0", "r1"])
+        assert r.load(sessions, prefixes) == 3
+        assert r.choose("s1").replica == "r1" and r.choose(None, [b"k" * 16]).outcome \
+            is Outcome.OWNER
+    finally:
+        ray.kill(book)

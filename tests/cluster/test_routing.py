@@ -115,3 +115,33 @@ def test_bad_arguments():
         Router([])
     with pytest.raises(ValueError):
         Router(["a"], max_imbalance=0)
+
+
+def test_owners_written_to_the_book_route_a_restarted_front_like_the_old_one():
+    """The front's Serve replica restarts with an empty Router: the owners it wrote to the
+    OwnerBook behind each answered turn are read back, so the next turns go to their owners;
+    without the book they would go by load (negative control)."""
+    from vllm_hybridcache.cluster.owners import OwnerBook
+
+    book = OwnerBook(max_keys=8)
+    old = Router(["a", "b"], on_owner=book.remember)
+    convs = [("s1", ()), (None, tuple(prefix_keys(chat("x", "y")))),
+             ("s2", ()), (None, tuple(prefix_keys(chat("p"))))]
+    owners = [serve(old, session=s, keys=k).replica for s, k in convs]
+    assert set(owners) == {"a", "b"}
+    failed = old.choose("s9")
+    old.finished(failed.replica, False, "s9")  # a failed attempt owns nothing
+    new = Router(["a", "b"])
+    assert new.load(*book.dump()) == book.size()["sessions"] + book.size()["prefixes"]
+    for (s, k), o in zip(convs, owners, strict=True):
+        d = new.choose(s, k)
+        assert (d.replica, d.outcome) == (o, Outcome.OWNER)
+        new.finished(d.replica, True, s, k)
+    assert new.choose("s9").outcome is Outcome.NO_OWNER
+    fresh = Router(["a", "b"])
+    assert [fresh.choose(s, k).outcome for s, k in convs] == [Outcome.NO_OWNER] * 4
+    # owners of replicas the new router does not have are skipped; the book stays bounded
+    assert Router(["c"]).load(*book.dump()) == 0
+    for i in range(20):
+        book.remember(f"t{i}", (), "a")
+    assert book.size()["sessions"] == 8 and "t19" in dict(book.dump()[0])

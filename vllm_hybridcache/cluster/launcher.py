@@ -27,6 +27,7 @@ from ray import serve
 
 from .directory import NAMESPACE, directory_handle
 from .front import Front
+from .owners import OwnerBookActor
 from .routing import Policy, Router
 from .server_replica import server_replica_actor
 
@@ -67,6 +68,7 @@ class Cluster:
             for i in range(replicas)}
         self.endpoints = dict(ray.get([a.endpoint.remote() for a in self.actors.values()]))
         self.url: str | None = None
+        self.book: Any = None  # the front's owners, kept across front restarts (owners.py)
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -94,8 +96,10 @@ class Cluster:
                     max_imbalance: int = 4, health_interval_s: float = 2.0) -> str:
         """Deploy the front on Ray Serve's HTTP proxy at host:port; its base URL."""
         serve.start(http_options={"host": host, "port": port})
+        if self.book is None:
+            self.book = OwnerBookActor.remote()
         serve.run(FrontDeployment.bind(self.endpoints, self.actors, policy.value,
-                                       max_imbalance, health_interval_s),
+                                       max_imbalance, health_interval_s, self.book),
                   name=APP_NAME, route_prefix="/")
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.url = f"http://{shown}:{port}"
@@ -122,6 +126,9 @@ class Cluster:
                 pass
         for a in self.actors.values():
             ray.kill(a)
+        if self.book is not None:
+            ray.kill(self.book)
+            self.book = None
 
 
 APP_NAME = "hybridcache"
@@ -134,15 +141,34 @@ class FrontDeployment:
     """The front (front.py) as Ray Serve's ingress: Serve's proxy owns the port and hands each
     HTTP request to this one replica, which holds the routing state (owners, loads).
 
-    endpoints: replica name -> base URL; actors: replica name -> its Ray actor (liveness).
+    endpoints: replica name -> base URL; actors: replica name -> its Ray actor (liveness);
+    book: the OwnerBook actor, where the owners are written behind each answered turn and read
+    back when Serve starts this replica again after it died (owners.py).
     """
 
     def __init__(self, endpoints: dict[str, str], actors: dict[str, Any], policy: str,
-                 max_imbalance: int, health_interval_s: float) -> None:
+                 max_imbalance: int, health_interval_s: float, book: Any = None) -> None:
         self.actors = actors
         self.directory = directory_handle()
-        self.front = Front(endpoints, Router(list(endpoints), Policy(policy), max_imbalance),
-                           self.alive, self.forget, health_interval_s=health_interval_s)
+        self.book = book
+        router = Router(list(endpoints), Policy(policy), max_imbalance,
+                        on_owner=self.keep_owner if book is not None else None)
+        if book is not None:
+            try:
+                n = router.load(*ray.get(book.dump.remote(), timeout=60))
+                if n:
+                    logger.warning("hybridcache front: %d conversation owners taken over", n)
+            except ray.exceptions.RayError as e:  # routing by load until the maps fill again
+                logger.warning("hybridcache front: owners not read back: %s", e)
+        self.front = Front(endpoints, router, self.alive, self.forget,
+                           health_interval_s=health_interval_s)
+
+    def keep_owner(self, session: str | None, keys, replica: str) -> None:
+        """Write a new owner behind (never waited for)."""
+        try:
+            self.book.remember.remote(session, list(keys), replica)
+        except ray.exceptions.RayError as e:
+            logger.warning("hybridcache front: owner not kept: %s", e)
 
     async def alive(self, name: str) -> bool:
         """Whether the replica's actor and its server process live (a dead actor: False)."""

@@ -27,7 +27,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,9 @@ class Router:
     """
 
     def __init__(self, replicas: Sequence[str], policy: Policy = Policy.AFFINITY,
-                 max_imbalance: int = 4, max_keys: int = 200_000) -> None:
+                 max_imbalance: int = 4, max_keys: int = 200_000,
+                 on_owner: Callable[[str | None, Sequence[bytes], str], None] | None = None
+                 ) -> None:
         if max_imbalance < 1:
             raise ValueError(f"max_imbalance must be >= 1, got {max_imbalance}")
         if not replicas:
@@ -140,6 +142,7 @@ class Router:
         self._turn = 0
         self._lock = threading.Lock()
         self.stats = RoutingStats()
+        self.on_owner = on_owner  # told of every new owner (the launcher's OwnerBook)
 
     # ------------------------------------------------------------------ owners
     def owner(self, session: str | None, keys: Sequence[bytes]) -> str | None:
@@ -216,6 +219,22 @@ class Router:
                 self._remember(self._sessions, session, replica)
             for k in keys:
                 self._remember(self._prefixes, k, replica)
+        if self.on_owner is not None and (session is not None or keys):
+            self.on_owner(session, keys, replica)
+
+    def load(self, sessions: Iterable[tuple[str, str]],
+             prefixes: Iterable[tuple[bytes, str]]) -> int:
+        """Take owners kept elsewhere (a front that restarted reads them from the OwnerBook),
+        oldest first; owners that are not replicas of this router are skipped. Returns how
+        many were taken."""
+        n = 0
+        with self._lock:
+            for m, items in ((self._sessions, sessions), (self._prefixes, prefixes)):
+                for key, replica in items:
+                    if replica in self.up:
+                        self._remember(m, key, replica)
+                        n += 1
+        return n
 
     def set_up(self, replica: str, up: bool) -> bool:
         """Mark a replica live or down; True when that changed its state."""
