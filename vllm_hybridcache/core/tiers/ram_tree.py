@@ -551,7 +551,8 @@ class SnapshotTree(CacheTier):
         self._refresh(link)
         return True
 
-    def adopt(self, tokens: Tokens, domain: bytes, chain: Sequence[LinkRef]) -> list[int]:
+    def adopt(self, tokens: Tokens, domain: bytes, chain: Sequence[LinkRef],
+              tags: Sequence[object] | None = None) -> list[int]:
         """Take links whose payloads a worker already holds sealed (a disk hit staged into its
         store) as committed links; returns the ids adopted, root first.
 
@@ -561,14 +562,15 @@ class SnapshotTree(CacheTier):
         the tree already holds at that cut is kept instead (not adopted), and the walk stops
         at the first link that cannot be adopted (rows from another parent, or no room within
         the budget and the memory guard), so adopted links always form a chain without holes.
-        The caller must drop the payloads of the ids not returned.
+        The caller must drop the payloads of the ids not returned. `tags`: each link's draft
+        tag as its file carried it (a speculative route; what `reserve` would have kept).
         """
         keys = self._as_keys(tokens)
         adopted: list[int] = []
         if not self.config.enabled:
             return adopted
         cfg = self.config
-        for ref in chain:
+        for i, ref in enumerate(chain):
             if ref.link_id in self._links or not 0 <= ref.start < ref.end <= len(keys):
                 break
             root = self._roots.get(domain)
@@ -592,7 +594,7 @@ class SnapshotTree(CacheTier):
             pnode: _Node = parent if parent is not None else root
             link = _Link(ref.link_id, root.domain, ref.end, pnode,
                          keys.token_bytes(ref.start, ref.end), keys.digest(ref.end), nbytes,
-                         self._clock())
+                         self._clock(), tags[i] if tags is not None else None)
             self._attach(link, root)
             link.state = COMMITTED
             self._n_pending -= 1
