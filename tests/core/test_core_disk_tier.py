@@ -301,17 +301,15 @@ def test_gone_between_lookup_and_begin_is_an_evicted_miss(written, layout):
     assert e.cache.stats()[("disk", "tree")].misses == {"evicted": 1}
 
 
-def test_mtp_route_neither_reads_nor_writes(written, layout):
+def test_tagged_lookups_and_untagged_files_never_meet(written, layout):
+    """Files of the AR route (no draft tag) never serve a lookup with a draft-row predicate
+    (the MTP route's), whatever the predicate says; the MTP route's tagged files are tested in
+    test_core_disk_tags.py."""
     root, _, _ = written
     e = _restart(root, layout)
     res = e.disk.lookup(e.cache.keys(PROMPT), DOM, fits=lambda p, tag: True)
     assert not res.hit
-    rec = e.tree  # a tagged RAM link is not admitted
-    keys = rec.keys(np.arange(10, 200, dtype=np.int64))
-    r = e.tree.reserve(keys, 64, DOM, tag=(1, 2))
-    e.store.allocate(r.link_id, layout.view_rows(0, 64))
-    e.tree.commit(r.link_id)
-    assert e.disk.write_job(e.tree.link_record(r.link_id)) is None
+    assert e.disk.lookup(e.cache.keys(PROMPT), DOM).hit
 
 
 def test_existing_files_are_not_written_again_and_clear_deletes_them(written, layout):
@@ -350,8 +348,10 @@ def test_writer_drops_writes_when_behind_and_keeps_buffers_busy(tmp_path, layout
     assert accepted == [True, True, False]
     assert w.busy(1) and w.busy(2) and not w.busy(3)
     assert w.snapshot()["dropped"] == 1
+    assert not w.idle()  # two writes wait for the directory
     gate.set()
     assert w.close(30)
+    assert w.idle()
     assert sorted(w.take_done()) == [1, 2] and not w.busy(1)
     snap = w.snapshot()
     assert (snap["writes"], snap["files"]) == (2, 2)

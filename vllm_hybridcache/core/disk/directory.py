@@ -43,6 +43,7 @@ from .linkfile import (
     read_header,
     write_link_file,
 )
+from .tags import EncodedTag
 
 __all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
 
@@ -244,11 +245,13 @@ class LinkDirectory:
     def write(
         self, *, domain: bytes, digest: bytes, parent_digest: bytes, start: int, end: int,
         tokens: np.ndarray, rows: int, parts, nbytes: int, kind: str = TREE,
+        tag: EncodedTag | None = None,
     ) -> bool:
         """Write one link unless it exists already or does not fit; False = skipped (counted).
 
         nbytes: the payload size (to decide admission before writing anything). kind: "tree"
-        or "anchor" (a spilled end anchor: one root file holding the whole prefix).
+        or "anchor" (a spilled end anchor: one root file holding the whole prefix). tag: the
+        link's encoded draft tag on a speculative route (tags.py).
         """
         path = self.path_for(domain, end, digest, kind)
         if path.exists():
@@ -264,7 +267,7 @@ class LinkDirectory:
             written = write_link_file(
                 path, fingerprint=self.fingerprint, domain=domain, digest=digest,
                 parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
-                parts=parts, created=self._clock(), kind=kind)
+                parts=parts, created=self._clock(), kind=kind, tag=tag)
         except OSError as e:
             return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
                               else "io_error")
@@ -291,14 +294,40 @@ class LinkDirectory:
         the prompt; a damaged file is deleted with every longer link of its chain. Parts are
         not read here (read_parts verifies them when they are restored).
         """
+        return self.lookup_fitting(keys, domain, cuts, limit, None)[0]
+
+    def lookup_fitting(self, keys: PromptKeys, domain: bytes, cuts: list[int], limit: int,
+                       accept: Callable[[LinkFileHeader], bool] | None
+                       ) -> tuple[list[tuple[Path, LinkFileHeader, int]], int]:
+        """`lookup` where every link of the chain must also be accepted (`accept(header)`: on
+        a speculative route, its draft tag fits the prompt). A chain ends before its first
+        link not accepted, and a shallower file on another chain may then serve deeper, so
+        the cuts are tried deepest first until none can beat the best chain found.
+
+        Returns (chain, the end of the deepest link refused by `accept`, 0 if none). Refused
+        files are left alone: they may fit another prompt.
+        """
+        best: list[tuple[Path, LinkFileHeader, int]] = []
+        refused = 0
         for cut in sorted((c for c in cuts if 0 < c <= limit), reverse=True):
+            if best and cut <= best[-1][1].end:
+                break
             path = self.path_for(domain, cut, keys.digest(cut))
             if not path.exists():
                 continue
             chain = self._chain(path, keys, domain)
-            if chain:
-                return chain
-        return []
+            if not chain:
+                continue
+            n = len(chain)
+            if accept is not None:
+                n = 0
+                while n < len(chain) and accept(chain[n][1]):
+                    n += 1
+                if n < len(chain):
+                    refused = max(refused, chain[n][1].end)
+            if n and (not best or chain[n - 1][1].end > best[-1][1].end):
+                best = chain[:n]
+        return best, refused
 
     def _chain(self, path: Path, keys: PromptKeys, domain: bytes
                ) -> list[tuple[Path, LinkFileHeader, int]]:

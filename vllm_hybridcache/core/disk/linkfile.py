@@ -3,8 +3,13 @@
 A link file holds everything a restore needs without the engine that wrote it: the format
 version, the fingerprint of the engine that computed the state (weights by content, dtypes,
 state layout, kernel backend, ISA, versions, segmentation), the link's domain, its key digest
-and its parent's, the token ids of its own segment [start, end), and its parts (every section at
-`end`, the view rows since the parent), each with a CRC-32.
+and its parent's, the token ids of its own segment [start, end), its draft tag on a speculative
+(MTP) route (tags.py: which prompts its draft rows fit), and its parts (every section at `end`,
+the view rows since the parent), each with a CRC-32. On Flash-Next's MTP route one section is
+the target's hidden row at the boundary (adapter/draft_rows.py), checksummed like the others.
+
+Format 2 added the draft tag; a file of format 1 is refused as `format` (a counted miss, the
+file deleted), never read with a tag it does not have.
 
 Layout (little endian):
 
@@ -36,6 +41,8 @@ import msgspec
 import numpy as np
 import torch
 
+from .tags import EncodedTag
+
 __all__ = [
     "FORMAT_VERSION",
     "LinkFileError",
@@ -49,7 +56,7 @@ __all__ = [
 ]
 
 MAGIC = b"HCLINK\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the draft tag (MTP route)
 ALIGN = 4096  # page aligned parts: direct I/O and mmap friendly
 TMP_PREFIX = ".tmp-"
 _PRE = struct.Struct("<8sII")
@@ -106,6 +113,9 @@ class LinkFileHeader(msgspec.Struct, frozen=True):
     # the whole prefix [0, end) in one file). Kept apart on disk and checked at every read, so
     # a session's state can never serve as a shared tree link.
     kind: str = "tree"
+    # the link's draft tag on a speculative route (tags.py), None elsewhere: a lookup applies
+    # the same `fits` predicate to it as the RAM tiers do to their links' tags
+    tag: EncodedTag | None = None
 
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype=np.int64)
@@ -146,11 +156,13 @@ def write_link_file(
     parts: Mapping[str, torch.Tensor | np.ndarray],
     created: float = 0.0,
     kind: str = "tree",
+    tag: EncodedTag | None = None,
 ) -> int:
     """Write one link atomically at `path`; returns the bytes written.
 
     `tokens` are the link's own token ids [start, end); `parts` maps part names to contiguous
-    tensors (sections at `end`, view rows since the parent), written in the mapping's order.
+    tensors (sections at `end`, view rows since the parent), written in the mapping's order;
+    `tag`: the link's encoded draft tag (tags.py), None off a speculative route.
     """
     toks = np.ascontiguousarray(tokens, dtype=np.int64)
     if not 0 <= start < end or toks.shape != (end - start,):
@@ -165,7 +177,7 @@ def write_link_file(
         offset = _round_up(offset + mv.nbytes)
     header = msgspec.msgpack.encode(LinkFileHeader(
         FORMAT_VERSION, fingerprint, domain, digest, parent_digest, start, end, toks.tobytes(),
-        rows, tuple(entries), created, kind))
+        rows, tuple(entries), created, kind, tag))
     pre = _PRE.pack(MAGIC, len(header), zlib.crc32(header))
     head = pre + header
     head += b"\0" * (_round_up(len(head)) - len(head))

@@ -40,6 +40,7 @@ import torch
 
 from ..stats import SECONDS_BOUNDS, Histogram
 from .directory import TREE, LinkDirectory
+from .tags import EncodedTag
 
 __all__ = ["QUEUE_MAX", "DiskTarget", "DrainReport", "LinkWriter", "WriteJob"]
 
@@ -77,6 +78,8 @@ class WriteJob(msgspec.Struct, frozen=True):
     # "now": write it; "spill": an end anchor the worker keeps in mind and writes only at
     # shutdown (session spill) unless an explicit "now" job for it comes first (evicted)
     when: str = "now"
+    # the link's encoded draft tag on a speculative route (tags.py), carried into the header
+    tag: EncodedTag | None = None
 
 
 class DrainReport(msgspec.Struct, frozen=True):
@@ -104,6 +107,7 @@ class LinkWriter:
         self._items: deque[tuple[Any, ...]] = deque()
         self._writes_waiting = 0  # write items in _items (what max_queue bounds)
         self._busy: set[int] = set()  # ids whose buffers the thread may still read
+        self._working = False  # the thread is running an item it took off the queue
         self._done: list[int] = []  # ids no longer busy, not yet taken by the worker
         self._stats: dict[str, Any] = {"dropped": 0, "files": 0, "bytes": 0, "writes": 0,
                                        "write_bytes": 0, "skips": {}, "evictions": 0,
@@ -160,6 +164,12 @@ class LinkWriter:
         with self._cv:
             out, self._done = self._done, []
             return out
+
+    def idle(self) -> bool:
+        """Whether nothing is queued or running (every write handed over so far is on disk or
+        skipped, every deletion done): what a clear that must not race a write waits for."""
+        with self._cv:
+            return not self._items and not self._working
 
     @property
     def version(self) -> int:
@@ -218,6 +228,7 @@ class LinkWriter:
                 while not self._items:
                     self._cv.wait()
                 item = self._items.popleft()
+                self._working = item[0] != "stop"
                 if item[0] == "write":
                     self._writes_waiting -= 1
             op = item[0]
@@ -237,10 +248,11 @@ class LinkWriter:
                 if op == "write":
                     self._skip("writer_error")
             finally:
-                if op == "write":
-                    with self._cv:
+                with self._cv:
+                    if op == "write":
                         self._busy.discard(item[1].link_id)
                         self._done.append(item[1].link_id)
+                    self._working = False
                 self._publish(directory)
         if directory is not None:
             directory.close()
@@ -256,7 +268,7 @@ class LinkWriter:
         directory.write(domain=job.domain, digest=job.digest, parent_digest=job.parent_digest,
                         start=job.start, end=job.end,
                         tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
-                        parts=parts, nbytes=nbytes, kind=job.kind)
+                        parts=parts, nbytes=nbytes, kind=job.kind, tag=job.tag)
         if directory.stats.writes > before:
             with self._cv:
                 self._hist.observe(time.perf_counter() - t0)

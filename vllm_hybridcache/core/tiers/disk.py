@@ -25,8 +25,14 @@ the first tier of their kind) and the adapter asks `write_job` for every RAM tre
 commits; a background thread in the worker writes the file (core/disk/writer.py). Its
 cumulative stats come back through `absorb_worker` and are part of `stats()`.
 
-With the MTP route (a lookup with a `fits` predicate), files are neither served nor written:
-a file does not carry the draft-row tag a link's fit depends on.
+On a speculative (MTP) route a RAM tree link carries a draft tag (which prompts its draft rows
+fit) and a lookup brings the adapter's `fits(p, tag)` predicate. A link file carries the tag
+in its header (core/disk/tags.py), and a lookup applies the same predicate to every file of a
+chain, ending it before the first that does not fit, as the RAM tree does; a promoted link
+keeps its tag. A file with a tag never serves a lookup without one, nor the other way round.
+On Flash-Next's MTP route the target's hidden row at each link's boundary is one more section
+of the layout, so it is in the file with its CRC-32 like every part, and the worker rebuilds
+the boundary draft rows from the staged copy as from a RAM link.
 
 Single-threaded: the scheduler thread only.
 """
@@ -44,6 +50,7 @@ import numpy as np
 from ..disk.admission import WriteAdmission
 from ..disk.cost import ReadCost, ReadRefusal
 from ..disk.directory import ANCHOR, TREE, LinkDirectory
+from ..disk.tags import TagCodec, TagProblem, UnencodableTag
 from ..disk.writer import WriteJob
 from ..keys import Hasher, PromptKeys, blake2b_128
 from ..layout import StateLayout
@@ -65,10 +72,12 @@ from .ram_tree import LinkRecord
 
 __all__ = ["DiskAnchors", "DiskTier"]
 
-# promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
-Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
-# baseline(keys, domain, limit) -> tokens the RAM tiers serve for this prompt (the cost check)
-Baseline = Callable[[PromptKeys, bytes, int], int]
+# promote(keys, domain, chain[, tags]) -> ids the RAM tree adopted (SnapshotTree.adopt); the
+# links' draft tags are passed only when some link has one
+Promote = Callable[..., list[int]]
+# baseline(keys, domain, limit[, fits]) -> tokens the RAM tiers serve for this prompt (the
+# cost check); the lookup's draft-row predicate is passed when there is one
+Baseline = Callable[..., int]
 
 # Ids handed out by lookups and not yet restored. vLLM allocates right after its lookup in the
 # same scheduling pass, so a few are live at a time; the bound caps the memory of the prompts
@@ -99,8 +108,11 @@ class DiskTier(CacheTier):
                  next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
                  promote: Promote | None = None,
                  admission: WriteAdmission | None = None, cost: ReadCost | None = None,
-                 baseline: Baseline | None = None) -> None:
+                 baseline: Baseline | None = None, tags: TagCodec | None = None) -> None:
         self.layout = layout
+        # draft tags in files (speculative routes): the adapter's tag types
+        self.tags = tags if tags is not None else TagCodec()
+        self._misfit = 0  # lookups a file's draft tag made shallower (counted misses)
         # which tree links are written (core/disk/admission.py); None: every committed link
         self.admission = admission
         # whether a hit is worth its read (core/disk/cost.py), against what RAM serves; None:
@@ -113,13 +125,13 @@ class DiskTier(CacheTier):
         self._promote = promote
         self._next_id = next_id if next_id is not None else IdSource()
         self._hasher: Hasher = hasher if hasher is not None else blake2b_128
-        # id -> (file, the prompt's keys, domain), for ids a lookup handed out (bounded:
-        # unused ones are forgotten)
-        self._offered: OrderedDict[int, tuple[Path, PromptKeys, bytes]] = OrderedDict()
+        # id -> (file, the prompt's keys, domain, the file's draft tag), for ids a lookup handed
+        # out (bounded: unused ones are forgotten)
+        self._offered: OrderedDict[int, tuple[Path, PromptKeys, bytes, object]] = OrderedDict()
         # plan link ids -> files of an active restore (begun, not ended), and what promotion
-        # needs (the prompt's keys and domain)
+        # needs (the prompt's keys and domain, every link's draft tag)
         self._active: dict[tuple[int, ...], list[Path]] = {}
-        self._active_keys: dict[tuple[int, ...], tuple[PromptKeys, bytes]] = {}
+        self._active_keys: dict[tuple[int, ...], tuple[PromptKeys, bytes, list[object]]] = {}
         # id -> [its file, the longer files of its chain], for ended restores
         self._recent: OrderedDict[int, list[Path]] = OrderedDict()
         self._dropped: list[int] = []
@@ -143,31 +155,45 @@ class DiskTier(CacheTier):
         raw = tokens.tokens if isinstance(tokens, PromptKeys) else tokens
         return PromptKeys(raw, self._hasher)
 
-    def _miss(self, reason: MissReason, n: int, lim: int) -> LookupResult:
+    def _miss(self, reason: MissReason, n: int, lim: int, refused: int = 0) -> LookupResult:
         return LookupResult(False, 0, None, reason.value, n, lim, tier=self.tier.value,
-                            kind=self.kind.value)
+                            kind=self.kind.value, shortened=refused > 0, refused=refused)
 
     def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
                fits: Fits | None = None) -> LookupResult:
         """The deepest chain of files on the prompt's cuts <= limit, every header and token
-        verified. No stats or pins; a damaged file met on the way is deleted (it can never
-        serve anyone) and counted in the directory's refusals."""
+        verified, every link fitting the prompt's draft rows (`fits(end, tag)` on a speculative
+        route; untagged files only without it). No stats or pins; a damaged file met on the
+        way is deleted (it can never serve anyone) and counted in the directory's refusals; a
+        chain a file's tag made shallower is counted as a `draft_tag` miss (the result's
+        `refused` says how deep it went, as the RAM tree's does)."""
         keys = self._as_keys(tokens)
         n = len(keys)
         lim = n if limit is None else max(0, min(int(limit), n))
-        if fits is not None:
-            return self._miss(MissReason.NO_PREFIX, n, lim)
-        chain = self.dir.lookup(keys, domain, self._cuts(keys.tokens), lim)
+        tags: dict[int, object] = {}
+
+        def accept(h) -> bool:
+            tag = self.tags.decode(h.tag)
+            tags[h.end] = tag
+            if fits is None or tag is None:  # a tag never serves an untagged lookup, and
+                return fits is None and tag is None  # an untagged file no tagged lookup
+            return fits(h.end, tag)
+
+        chain, refused = self.dir.lookup_fitting(keys, domain, self._cuts(keys.tokens), lim,
+                                                 accept)
+        depth = chain[-1][1].end if chain else 0
+        if refused > depth:
+            self._misfit += 1
         if not chain or any(h.rows != self.layout.view_rows(h.start, h.end)
                             for _, h, _ in chain):
-            return self._miss(MissReason.NO_PREFIX, n, lim)
+            return self._miss(MissReason.NO_PREFIX, n, lim, refused)
         nbytes = sum(_payload(h) for _, h, _ in chain)
-        if not self._worth(keys, domain, lim, nbytes, chain[-1][1].end):
-            return self._miss(MissReason.NO_PREFIX, n, lim)
+        if not self._worth(keys, domain, lim, nbytes, depth, fits):
+            return self._miss(MissReason.NO_PREFIX, n, lim, refused)
         refs = []
         for path, header, _ in chain:
             lid = self._next_id()
-            self._offered[lid] = (path, keys, domain)
+            self._offered[lid] = (path, keys, domain, tags.get(header.end))
             refs.append(LinkRef(lid, header.start, header.end))
         while len(self._offered) > OFFERED_MAX:
             self._offered.popitem(last=False)
@@ -177,15 +203,20 @@ class DiskTier(CacheTier):
                 self.layout.view_rows(r.start, r.end) for r in refs)
         plan = RestorePlan(tuple(refs), refs[-1].end, parts, sum(parts.values()))
         return LookupResult(True, plan.tokens, plan, None, n, lim, tier=self.tier.value,
-                            kind=self.kind.value)
+                            kind=self.kind.value, shortened=refused > plan.tokens,
+                            refused=refused)
 
     def _worth(self, keys: PromptKeys, domain: bytes, limit: int, nbytes: int,
-               depth: int) -> bool:
+               depth: int, fits: Fits | None = None) -> bool:
         """The cost check: reading `nbytes` must cost less than prefilling the tokens beyond
-        what RAM serves (counted when it does not)."""
+        what RAM serves to this prompt (its draft-row predicate applied; counted when it does
+        not)."""
         if self.cost is None:
             return True
-        ram = self._baseline(keys, domain, limit) if self._baseline is not None else 0
+        ram = 0
+        if self._baseline is not None:
+            ram = (self._baseline(keys, domain, limit) if fits is None
+                   else self._baseline(keys, domain, limit, fits))
         if self.cost.worth(nbytes, depth - ram):
             return True
         self._slow += 1
@@ -209,7 +240,8 @@ class DiskTier(CacheTier):
         self._active[res.plan.link_ids] = [o[0] for o in offered if o is not None]
         first = offered[0]
         assert first is not None
-        self._active_keys[res.plan.link_ids] = (first[1], first[2])
+        self._active_keys[res.plan.link_ids] = (first[1], first[2],
+                                                [o[3] for o in offered if o is not None])
         self.record_lookup(res)
         return True
 
@@ -218,7 +250,7 @@ class DiskTier(CacheTier):
 
     def end_restore(self, plan: RestorePlan, ok: bool, seconds: float = 0.0) -> None:
         paths = self._active.pop(plan.link_ids)  # KeyError: not active
-        keys, domain = self._active_keys.pop(plan.link_ids)
+        keys, domain, tags = self._active_keys.pop(plan.link_ids)
         s = self._rec.s
         if ok:
             s.restores += 1
@@ -237,7 +269,11 @@ class DiskTier(CacheTier):
             self._recent.popitem(last=False)
         # Promotion: the staged links the RAM tree takes stay in the worker's store as RAM
         # links; the worker frees the others with the next step's drops.
-        kept = set(self._promote(keys, domain, plan.chain)) if ok and self._promote else set()
+        kept: set[int] = set()
+        if ok and self._promote is not None:
+            tagged = any(t is not None for t in tags)
+            kept = set(self._promote(keys, domain, plan.chain, tags) if tagged
+                       else self._promote(keys, domain, plan.chain))
         self._dropped.extend(i for i in plan.link_ids if i not in kept)
 
     # ------------------------------------------------------------------ publication
@@ -258,10 +294,15 @@ class DiskTier(CacheTier):
 
         Admission (docs/disk-tier.md): a committed cold-exact link whose file does not exist
         yet and whose prefix the admission counts admitted (seen in two prompts, or a line of
-        a session's first long prompt; every link without an admission), except on the MTP
-        route (a tagged link). Writes that find the writer behind are dropped and counted there.
+        a session's first long prompt; every link without an admission). On a speculative
+        route the job carries the link's draft tag into the file; a tag no file can carry is
+        not written (skip `draft_tag`). Writes that find the writer behind are dropped and
+        counted there.
         """
-        if record.tag is not None:
+        try:
+            tag = self.tags.encode(record.tag)
+        except UnencodableTag:
+            self._rec.skip(TagProblem.DRAFT_TAG.value)
             return None
         if self.dir.path_for(record.domain, record.end, record.digest).exists():
             return None
@@ -270,7 +311,7 @@ class DiskTier(CacheTier):
             return None
         return WriteJob(record.link_id, record.domain, record.digest, record.parent_digest,
                         record.start, record.end, record.tokens,
-                        self.layout.view_rows(record.start, record.end))
+                        self.layout.view_rows(record.start, record.end), tag=tag)
 
     def admits(self, domain: bytes, end: int, digest: bytes) -> bool:
         a = self.admission
@@ -349,6 +390,8 @@ class DiskTier(CacheTier):
         misses = dict(snap.misses)
         if self._slow:
             misses[ReadRefusal.SLOWER_THAN_PREFILL.value] = self._slow
+        if self._misfit:
+            misses[TagProblem.DRAFT_TAG.value] = self._misfit
         for src in (ds.refused, w.get("read_failures", {})):
             for reason, n in src.items():
                 misses[reason] = misses.get(reason, 0) + n
@@ -399,6 +442,10 @@ class DiskAnchors(DiskTier):
     staged ids are dropped after the restore (the request's own end anchor replaces it in
     RAM). Restores, sources, invalidation and drops work as in DiskTier; the files and the
     writer belong to the tree tier given here (one directory, one index, one writer).
+
+    Not on a speculative route: an end anchor's draft tag there is not carried in its file
+    (session spill is off there), so a lookup with a `fits` predicate is a miss, and a file
+    with a tag never serves.
     """
 
     kind = LinkKind.ANCHOR
@@ -409,7 +456,8 @@ class DiskAnchors(DiskTier):
     def __init__(self, tree: DiskTier) -> None:
         on_delete = tree.dir.on_delete
         super().__init__(tree.layout, tree.dir, tree._cuts, next_id=tree._next_id,
-                         hasher=tree._hasher, cost=tree.cost, baseline=tree._baseline)
+                         hasher=tree._hasher, cost=tree.cost, baseline=tree._baseline,
+                         tags=tree.tags)
         self.dir.on_delete = on_delete  # deletions reach the tree tier's writer ops
         self._known: OrderedDict[tuple[bytes, int, bytes], None] = OrderedDict()
         for e in tree.dir.anchors():
@@ -435,13 +483,14 @@ class DiskAnchors(DiskTier):
             return self._miss(MissReason.NO_PREFIX, n, lim)
         cands = [(end, dg) for (dom, end, dg) in self._known if dom == domain and 0 < end <= lim]
         found = self.dir.lookup_anchor(keys, domain, lim, cands) if cands else None
-        if found is None or found[1].rows != self.layout.view_rows(0, found[1].end):
+        if (found is None or found[1].tag is not None
+                or found[1].rows != self.layout.view_rows(0, found[1].end)):
             return self._miss(MissReason.NO_PREFIX, n, lim)
         path, header, _ = found
         if not self._worth(keys, domain, lim, _payload(header), header.end):
             return self._miss(MissReason.NO_PREFIX, n, lim)
         lid = self._next_id()
-        self._offered[lid] = (path, keys, domain)
+        self._offered[lid] = (path, keys, domain, None)
         while len(self._offered) > OFFERED_MAX:
             self._offered.popitem(last=False)
         parts = {s.name: s.nbytes for s in self.layout.sections}
