@@ -108,7 +108,8 @@ class Replica:
         self.transport = FakeTransport(cluster, name)
         self.tier = ClusterTier(layout, fp, self.transport, _cuts, tmp_path / name / "stage",
                                 budget, timeout_s=10.0, next_id=ids, promote=self.tree.adopt,
-                                clock=self.clock)
+                                clock=self.clock, owner=name,
+                                baseline=lambda k, d, lim: self.tree.lookup(k, d, lim).tokens)
         self.cache = SnapshotCache([self.tree, self.tier])
         self.store = LinkStore(layout, pin_memory=False)
         self.layout, self.fp, self.tmp = layout, fp, tmp_path / name
@@ -353,3 +354,28 @@ def test_a_link_published_at_its_capture_is_the_committed_links_publication(tmp_
     assert early[0].parent_digest == b"" and early[1].parent_digest == early[0].digest
     r = a.cache.reserve("tree", a.tree.keys(PROMPT[:300]), 300, DOM)
     assert a.tier.capture_job(r.link_id, keys, DOM, r.start, r.end, tag=("draft", 1)) is None
+
+
+def test_own_entries_and_chains_no_deeper_than_ram_are_never_fetched(pair):
+    """Routing sends a turn to the replica that holds its links: the lookup must not move its
+    own published bytes back to itself, nor another replica's copy of what RAM serves here
+    already (the slow tier would not be served, its bytes would move for nothing)."""
+    c, a, b = pair
+    keys = a.cache.keys(PROMPT)
+    a.tier.lookup(keys, DOM, len(PROMPT) - 1)  # A's own links: located, not fetched
+    res = a.tier.lookup(keys, DOM, len(PROMPT) - 1)
+    assert not res.hit and not res.pending and a.tier.stats().fetches == 0
+    _, res = b.lookup(PROMPT)  # B fetches A's chain once and keeps it (promotion)
+    assert res.hit and res.tier == "cluster" and b.tier.stats().fetches == 1
+    b.serve(res)
+    c.entries = {k: e._replace(owner="other") for k, e in c.entries.items()}  # not B's own
+    b.clock.t += 2  # past the "nothing found" belief
+    _, again = b.lookup(PROMPT)
+    assert again.hit and again.tier == "ram" and b.tier.stats().fetches == 1
+    unaware = ClusterTier(b.layout, FP, b.transport, _cuts, b.tmp / "stage2", 1 << 30,
+                          timeout_s=10.0, clock=b.clock)  # negative control: no baseline
+    unaware.lookup(keys, DOM, len(PROMPT) - 1)
+    for _ in range(5):
+        unaware.lookup(keys, DOM, len(PROMPT) - 1)
+    assert unaware.stats().fetches == 1
+    unaware.close()

@@ -64,7 +64,10 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
     owner = settings.cluster_replica or f"{socket.gethostname()}:{os.getpid()}"
     tier = ClusterTier(layout, fp.digest, transport, remote_cuts(vllm_config, segmentation),
                        _scratch("hybridcache-cluster-"), settings.cluster_budget_bytes,
-                       float(settings.cluster_timeout_s), next_id=ids, promote=tree.adopt)
+                       float(settings.cluster_timeout_s), next_id=ids, promote=tree.adopt,
+                       owner=owner,
+                       baseline=lambda keys, domain, limit: tree.lookup(keys, domain,
+                                                                        limit).tokens)
     logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s)",
                 settings.cluster_address, owner, fp.hex[:16])
     return tier, ClusterTarget(settings.cluster_address, fp.digest, owner)

@@ -71,6 +71,8 @@ __all__ = ["ClusterError", "ClusterMiss", "ClusterStats", "ClusterTarget", "Clus
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
+# baseline(keys, domain, limit) -> tokens this engine's RAM serves for the prompt already
+Baseline = Callable[[PromptKeys, bytes, int], int]
 
 OPS_MAX = 512      # prefixes with a remote lookup in flight or answered (oldest forgotten)
 OFFERED_MAX = 256  # ids handed out by lookups and not yet restored
@@ -205,6 +207,8 @@ class ClusterTier(CacheTier):
     stage_dir: a local folder (RAM-backed is best) where fetched payloads wait for the worker.
     budget_bytes: staged bytes held at once; a fetch that would exceed it is a `budget` miss.
     timeout_s: a locate or fetch not answered within it is a `timeout` miss.
+    owner: this replica's name in the directory (its own entries are never fetched).
+    baseline: tokens RAM serves for a prompt here; a remote chain no deeper is not fetched.
     """
 
     tier = Tier.CLUSTER
@@ -217,7 +221,8 @@ class ClusterTier(CacheTier):
                  budget_bytes: int, timeout_s: float,
                  next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
                  promote: Promote | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, owner: str | None = None,
+                 baseline: Baseline | None = None) -> None:
         self.layout = layout
         self.fingerprint = fingerprint
         self.transport = transport
@@ -229,6 +234,8 @@ class ClusterTier(CacheTier):
         self._next_id = next_id if next_id is not None else IdSource()
         self._hasher: Hasher = hasher if hasher is not None else blake2b_128
         self._promote = promote
+        self.owner = owner
+        self._baseline = baseline
         self._clock = clock
         self._ops: OrderedDict[tuple[bytes, int, bytes], _Op] = OrderedDict()
         # id -> (its op, the prompt's keys, domain) for ids a lookup handed out; plan ids ->
@@ -287,7 +294,7 @@ class ClusterTier(CacheTier):
             op = self._start(key, keys, cuts, now)
         else:
             self._ops.move_to_end(key)
-        self._advance(key, op, keys, now)
+        self._advance(key, op, keys, now, lim)
         if op.stage in (_Stage.LOCATE, _Stage.FETCH):
             return self._result(True, top, None, None, n, lim, pending=True)
         if op.stage is not _Stage.READY:
@@ -328,8 +335,11 @@ class ClusterTier(CacheTier):
         return op
 
     def _advance(self, key: tuple[bytes, int, bytes], op: _Op, keys: PromptKeys,
-                 now: float) -> None:
-        """Move the op on as far as its answers allow (never waits)."""
+                 now: float, limit: int) -> None:
+        """Move the op on as far as its answers allow (never waits). A located chain is
+        fetched only when it is deeper than what RAM serves here already, and never from this
+        replica's own entries (links it published are in its RAM, or withdrawn): a slow tier
+        that is not deeper is never served, so its bytes would move for nothing."""
         domain = key[0]
         try:
             if op.stage is _Stage.LOCATE:
@@ -337,7 +347,11 @@ class ClusterTier(CacheTier):
                     self._check_timeout(op, now)
                     return
                 self._locate_seconds.observe(max(0.0, now - op.started))
-                chain = self._chain(op.pending.result(), keys)
+                chain = self._chain([e for e in op.pending.result()
+                                     if self.owner is None or e.owner != self.owner], keys)
+                if chain and self._baseline is not None \
+                        and chain[-1].end <= self._baseline(keys, domain, limit):
+                    chain = []
                 if not chain:
                     op.stage, op.pending, op.started = _Stage.NONE, None, now
                     return
