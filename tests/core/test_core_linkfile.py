@@ -168,3 +168,24 @@ def test_rewrite_replaces_atomically(tmp_path):
     read_parts(path, header, base, out)
     assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
                for k, v in parts1.items())
+
+
+def test_the_crc_of_link_files_is_zlibs_crc32(tmp_path):
+    """core/disk/crc.py picks ISA-L's CRC-32 when installed (a dependency: setup.py); it must
+    give zlib's values, so files written by either verify with the other."""
+    import zlib
+
+    from vllm_hybridcache.core.disk import crc
+
+    pytest.importorskip("isal")
+    assert crc.BACKEND == "isal"
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 4096, 1 << 20, (1 << 20) + 13):
+        buf = memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+        assert crc.crc32(buf) == zlib.crc32(buf)
+    p = tmp_path / "x.link"
+    _write(p)
+    h, base = read_header(p, FP)
+    raw = p.read_bytes()
+    for e in h.parts:
+        assert zlib.crc32(raw[base + e.offset:base + e.offset + e.nbytes]) == e.crc32

@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import struct
 import uuid
-import zlib
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -41,6 +40,7 @@ import msgspec
 import numpy as np
 import torch
 
+from .crc import crc32
 from .tags import EncodedTag
 
 __all__ = [
@@ -173,12 +173,12 @@ def write_link_file(
     entries: list[PartEntry] = []
     offset = 0
     for name, mv in views.items():
-        entries.append(PartEntry(name, offset, mv.nbytes, zlib.crc32(mv)))
+        entries.append(PartEntry(name, offset, mv.nbytes, crc32(mv)))
         offset = _round_up(offset + mv.nbytes)
     header = msgspec.msgpack.encode(LinkFileHeader(
         FORMAT_VERSION, fingerprint, domain, digest, parent_digest, start, end, toks.tobytes(),
         rows, tuple(entries), created, kind, tag))
-    pre = _PRE.pack(MAGIC, len(header), zlib.crc32(header))
+    pre = _PRE.pack(MAGIC, len(header), crc32(header))
     head = pre + header
     head += b"\0" * (_round_up(len(head)) - len(head))
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}-{path.name}")
@@ -218,7 +218,7 @@ def read_header(path: Path, fingerprint: bytes) -> tuple[LinkFileHeader, int]:
         size = os.fstat(f.fileno()).st_size
     if len(raw) < hlen:
         raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: header cut short")
-    if zlib.crc32(raw) != hcrc:
+    if crc32(raw) != hcrc:
         raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: header")
     try:
         header = msgspec.msgpack.decode(raw, type=LinkFileHeader)
@@ -259,7 +259,7 @@ def read_parts(
             got = f.readinto(out)
             if got != e.nbytes:
                 raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: part {name}")
-            if zlib.crc32(out) != e.crc32:
+            if crc32(out) != e.crc32:
                 raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {name}")
             n += got
     return n
