@@ -234,7 +234,7 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cl
     entries = directory_entries("r0", turns[0])
     assert entries
     ghost = Ghost.remote()
-    for _ in range(40):  # a replica publishes its newest links a step late: hand over those too
+    for _ in range(40):  # publications still on their way (Ray delivers them async): those too
         items = [(fp, dom, digest, parent, start, end, bytes(ray.get(refs[0])))
                  for (fp, dom, digest), (parent, start, end, _, refs) in entries]
         probe = ray.get(ghost.publish.remote(items))[0]  # the entries now name the ghost
