@@ -1,17 +1,22 @@
 """Cold prefill cost of Flash-Next's split-invariant forward (on) against the default (off).
 
 One model per (model, dtype), driven in-process (`tools.flash_next_steps`), the same prompt
-prefilled cold in steps of `--step` tokens; on and off alternate within one run (`--repeat`
-pairs), so the machine's load hits both alike. Prints medians, the on/off ratio of medians,
-and whether each mode's prefill is bit-identical across two step patterns (one step of the
-prompt vs 64-aligned steps), which is what the mode is for.
+prefilled cold in steps of `--step` tokens; the arms alternate within one run (`--repeat`
+rounds), so the machine's load hits all alike. Arms: `off` (the default forward), `on` (the
+split-invariant forward) and, with `--before`, `before` (the split-invariant forward with its
+attention and indexer scores as they were before they were made cheaper,
+`benchmarks/split_invariant_baseline.py`; same model object as `on`). Prints medians, ratios of
+medians, whether each arm's prefill is bit-identical across two step patterns (one step of the
+prompt vs 64-aligned steps), which is what the mode is for, and whether `before` and `on` gave
+the same bits.
 
-    python -m benchmarks.split_invariance_bench --out docs/benchmarks/split-invariance.md
+    python -m benchmarks.split_invariance_bench --before --out docs/benchmarks/split-invariance.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import shlex
 import statistics
@@ -35,7 +40,9 @@ def _equal(a, b) -> bool:
             and all(torch.equal(a.rows[k], b.rows[k]) for k in a.rows))
 
 
-def measure(model: str, dtype: str, tokens: int, step: int, repeat: int) -> list[str]:
+def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
+            before: bool = False) -> list[str]:
+    from benchmarks.split_invariant_baseline import baseline_forms
     from vllm_hybridcache.models import ensure_model
     from vllm_hybridcache.tools.flash_next_steps import FlashNextStepper, steps_of
 
@@ -43,50 +50,70 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int) -> list
     modes = {mode: FlashNextStepper(ensure_model(model), dtype=dtype, ops="cpu",
                                     max_len=max(tokens, 2048), split_invariant=mode == "on")
              for mode in ("off", "on")}
+    arms = {"off": (modes["off"], contextlib.nullcontext),
+            "on": (modes["on"], contextlib.nullcontext)}
+    if before:
+        arms["before"] = (modes["on"], baseline_forms)
     ids = _prompt(tokens)
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    results = {}
     for _ in range(repeat):
-        for mode, stepper in modes.items():
-            t0 = time.perf_counter()
-            stepper.prefill(ids, steps_of(tokens, step))
-            times[mode].append(time.perf_counter() - t0)
+        for arm, (stepper, forms) in arms.items():
+            with forms():
+                t0 = time.perf_counter()
+                results[arm] = stepper.prefill(ids, steps_of(tokens, step))
+                times[arm].append(time.perf_counter() - t0)
     invariant = {}
-    for mode, stepper in modes.items():
-        a = stepper.prefill(ids, steps_of(tokens, step))
-        b = stepper.prefill(ids, [*steps_of(tokens - tokens % 64 - 64, 256, first=64), 64,
-                                  *([tokens % 64] if tokens % 64 else [])])
-        invariant[mode] = _equal(a, b)
-    del modes
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    return [f"| {model} | {dtype} | {tokens} | {step} | {off:.3f} | {on:.3f} | {on / off:.3f} "
-            f"| {'yes' if invariant['off'] else 'no'} | {'yes' if invariant['on'] else 'no'} |"]
+    for arm, (stepper, forms) in arms.items():
+        with forms():
+            b = stepper.prefill(ids, [*steps_of(tokens - tokens % 64 - 64, 256, first=64), 64,
+                                      *([tokens % 64] if tokens % 64 else [])])
+        invariant[arm] = _equal(results[arm], b)
+    same = "n/a" if not before else ("yes" if _equal(results["on"], results["before"]) else "no")
+    del modes, arms, results
+    med = {arm: statistics.median(ts) for arm, ts in times.items()}
+    off, on = med["off"], med["on"]
+    old = med.get("before")
+    yes = {True: "yes", False: "no"}
+    return [f"| {model} | {dtype} | {tokens} | {step} | {off:.3f} "
+            f"| {'' if old is None else f'{old:.3f}'} | {on:.3f} "
+            f"| {'' if old is None else f'{old / off:.3f}'} | {on / off:.3f} "
+            f"| {'' if old is None else f'{old / on:.2f}'} | {same} "
+            f"| {yes[invariant['off']]} | {yes[invariant['on']]} |"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["flash-next-tiny"])
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's own choice)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--step", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--before", action="store_true",
+                    help="also time the split-invariant forward's former attention and "
+                         "indexer scores (benchmarks/split_invariant_baseline.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lines = [
         f"command: `python -m benchmarks.split_invariance_bench "
         f"{shlex.join(argv if argv is not None else sys.argv[1:])}`",
         f"machine: {platform.processor() or platform.machine()}, torch threads "
-        f"{torch.get_num_threads()}, {args.repeat} on/off pairs, medians in seconds",
+        f"{torch.get_num_threads()}, {args.repeat} rounds of the arms, medians in seconds",
         "",
-        "| model | dtype | tokens | step | off s | on s | on/off | off invariant | "
-        "on invariant |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | dtype | tokens | step | off s | before s | on s | before/off | on/off "
+        "| before/on | on = before (bits) | off invariant | on invariant |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in args.models:
         for dtype in args.dtypes:
-            lines += measure(model, dtype, args.tokens, args.step, args.repeat)
+            lines += measure(model, dtype, args.tokens, args.step, args.repeat, args.before)
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

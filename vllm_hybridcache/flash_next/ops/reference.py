@@ -177,8 +177,11 @@ class ReferenceOps(FlashNextOps):
         return out.to(x.dtype), seq[..., 1:]
 
     # ---------------------------------------------------------------- QSA
-    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
-        """[t, Hi, nb] = q.float() @ block_keys^T (block_keys fp32), before relu."""
+    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor,
+                     groups: int | None = None) -> torch.Tensor:
+        """[t, Hi, nb] = q.float() @ block_keys^T (block_keys fp32), before relu. Only the
+        first `groups` columns are read (no query of the call sees a later group); a backend
+        may leave the others at any finite value."""
         return torch.matmul(q.float(), block_keys.transpose(0, 1))
 
     def indexer_topk(self, q, raw_keys, key_cu_seqlens, query_seq_idx, query_pos,
@@ -213,7 +216,8 @@ class ReferenceOps(FlashNextOps):
                 if nb:
                     # transformers scores each query separately: q.float() @ keys.float().T,
                     # relu, sum over heads, / sqrt(d); a batched matmul gives the same values
-                    scores = torch.relu(self.index_scores(q[qi], bk))
+                    scores = torch.relu(self.index_scores(q[qi], bk,
+                                                          int(ncomplete.max())))
                     scores = scores.sum(dim=1) / math.sqrt(d)  # [t, nb]
                     valid = torch.arange(nb, device=q.device)[None] < ncomplete[:, None]
                     masked = scores.masked_fill(~valid, float("-inf"))

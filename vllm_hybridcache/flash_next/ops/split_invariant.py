@@ -50,9 +50,15 @@ ENV_VAR = "VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT"
 
 ROW_TILE = 64  # rows of every GEMM call; divides the 64-token alignment of steps
 
-# queries per tile of sparse_attention: bounds the gathered [tile, L, Hkv, D] tensors; a query's
-# result does not depend on its tile (every reduction is per query)
-_TILE_ELEMENTS = 1 << 24
+# elements per query tile of sparse_attention's [tile, H, L, D] products and of the indexer's
+# [tile, Hi, groups, D] products: a query's result does not depend on its tile (every reduction
+# is per query); 2^21 floats (8 MiB) keeps a tile's product in cache while it is summed (2^24
+# made the split-invariant prefill memory-bound: benchmarks/split_invariance_bench.py)
+_TILE_ELEMENTS = 1 << 21
+
+# sparse_attention reduces a tile over the first `_WIDTH_ALIGN * k` entries of the index lists
+# that cover every selected entry of the tile (see `_attention_width`)
+_WIDTH_ALIGN = 64
 
 
 def enabled() -> bool:
@@ -124,47 +130,84 @@ def conv_taps(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
     return y, torch.stack(states) if states else x.new_zeros(0, c, state_len)
 
 
+def _attention_width(ends: list[int], width: int) -> int:
+    """Index-list entries a tile of queries reduces over: the smallest multiple of
+    `_WIDTH_ALIGN` covering every query's last selected entry (`ends`: one past it), at most
+    `width`; the full width when a query selects nothing (kept as it was: all -inf)."""
+    if min(ends) == 0:
+        return width
+    return min(width, -(-max(ends) // _WIDTH_ALIGN) * _WIDTH_ALIGN)
+
+
 def sparse_attention_per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                key_cu_seqlens: torch.Tensor, query_seq_idx: torch.Tensor,
                                indices: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of each query over its own selected rows only (module docstring)."""
+    """Softmax attention of each query over its own selected rows only (module docstring).
+
+    Every query's list has `width` entries, but past its last selected entry every entry is
+    padding (-1): its score is -inf, its probability exp(-inf) = 0 exactly, its product with a
+    value row a zero. A tile therefore reduces only over the first entries that cover its
+    queries' selections (`_attention_width`), which is bit for bit the full-width result:
+    torch's CPU softmax and sums add a row's elements lane by lane and chunk by chunk in index
+    order, with a chunk structure that does not change below 2^19 elements, so trailing zeros
+    leave every partial sum as it was (tests/flash_next/test_split_invariant_speed.py compares
+    it with the full-width form on random selections). For a prompt shorter than the budget
+    (and every early query of a longer one) most of the list is padding; reducing it was most
+    of the split-invariant prefill's cost (docs/split-invariance.md, "Cost")."""
     t_all, h, d = q.shape
     hkv = k.shape[1]
     rep = h // hkv
     width = indices.shape[1]
     out = torch.empty_like(q)
+    if t_all == 0 or width == 0:  # nothing to reduce: a sum over no rows is zero
+        return torch.zeros_like(q)
     base = key_cu_seqlens.to(torch.long)[query_seq_idx.to(torch.long)]
-    tile = max(1, _TILE_ELEMENTS // max(1, h * width * d))
-    for s in range(0, t_all, tile):
-        e = min(t_all, s + tile)
+    kf, vf = k.float(), v.float()  # converted once: the same values as per gathered row
+    # one past each query's last selected entry (0: none selected)
+    ends = ((indices >= 0) * torch.arange(1, width + 1, device=indices.device)).amax(1).tolist()
+
+    def tile_end(s: int, w: int) -> int:
+        return min(t_all, s + max(1, _TILE_ELEMENTS // max(1, h * w * d)))
+
+    s = 0
+    while s < t_all:
+        e = tile_end(s, _attention_width(ends[s:s + 1], width))
+        e = tile_end(s, _attention_width(ends[s:e], width))
+        w = _attention_width(ends[s:e], width)
         t = e - s
-        idx = indices[s:e].to(torch.long)
+        idx = indices[s:e, :w].to(torch.long)
         valid = idx >= 0
-        rows = base[s:e, None] + idx.clamp(min=0)  # [t, L]
-        ks = k[rows].float().permute(0, 2, 1, 3)  # [t, Hkv, L, D]
-        vs = v[rows].float().permute(0, 2, 1, 3)
+        rows = base[s:e, None] + idx.clamp(min=0)  # [t, w]
+        ks = kf[rows].permute(0, 2, 1, 3)  # [t, Hkv, w, D]
+        vs = vf[rows].permute(0, 2, 1, 3)
         qq = q[s:e].float().view(t, hkv, rep, 1, d)
-        # [t, Hkv, rep, L]: one dot product of length D per (query, head, row), innermost axis
+        # [t, Hkv, rep, w]: one dot product of length D per (query, head, row), innermost axis
         scores = (qq * ks.unsqueeze(2)).sum(-1) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).float()  # rounded as the reference
         # [t, Hkv, rep, D]: rows added in ascending position order for every query
         o = (probs.unsqueeze(-1) * vs.unsqueeze(2)).sum(3)
         out[s:e] = o.reshape(t, h, d).to(q.dtype)
+        s = e
     return out
 
 
 class _ElementwiseScores(ReferenceOps):
     """The reference indexer with per-(query, head, group) scores (see module docstring)."""
 
-    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor,
+                     groups: int | None = None) -> torch.Tensor:
+        """Scores of the first `groups` groups (all when None), each its own product and
+        innermost sum over D, so computing fewer groups leaves those bits as they are; the
+        columns after them are zeros (the caller masks every group a query cannot see)."""
         t, hi, d = q.shape
         nb = block_keys.shape[0]
-        out = torch.empty(t, hi, nb, dtype=torch.float32, device=q.device)
-        tile = max(1, _TILE_ELEMENTS // max(1, hi * nb * d))
+        ng = nb if groups is None else max(0, min(nb, groups))
+        out = torch.zeros(t, hi, nb, dtype=torch.float32, device=q.device)
+        tile = max(1, _TILE_ELEMENTS // max(1, hi * ng * d))
         for s in range(0, t, tile):
-            out[s:s + tile] = (q[s:s + tile, :, None, :].float() * block_keys[None, None]
-                               ).sum(-1)
+            out[s:s + tile, :, :ng] = (q[s:s + tile, :, None, :].float()
+                                       * block_keys[None, None, :ng]).sum(-1)
         return out
 
 
