@@ -43,14 +43,9 @@ from benchmarks.servers import (
     vllm_command,
 )
 
-FINE = SystemSpec("ours-fine", ["--plugin", "hybridcache"],
-                  "vllm-hybridcache with Flash-Next's split-invariant forward "
-                  "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation)",
-                  env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "1"})
-
 
 def system(name: str) -> SystemSpec:
-    return FINE if name == FINE.name else SYSTEMS[name]
+    return SYSTEMS[name]
 
 
 def counters(base_url: str) -> tuple[float, float]:

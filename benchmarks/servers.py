@@ -66,6 +66,11 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "vllm-hybridcache with grid links and message-end cuts, no end anchors ("
                    + " ".join(f"{k}={v}" for k, v in _NO_ANCHORS.items()) + ")",
                    env=_NO_ANCHORS),
+        SystemSpec("ours-fine", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with Flash-Next's split-invariant forward "
+                   "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation; "
+                   "models without that forward run in step mode)",
+                   env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "1"}),
     )
 }
 
