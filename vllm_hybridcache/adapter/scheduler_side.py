@@ -48,6 +48,7 @@ from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
+from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
 from vllm_hybridcache.segmentation import (
@@ -456,11 +457,13 @@ class SchedulerSide:
         return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids,
                         promote=tree.adopt,
                         admission=WriteAdmission(settings.disk_write_first_tokens),
-                        cost=ReadCost(), baseline=self._ram_depth)
+                        cost=ReadCost(), baseline=self._ram_depth,
+                        tags=TagCodec({"DraftStep": DraftStep}))  # MTP: tags in files
 
-    def _ram_depth(self, keys: PromptKeys, domain: bytes, limit: int) -> int:
-        """Tokens the RAM tiers serve for a prompt (what a disk hit's cost check saves beyond)."""
-        return max((self.cache.tier(t, k).lookup(keys, domain, limit).tokens
+    def _ram_depth(self, keys: PromptKeys, domain: bytes, limit: int, fits=None) -> int:
+        """Tokens the RAM tiers serve for a prompt (what a disk hit's cost check saves beyond),
+        with the lookup's draft-row predicate (MTP)."""
+        return max((self.cache.tier(t, k).lookup(keys, domain, limit, fits).tokens
                     for t, k in self.cache.routes() if t == Tier.RAM), default=0)
 
     @staticmethod
