@@ -113,6 +113,31 @@ def test_engine_fingerprint_from_a_vllm_config(tmp_path):
     assert missing.fields["weights"] == "name:no/such-model@"
 
 
+def test_engines_with_other_draft_settings_share_no_files(tmp_path):
+    """The number of draft tokens (and the drafter path) shapes the draft head's and the verify
+    step's batches: an engine with k=1 must not read the files of one with k=2."""
+    from types import SimpleNamespace
+
+    from vllm_hybridcache.adapter.fingerprint import engine_fingerprint
+
+    a = _checkpoint(tmp_path / "a")
+
+    def config(k: int | None, padded: bool = True):
+        spec = None if k is None else SimpleNamespace(
+            method="mtp", num_speculative_tokens=k, disable_padded_drafter_batch=not padded)
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model=str(a), revision=None, dtype="float32"),
+            cache_config=SimpleNamespace(cache_dtype="auto", mamba_ssm_cache_dtype="auto"),
+            speculative_config=spec)
+
+    fps = [engine_fingerprint(config(k, p), "l", "grid=2048", "cpu")
+           for k, p in ((None, True), (1, True), (2, True), (2, False))]
+    assert fps[0].fields["speculative"] == ""
+    assert len({fp.digest for fp in fps}) == 4
+    assert fps[1].differences(fps[2]) == ["speculative"]
+    assert engine_fingerprint(config(2), "l", "grid=2048", "cpu").digest == fps[2].digest
+
+
 def test_kernel_backend_names_the_split_invariant_forward(monkeypatch):
     """Flash-Next's split-invariant forward changes the arithmetic: engines that differ only in
     that switch must not share link files."""

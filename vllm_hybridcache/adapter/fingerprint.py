@@ -11,7 +11,10 @@ fingerprint adds what changes *arithmetic* between engines:
 - the model's config (architecture sizes), dtypes and the state layout digest;
 - the kernel backend and what it ran on (CPU ISA flags or GPU architecture): vLLM's CPU kernels
   take other paths without AVX-512, and a GPU build differs from a CPU one;
-- torch, vLLM and plugin versions, and the segmentation settings (where links are cut).
+- torch, vLLM and plugin versions, and the segmentation settings (where links are cut);
+- the speculative decoding setup (method, draft tokens, drafter path): the draft head's rows
+  and a verify step's states are computed on batches shaped by it, so two engines that differ
+  there share nothing (on doubt, miss; the domain's `route` only separates AR from drafts).
 
 Nothing here is a secret; the digest is sha256 over a canonical JSON of these fields, and
 `fields` is kept so a log line can say *why* two engines differ.
@@ -166,6 +169,16 @@ def kernel_backend(vllm_config) -> str:
             f"{int(split_invariant.enabled())}")
 
 
+def speculative_setup(vllm_config) -> str:
+    """The speculative decoding settings that shape a draft or verify batch ('' without)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return ""
+    return (f"method={spec.method};k={spec.num_speculative_tokens};padded="
+            f"{int(not spec.disable_padded_drafter_batch)};parallel="
+            f"{int(bool(getattr(spec, 'parallel_drafting', False)))}")
+
+
 def engine_fingerprint(vllm_config, layout_digest: str, segmentation: str, backend: str,
                        memo_file: Path | None = None) -> Fingerprint:
     """The fingerprint of this engine (see the module docstring for what goes in and why).
@@ -200,5 +213,6 @@ def engine_fingerprint(vllm_config, layout_digest: str, segmentation: str, backe
         "vllm": vllm_version,
         "plugin": vllm_hybridcache.__version__,
         "segmentation": segmentation,
+        "speculative": speculative_setup(vllm_config),
     }
     return make_fingerprint(fields)
