@@ -112,3 +112,18 @@ def test_judge_reports_the_control_arm_without_failing_it():
     for v in (moved, wrong):
         assert judge(v, None, 0.25, None, control=True)[0] == "ok"
         assert judge(v, None, 0.25, None)[0] == "unexpected_error"
+
+
+def test_all_faults_also_waits_for_an_answered_tree_hit():
+    """`--all-faults` runs past the duration until a cache-side tree hit was answered: misses,
+    end-anchor hits, the control arm and failed requests do not count."""
+    from benchmarks.soak.cli import tree_hit_answered
+    from benchmarks.soak.ledger import Ledger, RequestRecord
+
+    ledger = Ledger()
+    for arm, kind, outcome in (("cache", "none", "ok"), ("cache", "anchor", "ok"),
+                               ("control", "tree", "ok"), ("cache", "tree", "expected_error")):
+        ledger.add(RequestRecord(t=0.0, life=1, arm=arm, hit_kind=kind, outcome=outcome))
+        assert not tree_hit_answered(ledger)
+    ledger.add(RequestRecord(t=1.0, life=1, arm="tenant", hit_kind="tree"))
+    assert tree_hit_answered(ledger)
