@@ -16,14 +16,16 @@ Warm runs must equal cold runs (tokens, logprobs, every state part, the draft he
 included). Links are keyed by route: an engine with MTP records `mtp`, and AR and MTP links
 never meet. (Greedy tokens with MTP equal those without it: tests/flash_next/test_mtp.py.)
 
-End anchors (live continuation) with drafts, on the k = 2 engine only (one engine is enough):
-a request's last step is a verify step that forwards the last sampled token and k drafts,
-writes the recurrent state after its j-th token to the j-th state block, and K/V rows for all
-of them; only the accepted ones count. The end anchor holds the rows before the request's end
-and the state block of the last accepted token, and its draft head's last row read the
-request's last sampled token, so it is served only to a next turn that continues with that
-token. Held to the same greedy gate as on the AR route (test_end_anchors.py), with the same
-negative control; the draft acceptance of the resumed turns equals that of their cold runs.
+End anchors (live continuation) with drafts, on the k = 1 and 2 engines: a request's last step
+is a verify step that forwards the last sampled token and k drafts, writes the recurrent state
+after its j-th token to the j-th state block, and K/V rows for all of them; only the accepted
+ones count. The end anchor holds the rows before the request's end and the state block of the
+last accepted token; its draft head's last row was written by that step's first draft pass for
+the request's last sampled token, and the anchor keeps that pass's hidden row and geometry, so
+a restore rebuilds the row for whatever token the next turn continues with. Rebuilt for the
+same token it is the row the pass wrote (bit for bit); every resumed turn is held to the same
+greedy gate as on the AR route (test_end_anchors.py), with negative controls; the draft
+acceptance of the resumed turns equals that of their cold runs.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import torch
 from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_end_anchors import gate_catches_a_corrupted_anchor, greedy_gate
 from tests.connector.test_exactness import GRID, A, anchored_session, clear, run
-from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT
+from vllm_hybridcache.adapter import scheduler_side
+from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, BoundaryTap
 from vllm_hybridcache.adapter.scheduler_side import _Live
+from vllm_hybridcache.adapter.scheduler_side import anchor_end as scheduler_side_anchor_end
 from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -205,18 +209,121 @@ def test_greedy_gate_catches_a_corrupted_anchor_with_drafts(llm):
     gate_catches_a_corrupted_anchor(llm)
 
 
-def test_an_anchor_needs_the_next_token_its_draft_row_read(llm):
-    """The anchor's last draft row read the request's last sampled token: a next turn that
-    continues with another token resumes at the tree's link instead (both turns end in the
-    first prompt's last token, which the tree link's draft row read), never at the anchor."""
+def _k(llm) -> int:
+    return int(llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens)
+
+
+def _anchored(llm, p: list[int]) -> dict:
+    """Run `p` from a clear cache and let its end anchor land (one more step commits it)."""
     clear(llm)
-    p = [200 + (i * 43) % 2500 for i in range(300)]
     first = run(llm, p)
     run(llm, [1, 2, 3])
-    other = [*p, *first["tokens"][:-1], first["tokens"][-1] + 1, 5, 6, p[-1]]
-    assert run(llm, other)["cached"] == GRID
-    clear(llm)                      # `other` replaced p's anchor with its own: take it again
-    assert run(llm, p)["tokens"] == first["tokens"]
-    run(llm, [1, 2, 3])
-    same = [*p, *first["tokens"], 5, 6, p[-1]]
-    assert run(llm, same)["cached"] == len(p) + len(first["tokens"]) - 1
+    return first
+
+
+# 250 tokens + 6 generated: the anchor ends at 255, and its boundary draft row (254) sits in a
+# KV block that the next turn (+ 8 new tokens) completes, so the state digests cover it
+SESSION = [200 + (i * 43) % 2500 for i in range(250)]
+NEW_TEXT = [11 + (i * 3) % 500 for i in range(8)]
+
+
+def _covered(llm, n: int, prompt: list[int]) -> None:
+    """The anchor's boundary row (n - 1) is in a complete block of `prompt` (digested)."""
+    sched, _ = engine_parts(llm)
+    bt = sched.parts.layout.view_block_tokens
+    assert len(prompt) >= ((n - 1) // bt + 1) * bt, (n, bt, len(prompt))
+
+
+@pytest.fixture()
+def anchor_k12(llm):
+    """The anchor tests run on the k = 1 and k = 2 engines (k = 3 adds time, not paths)."""
+    if _k(llm) > 2:
+        pytest.skip("end anchors with drafts: k = 1 and 2")
+    return llm
+
+
+def test_a_rebuilt_anchor_row_is_the_row_its_decode_pass_wrote(anchor_k12, monkeypatch):
+    """The next turn is the previous prompt + its answer + new text, so it continues at the
+    anchor's end with the request's last sampled token, the token the anchor's boundary draft
+    row read in its last verify step. Rebuilt from the kept hidden row on that pass's shape,
+    the row is the one the pass wrote: the resumed run equals the run resumed with the row
+    left as written, bit for bit (tokens, logprobs, every state part, the draft rows
+    included), and passes the greedy gate against a cold run of its prompt.
+    Negative controls: the row rebuilt from another row of the pass (a rejected draft's), or
+    the target's state block of the last draft (not rolled back), change the state parts."""
+    llm = anchor_k12
+    first = _anchored(llm, SESSION)
+    nxt = SESSION + first["tokens"] + NEW_TEXT
+    n = len(SESSION) + len(first["tokens"]) - 1
+    _covered(llm, n, nxt)
+    warm = run(llm, nxt)
+    assert warm["cached"] == n
+    _anchored(llm, SESSION)
+    monkeypatch.setattr(_Live, "anchor_rebuild", lambda self, token: None)
+    raw = run(llm, nxt)
+    monkeypatch.undo()
+    assert raw["cached"] == n
+    assert warm["tokens"] == raw["tokens"] and warm["logprobs"] == raw["logprobs"]
+    assert warm["state"] == raw["state"]
+    clear(llm)
+    cold = run(llm, nxt)
+    assert greedy_gate(warm, cold) == len(cold["tokens"])
+    # a rejected draft's hidden row (the pass's last) instead of the last accepted token's
+    sched, _ = engine_parts(llm)
+    take = BoundaryTap.take_anchor
+
+    def rejected_row(self, first_block, end, start, length):
+        rows = self._verify[first_block][1]
+        _, g = take(self, first_block, end, start, length)
+        assert end - start < length, "every draft was accepted: no rejected row"
+        return rows[-1], g
+
+    monkeypatch.setattr(BoundaryTap, "take_anchor", rejected_row)
+    _anchored(llm, SESSION)
+    monkeypatch.undo()
+    bad_row = run(llm, nxt)
+    assert bad_row["cached"] == n
+    names = set(_draft_views(sched))
+    assert any(bad_row["state"][v] != raw["state"][v] for v in names)
+    # the target's state block of the last draft token: not rolled back
+    monkeypatch.setattr(scheduler_side, "anchor_end", _last_block)
+    _anchored(llm, SESSION)
+    monkeypatch.undo()
+    bad_block = run(llm, nxt)
+    assert bad_block["cached"] == n
+    assert any(bad_block["state"][k] != raw["state"][k] for k in raw["state"] if k not in names)
+
+
+def _last_block(num_computed, num_tokens, prompt_len, last_start, last_len, speculative):
+    """anchor_end, but with the state block of the verify step's last token (a rejected
+    draft's, while drafts are rejected): the rollback undone."""
+    end = scheduler_side_anchor_end(num_computed, num_tokens, prompt_len, last_start, last_len,
+                                    speculative)
+    return None if end is None else (end[0], last_len - 1)
+
+
+def test_an_anchor_serves_a_next_turn_with_another_next_token(anchor_k12, monkeypatch):
+    """A next turn that continues at the anchor's end with another token than the request's
+    last sampled one (an answer cut short, a re-rendered stop token) resumes at the anchor:
+    its boundary draft row is rebuilt for that token (without the rebuild the draft rows
+    differ, nothing else does), and it passes the greedy gate against a cold run."""
+    llm = anchor_k12
+    first = _anchored(llm, SESSION)
+    other = [*SESSION, *first["tokens"][:-1], first["tokens"][-1] + 1, *NEW_TEXT]
+    n = len(SESSION) + len(first["tokens"]) - 1
+    _covered(llm, n, other)
+    warm = run(llm, other)
+    assert warm["cached"] == n
+    sched, _ = engine_parts(llm)
+    _anchored(llm, SESSION)
+    monkeypatch.setattr(_Live, "anchor_rebuild", lambda self, token: None)
+    raw = run(llm, other)
+    monkeypatch.undo()
+    assert raw["cached"] == n
+    names = set(_draft_views(sched))
+    assert any(warm["state"][v] != raw["state"][v] for v in names)
+    assert {k: v for k, v in warm["state"].items() if k not in names} == {
+        k: v for k, v in raw["state"].items() if k not in names}
+    clear(llm)
+    cold = run(llm, other)
+    assert greedy_gate(warm, cold) == len(cold["tokens"])

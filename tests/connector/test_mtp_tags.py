@@ -11,13 +11,23 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DraftRebuild, rebuild_input
+import pytest
+import torch
+
+from vllm_hybridcache.adapter.draft_rows import (
+    DRAFT_INPUT,
+    DRAFT_PASS_SPEC,
+    DraftRebuild,
+    PassGeometry,
+    rebuild_input,
+)
 from vllm_hybridcache.adapter.scheduler_side import (
     DRAFT_READS_BOTH,
     DRAFT_READS_LAST,
     DRAFT_REBUILD,
     DraftStep,
     NextToken,
+    RebuiltAnchor,
     _Live,
     anchor_end,
     draft_reads,
@@ -69,7 +79,8 @@ def test_the_boundary_rows_are_rebuilt_only_where_measured():
     parts = PartMap(layout=StateLayout(sections=(gdn,)), sections=(("gdn", 0, "l0", 0),),
                     views=(), block_bytes={})
     out = with_draft_input(parts, spec)
-    assert out.layout.sections == (gdn, spec) and out.sections == parts.sections
+    assert out.layout.sections == (gdn, spec, DRAFT_PASS_SPEC)
+    assert out.sections == parts.sections
     assert with_draft_input(parts, None) is parts
 
 
@@ -136,6 +147,29 @@ def test_an_anchor_fits_only_the_prompt_that_continues_with_its_next_token():
     assert _live(tokens, DRAFT_READS_LAST).fits(40, tag)
     assert not _live([*tokens[:40], 3, *tokens[41:]], DRAFT_READS_LAST).fits(40, tag)
     assert not _live(tokens[:40], DRAFT_READS_LAST).fits(40, tag)   # nothing comes next
+
+
+def test_a_rebuilt_anchor_fits_every_prompt_that_extends_it():
+    """On the rebuild route an end anchor's boundary row is rebuilt for the next turn's token
+    at its end, whatever that token is; a prompt must still have a token there."""
+    tokens = list(range(10, 60))
+    tag = RebuiltAnchor()
+    assert _live(tokens, DRAFT_REBUILD).fits(40, tag)
+    assert _live([*tokens[:40], 3, *tokens[41:]], DRAFT_REBUILD).fits(40, tag)
+    assert not _live(tokens[:40], DRAFT_REBUILD).fits(40, tag)
+    assert _live(tokens, DRAFT_REBUILD).anchor_rebuild(3) == DraftRebuild(3, ())
+    assert _live(tokens, DRAFT_READS_LAST).anchor_rebuild(3) is None
+
+
+def test_pass_geometry_round_trips_and_refuses_nonsense():
+    """A link's bytes say where its boundary row sat in the draft pass that wrote it: a
+    prefill step's last row, or an anchor's row inside a verify step's pass."""
+    g = PassGeometry.step(32, 48)
+    assert g == PassGeometry(47, 15, 16)
+    assert PassGeometry.of(g.as_tensor()) == g
+    for bad in ((0, 0, 0), (5, 3, 3), (-1, 0, 2)):
+        with pytest.raises(ValueError):
+            PassGeometry.of(torch.tensor(bad))
 
 
 def test_anchor_end_copies_the_block_of_the_last_accepted_token():

@@ -71,8 +71,11 @@ class CaptureJob:
     # the end of the step, from the state block
     inner_offset: int = 0
     # MTP route: the first position of the prefill step that ends at row_end; the link keeps
-    # the draft head's boundary input of that step (adapter/draft_rows.py). -1: none
+    # the draft head's boundary input of that step (adapter/draft_rows.py). -1: none. For an
+    # end anchor (`finishing`): the request's last verify step, from draft_step, draft_len
+    # tokens long, whose first draft pass wrote the anchor's boundary row
     draft_step: int = -1
+    draft_len: int = 0
 
     @property
     def link_id(self) -> int:

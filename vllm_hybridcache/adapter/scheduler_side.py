@@ -145,6 +145,8 @@ class _Live:
         """Whether a link ending at p, reserved with `tag`, fits this prompt's draft rows."""
         if isinstance(tag, NextToken):  # an end anchor: its last draft row read tag.token
             return p < len(self.keys) and int(self.keys.tokens[p]) == tag.token
+        if isinstance(tag, RebuiltAnchor):  # its last draft row is rebuilt for keys[p]
+            return p < len(self.keys)
         return tag == self.draft_tag(p)
 
     def draft_rebuild(self, chain, last_token: int) -> DraftRebuild | None:
@@ -154,6 +156,14 @@ class _Live:
         if self.draft_reads != DRAFT_REBUILD:
             return None
         return DraftRebuild(last_token, tuple((r.end, self.prev_cut(r.end)) for r in chain))
+
+    def anchor_rebuild(self, next_token: int) -> DraftRebuild | None:
+        """The boundary row a restore of an end anchor rebuilds for this prompt: for the token
+        that continues the session at the anchor's end (the row's geometry is the anchor's own,
+        kept in its bytes); None off the rebuild route."""
+        if self.draft_reads != DRAFT_REBUILD:
+            return None
+        return DraftRebuild(next_token, ())
 
 
 class DraftStep(NamedTuple):
@@ -170,6 +180,13 @@ class NextToken(NamedTuple):
     fits a prompt only if that token comes next."""
 
     token: int
+
+
+class RebuiltAnchor(NamedTuple):
+    """An end anchor's draft tag on the rebuild route: the anchor keeps the target's hidden
+    row at its last position and where its boundary draft row sat in the last verify step's
+    draft pass, and a restore rebuilds that row for the next turn's token there (adapter/
+    draft_rows.py), so the anchor fits every prompt that extends its tokens."""
 
 
 def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: int,
@@ -339,9 +356,11 @@ class SchedulerSide:
         self._speculative = vllm_config.speculative_config is not None
         if (self._speculative and anchors
                 and getattr(vllm_config.scheduler_config, "async_scheduling", False)):
-            # An end anchor copies the state block of the last accepted token, found from the
-            # last step's start; with async scheduling that start is planned before the step
-            # before it is verified.
+            # An end anchor copies the state block of the last accepted token of the request's
+            # last verify step. Async scheduling has usually scheduled the request once more
+            # (placeholders) before its finish is known, and that step overwrites the state
+            # blocks: the state is gone, and what replaces it is not knowable here (on doubt,
+            # miss). vLLM's CPU platform never runs async (docs/how-it-works.md).
             logger.info("hybridcache: end anchors off with speculative decoding and async "
                         "scheduling")
             anchors = 0
@@ -580,6 +599,8 @@ class SchedulerSide:
             draft = None
             if res.kind == LinkKind.TREE:
                 draft = entry.draft_rebuild(res.plan.chain, int(request.prompt_token_ids[-1]))
+            elif res.kind == LinkKind.ANCHOR:
+                draft = entry.anchor_rebuild(int(request.prompt_token_ids[res.tokens]))
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
                                        sources=sources, fingerprint=fp, draft=draft))
@@ -819,12 +840,17 @@ class SchedulerSide:
         if end is None:
             return False
         n, section_block = end
+        # the state block must exist in every section group (attention groups hold rows:
+        # their block count says nothing about the section blocks)
         if (request.status == RequestStatus.FINISHED_ABORTED or n < request.num_prompt_tokens
-                or not block_ids or any(len(b) <= section_block for b in block_ids)):
+                or not block_ids or any(len(block_ids[gid]) <= section_block
+                                        for _, gid, _, _ in self.parts.sections)):
             return False
         domain = request_domain(self.base_domain, request)
         tokens = key_token_ids(all_tokens[:n], getattr(request, "mm_features", None))
-        tag = NextToken(int(all_tokens[n])) if self._speculative else None
+        rebuilt = self._draft_reads == DRAFT_REBUILD
+        tag = (RebuiltAnchor() if rebuilt else NextToken(int(all_tokens[n]))
+               if self._speculative else None)
         r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain, tag)
         if r.addr is None:
             return False
@@ -838,7 +864,9 @@ class SchedulerSide:
         self._finishing.append(CaptureJob(addr=r.addr, req_id=request.request_id,
                                           row_start=r.start, row_end=r.end,
                                           block_ids=[list(b) for b in block_ids],
-                                          finishing=True, section_block=section_block))
+                                          finishing=True, section_block=section_block,
+                                          draft_step=last[0] if rebuilt else -1,
+                                          draft_len=last[1] if rebuilt else 0))
         return True
 
     def clear(self, tier: str | None = None, kind: str | None = None) -> int:

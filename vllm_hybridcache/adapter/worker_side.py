@@ -19,7 +19,9 @@ import torch
 
 from vllm_hybridcache.adapter.draft_rows import (
     DRAFT_INPUT,
+    DRAFT_PASS,
     BoundaryTap,
+    PassGeometry,
     find_draft_head,
     rebuild_input,
     with_draft_input,
@@ -97,7 +99,8 @@ class WorkerSide:
                                                  self.parts.block_bytes[name]))
         draft = [s for s in self.parts.layout.sections if s.name == DRAFT_INPUT]
         if draft:
-            self._tap = find_draft_head(ctx, self.kv_cache_groups, draft[0])
+            k = int(self.vllm_config.speculative_config.num_speculative_tokens)
+            self._tap = find_draft_head(ctx, self.kv_cache_groups, draft[0], 1 + k)
 
     def _inject_inner_hooks(self, ctx) -> None:
         """Give every state layer that can hand over states inside a step (an `inner_capture`
@@ -127,6 +130,7 @@ class WorkerSide:
         dst = {name: t[job.block_ids[gid][0]] for name, (gid, t) in self._sections.items()}
         if self._tap is not None:  # each link's boundary input: read below, not restored
             dst[DRAFT_INPUT] = self._tap.scratch
+            dst[DRAFT_PASS] = self._tap.pass_scratch
 
         def sink(name: str, start: int, rows: torch.Tensor) -> None:
             gid, acc = self._rows[name]
@@ -134,8 +138,10 @@ class WorkerSide:
 
         self.store.restore(job.chain, dst, sink)
         if job.draft is not None and self._tap is not None:
-            hidden = [self.store.buffers(ref.link_id).sections[DRAFT_INPUT] for ref in job.chain]
-            self._tap.rebuild(job.draft, hidden, job.block_ids[self._tap.gid])
+            kept = [self.store.buffers(ref.link_id).sections for ref in job.chain]
+            self._tap.rebuild(job.draft, [k[DRAFT_INPUT] for k in kept],
+                              [PassGeometry.of(k[DRAFT_PASS]) for k in kept],
+                              job.block_ids[self._tap.gid])
 
     def _stage(self, job: LoadJob) -> None:
         """Read a disk hit's files into the store under the chain's ids (core/disk/reader.py);
@@ -193,12 +199,19 @@ class WorkerSide:
             [(acc, job.block_ids[gid], first, bufs.views[name])
              for name, (gid, acc) in self._rows.items()])
         if self._tap is not None:
-            dst = bufs.sections[DRAFT_INPUT]
-            if job.draft_step >= 0:
-                dst.copy_(self._tap.take(job.block_ids[self._tap.gid][0], job.row_end,
-                                         job.draft_step))
+            dst, geometry = bufs.sections[DRAFT_INPUT], bufs.sections[DRAFT_PASS]
+            first_block = job.block_ids[self._tap.gid][0]
+            if job.draft_step >= 0 and job.finishing:  # an end anchor: its last verify step
+                row, g = self._tap.take_anchor(first_block, job.row_end, job.draft_step,
+                                               job.draft_len)
+                dst.copy_(row)
+                geometry.copy_(g.as_tensor())
+            elif job.draft_step >= 0:
+                dst.copy_(self._tap.take(first_block, job.row_end, job.draft_step))
+                geometry.copy_(PassGeometry.step(job.draft_step, job.row_end).as_tensor())
             else:
-                dst.zero_()  # an end anchor: no boundary row is rebuilt from it
+                dst.zero_()  # no boundary row is rebuilt from this link
+                geometry.zero_()
         self.store.seal(job.link_id)
 
     def save(self, plan: StepPlan) -> None:
