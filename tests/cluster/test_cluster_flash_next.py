@@ -20,7 +20,7 @@ import uuid
 import pytest
 import ray
 
-from tests.cluster.test_cluster_serving import Ghost, _forge
+from tests.cluster.forgery import Ghost, forged_chain
 from vllm_hybridcache.cluster import directory_handle
 from vllm_hybridcache.cluster.directory import NAMESPACE
 from vllm_hybridcache.cluster.replica import replica_actor
@@ -99,14 +99,9 @@ def test_negative_control_a_forged_remote_link_changes_the_logprobs(replicas, tm
     ray.get(a.generate.remote(turns[0]))
     entries = entries_of("A", turns[0])
     assert entries
-    items = []
-    for i, ((fp, dom, digest), (parent, start, end, _, refs)) in enumerate(entries):
-        data = bytes(ray.get(refs[0]))
-        if i == len(entries) - 1:
-            data = _forge(data, fp, tmp_path)
-        items.append((fp, dom, digest, parent, start, end, data))
     ghost = Ghost.remote()
-    ray.get(ghost.publish.remote(items))  # the chain now names the ghost, its deepest forged
+    # the chain now names the ghost, its deepest link forged
+    ray.get(ghost.publish.remote(forged_chain(entries, tmp_path)))
     try:
         out = ray.get(b.generate.remote(turns[1]))
         assert out["cached"] == entries[-1][1][2]  # the forged chain was restored

@@ -28,7 +28,8 @@ import requests
 
 from benchmarks.servers import free_port
 from tests.cluster.conftest import wait_owner_dead
-from vllm_hybridcache.cluster import RayTransport, directory_handle
+from tests.cluster.forgery import Ghost, forged_chain
+from vllm_hybridcache.cluster import directory_handle
 from vllm_hybridcache.cluster.directory import NAMESPACE
 from vllm_hybridcache.cluster.launcher import Cluster
 from vllm_hybridcache.core.keys import PromptKeys
@@ -215,19 +216,6 @@ def test_a_link_of_another_fingerprint_is_never_used(cluster):
         "token_ids"]
 
 
-@ray.remote(num_cpus=0)
-class Ghost:
-    """A replica stand-in that re-publishes payloads as their owner, then dies."""
-
-    def __init__(self) -> None:
-        self.t = RayTransport(ray.get_runtime_context().gcs_address, owner="ghost")
-
-    def publish(self, items) -> list:
-        for it in items:
-            self.t.publish(*it)
-        return [ray.put(b"probe")]
-
-
 def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cluster):
     turns = conversation(3, 2)
     _completion(cluster, turns[0], **pinned("r0"))
@@ -255,27 +243,6 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cl
     assert not directory_entries("ghost", turns[0])  # the dead owner's entries are gone
 
 
-def _forge(payload: bytes, fingerprint: bytes, folder) -> bytes:
-    """The same link with slightly different state bytes and valid checksums (what a bug in a
-    copy would produce): every header check and CRC passes."""
-    import numpy as np
-
-    from vllm_hybridcache.core.disk.linkfile import read_header, write_link_file
-
-    src, dst = folder / "src.link", folder / "forged.link"
-    src.write_bytes(payload)
-    h, base = read_header(src, fingerprint)
-    parts = {}
-    for e in h.parts:
-        a = np.frombuffer(payload, np.uint8, e.nbytes, base + e.offset).copy()
-        a[::16] ^= 0x04
-        parts[e.name] = a
-    write_link_file(dst, fingerprint=h.fingerprint, domain=h.domain, digest=h.digest,
-                    parent_digest=h.parent_digest, start=h.start, end=h.end,
-                    tokens=h.token_ids(), rows=h.rows, parts=parts)
-    return dst.read_bytes()
-
-
 def test_negative_control_a_wrong_remote_state_changes_the_output(cluster, tmp_path):
     """The comparison with a cold prefill catches a bad restore: a forged link (valid
     checksums, state bytes altered) is restored and the output differs from the cold one."""
@@ -283,14 +250,8 @@ def test_negative_control_a_wrong_remote_state_changes_the_output(cluster, tmp_p
     _completion(cluster, turns[0], **pinned("r0"))
     entries = sorted(directory_entries("r0", turns[0]), key=lambda ke: ke[1][2])
     assert entries
-    items = []
-    for i, ((fp, dom, digest), (parent, start, end, _, refs)) in enumerate(entries):
-        data = bytes(ray.get(refs[0]))
-        if i == len(entries) - 1:
-            data = _forge(data, fp, tmp_path)
-        items.append((fp, dom, digest, parent, start, end, data))
     ghost = Ghost.remote()
-    ray.get(ghost.publish.remote(items))
+    ray.get(ghost.publish.remote(forged_chain(entries, tmp_path)))
     try:
         out = _completion(cluster, turns[1], **pinned("r1"))
         assert cached(out) == entries[-1][1][2]  # the forged chain was restored
