@@ -95,7 +95,12 @@ def _published(local_ray, tmp_path, layout):
     expected = a.restore_bytes(a.tree.lookup(a.tree.keys(PROMPT), DOM).plan.chain)
     d = _fresh_directory()
     pub = Publisher.remote(local_ray)
-    ray.get(pub.publish.remote(_published_by(local_ray, a)))
+    n = ray.get(pub.publish.remote(_published_by(local_ray, a)))
+    for _ in range(1200):  # a publication reaches the directory fire-and-forget
+        if ray.get(d.stats.remote()).get("pub", {}).get("links") == n:
+            break
+        time.sleep(0.05)
+    assert ray.get(d.stats.remote()).get("pub", {}).get("links") == n
     return d, pub, expected
 
 
