@@ -47,7 +47,9 @@ def test_every_fault_kind_fired_and_did_its_job(soak):
         assert summary["faults"][kind]["unexpected"] == 0, kind
     assert summary["lives"] >= 2                           # the kill -9 restarted the server
     assert cache["restore_faults_fired"] >= 1              # a restore failed in the worker ...
-    assert cache["restores_failed.ram.tree"] + cache.get("restores_failed.disk.tree", 0) >= 1
+    # ... and was counted as a failed restore, whichever tier and kind it hit (concurrent
+    # sessions share the worker: the failed load may be another session's end anchor)
+    assert sum(v for k, v in cache.items() if k.startswith("restores_failed.")) >= 1
     assert cache["cleared.ram.tree"] > 0                   # ... clears dropped links
 
 
