@@ -23,6 +23,7 @@ from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.directory import ANCHOR
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
+from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
 from vllm_hybridcache.core.keys import make_domain
 from vllm_hybridcache.core.tiers.base import LinkAddr
@@ -42,7 +43,8 @@ def _cuts(tokens: np.ndarray) -> list[int]:
 class Life:
     """One engine life: RAM tree + RAM anchors + disk tiers + the worker's store and writer."""
 
-    def __init__(self, root: Path, layout) -> None:
+    def __init__(self, root: Path, layout, tags: TagCodec | None = None) -> None:
+        """tags: the anchor tag codec (a speculative route); None on the AR route."""
         ids = IdSource()
         self.layout = layout
         self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
@@ -51,14 +53,15 @@ class Life:
         self.directory.open()
         self.disk = DiskTier(layout, self.directory, _cuts, next_id=ids, promote=self.tree.adopt)
         self.ram_anchors = EndAnchors(layout, 8, 1 << 30, next_id=ids)
-        self.disk_anchors = DiskAnchors(self.disk)
+        self.disk_anchors = DiskAnchors(self.disk, tags=tags)
         self.cache = SnapshotCache([self.tree, self.disk, self.ram_anchors, self.disk_anchors])
         self.store = LinkStore(layout, pin_memory=False)
         self.target = DiskTarget(str(root), FP, 1 << 30, 0, 0.0, spill=True, drain_s=30.0)
 
-    def anchor(self, tokens: np.ndarray, domain: bytes = DOM, seed: int = 0):
-        """Reserve, fill with seeded bytes and commit an end anchor; its spill job."""
-        r = self.cache.reserve("anchor", tokens, len(tokens), domain)
+    def anchor(self, tokens: np.ndarray, domain: bytes = DOM, seed: int = 0, tag=None):
+        """Reserve (with its draft tag, if any), fill with seeded bytes and commit an end
+        anchor; its spill job (None when no file can carry the tag)."""
+        r = self.cache.reserve("anchor", tokens, len(tokens), domain, tag)
         bufs = self.store.allocate(r.link_id, self.layout.view_rows(0, len(tokens)))
         gen = torch.Generator().manual_seed(seed)
         for t in (*bufs.sections.values(), *bufs.views.values()):
@@ -66,8 +69,8 @@ class Life:
                                                     dtype=torch.uint8, generator=gen))
         self.store.seal(r.link_id)
         assert self.cache.commit(r.addr)
-        return anchor_job(r.link_id, domain, PromptKeys(tokens),
-                          self.layout.view_rows(0, len(tokens)), "spill")
+        return self.disk_anchors.spill_job(r.link_id, domain, PromptKeys(tokens),
+                                           self.layout.view_rows(0, len(tokens)), tag)
 
     def parts(self, link_id: int) -> dict[str, torch.Tensor]:
         b = self.store.buffers(link_id)
@@ -192,6 +195,10 @@ def test_spill_book_writes_evictions_only():
     assert [(j.link_id, j.when, j.kind, j.end) for j in out] == [(2, "now", "anchor", 10)]
     book.discard([3])
     assert book.dropped([3]) == []
+    book.reserved(job(5, a[:30], OTHER), a[:30])
+    book.committed(5)
+    book.superseded(OTHER, a[:40])  # a newer anchor of 5's conversation, not written (its tag)
+    assert 5 not in book and book.dropped([5]) == []
     book.reserved(job(5, a[:30], OTHER), a[:30])
     book.committed(5)
     book.discard_all()

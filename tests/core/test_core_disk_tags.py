@@ -13,6 +13,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from tests.core.test_core_disk_spill import DOM as SDOM
+from tests.core.test_core_disk_spill import FP as SFP
+from tests.core.test_core_disk_spill import TURN, Life
 from tests.core.test_core_disk_tier import DOM, FP, PROMPT, Engine, _cuts, _files
 from vllm_hybridcache.core.disk.linkfile import (
     FORMAT_VERSION,
@@ -21,6 +24,7 @@ from vllm_hybridcache.core.disk.linkfile import (
 )
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.disk.tags import TagCodec, UnencodableTag
+from vllm_hybridcache.core.disk.writer import LinkWriter
 
 
 class Step(NamedTuple):
@@ -175,3 +179,115 @@ def test_files_of_the_format_before_tags_are_counted_misses(tagged, layout):
     res = e.cache.lookup(e.cache.keys(PROMPT), DOM, None, _fits)
     assert not res.hit
     assert e.disk.stats().misses.get("format") == 1
+
+
+# ---------------------------------------------------------------- end anchors (session spill)
+class Next(NamedTuple):
+    """Stands for the adapter's NextToken: the token an anchor's last draft row read."""
+
+    token: int
+
+
+class Rebuilt(NamedTuple):
+    """Stands for the adapter's RebuiltAnchor: a field-less marker (the anchor's boundary draft
+    row is rebuilt for whatever token comes next)."""
+
+
+ANCHOR_CODEC = TagCodec({"Next": Next, "Rebuilt": Rebuilt})
+
+
+def _anchor_fits(prompt: np.ndarray):
+    """The RAM anchor tier's predicate on the MTP route (scheduler_side._Live.fits)."""
+    def fits(p: int, tag: object) -> bool:
+        if isinstance(tag, Next):
+            return p < len(prompt) and int(prompt[p]) == tag.token
+        if isinstance(tag, Rebuilt):
+            return p < len(prompt)
+        return False
+    return fits
+
+
+def _spill(tmp_path, layout, anchors) -> None:
+    """One life that reserves and commits `anchors` ((tokens, tag, seed)) and drains them."""
+    life = Life(tmp_path, layout, tags=ANCHOR_CODEC)
+    jobs = [life.anchor(t, seed=seed, tag=tag) for t, tag, seed in anchors]
+    LinkWriter(life.target).drain([(j, life.parts(j.link_id)) for j in jobs], 30.0)
+    life.directory.close()
+
+
+def test_codec_round_trips_the_anchor_tags_and_keeps_kinds_apart():
+    for tag in (Next(7), Rebuilt(), None):
+        enc = ANCHOR_CODEC.encode(tag)
+        back = ANCHOR_CODEC.decode(msgspec.msgpack.decode(msgspec.msgpack.encode(enc)))
+        assert back == tag and type(back) is type(tag)
+    assert ANCHOR_CODEC.encode(Rebuilt()) == ("Rebuilt", ())
+    # one codec per kind of file: a tree tag in an anchor file (or the other way round)
+    # decodes as unknown and fits nothing
+    assert ANCHOR_CODEC.decode(CODEC.encode(Step(5))) != Step(5)
+    assert CODEC.decode(ANCHOR_CODEC.encode(Rebuilt())) != Rebuilt()
+    with pytest.raises(UnencodableTag):
+        ANCHOR_CODEC.encode(Step(1))
+
+
+def test_a_tagged_anchor_is_spilled_with_its_tag_and_read_back_under_the_predicate(tmp_path,
+                                                                                   layout):
+    """Session spill on the MTP route: the anchor's tag is in its file's header, and the next
+    life's disk anchor tier serves the next turn under the RAM anchor tier's predicate, byte
+    for byte as the RAM anchor held it."""
+    life = Life(tmp_path, layout, tags=ANCHOR_CODEC)
+    job = life.anchor(TURN, tag=Rebuilt())
+    expected = life.restore_bytes(life.ram_anchors.lookup(TURN, SDOM).plan.chain)
+    LinkWriter(life.target).drain([(job, life.parts(job.link_id))], 30.0)
+    life.directory.close()
+    (f,) = tmp_path.rglob("a-*/*.link")
+    h, _ = read_header(f, SFP)
+    assert h.kind == "anchor" and ANCHOR_CODEC.decode(h.tag) == Rebuilt()
+    again = Life(tmp_path, layout, tags=ANCHOR_CODEC)
+    nxt = np.concatenate([TURN, [4, 5]])
+    res = again.cache.lookup(nxt, SDOM, len(nxt) - 1, _anchor_fits(nxt))
+    assert (res.hit, res.tier, res.kind, res.tokens) == (True, "disk", "anchor", len(TURN))
+    assert again.cache.begin_restore(res)
+    stage_chain(again.store, res.plan.chain, again.cache.sources(res), SFP)
+    assert again.restore_bytes(res.plan.chain) == expected
+    again.cache.end_restore(res, True, 0.01)
+    again.cache.sanity_check()
+
+
+def test_an_anchor_whose_tag_does_not_fit_is_a_counted_miss(tmp_path, layout):
+    """Two anchor files of one conversation: the deeper one read another next token than the
+    prompt has (Next), so the shallower one (a marker: fits any extension) serves; the lookup
+    says it was shortened there and the disk anchor tier counts a `draft_tag` miss. The file
+    stays (it fits a prompt with that token). Negative control of the predicate: that prompt
+    is served from the deeper file."""
+    nxt = np.concatenate([TURN, [77, 78]])
+    _spill(tmp_path, layout, [(TURN[:200], Rebuilt(), 1), (TURN, Next(99), 2)])
+    life = Life(tmp_path, layout, tags=ANCHOR_CODEC)
+    res = life.cache.lookup(nxt, SDOM, len(nxt) - 1, _anchor_fits(nxt))
+    assert (res.hit, res.kind, res.tokens, res.shortened, res.refused) == (
+        True, "anchor", 200, True, len(TURN))
+    assert life.disk_anchors.stats().misses == {"draft_tag": 1}
+    assert len(list(tmp_path.rglob("a-*/*.link"))) == 2
+    fit = np.concatenate([TURN, [99, 78]])
+    assert life.cache.lookup(fit, SDOM, len(fit) - 1, _anchor_fits(fit)).tokens == len(TURN)
+
+
+def test_untagged_anchors_never_serve_the_mtp_route_nor_tagged_ones_the_ar_route(tmp_path,
+                                                                                  layout):
+    _spill(tmp_path / "ar", layout, [(TURN, None, 0)])
+    _spill(tmp_path / "mtp", layout, [(TURN, Rebuilt(), 0)])
+    nxt = np.concatenate([TURN, [4]])
+    ar = Life(tmp_path / "ar", layout, tags=ANCHOR_CODEC)
+    mtp = Life(tmp_path / "mtp", layout, tags=ANCHOR_CODEC)
+    assert not ar.cache.lookup(nxt, SDOM, len(nxt) - 1, _anchor_fits(nxt)).hit
+    assert ar.disk_anchors.stats().misses == {"draft_tag": 1}
+    assert not mtp.cache.lookup(nxt, SDOM, len(nxt) - 1).hit
+    assert ar.cache.lookup(nxt, SDOM, len(nxt) - 1).tokens == len(TURN)         # own routes
+    assert mtp.cache.lookup(nxt, SDOM, len(nxt) - 1, _anchor_fits(nxt)).tokens == len(TURN)
+
+
+def test_an_anchor_tag_no_file_can_carry_is_not_spilled(tmp_path, layout):
+    life = Life(tmp_path, layout, tags=ANCHOR_CODEC)
+    assert life.anchor(TURN, tag=Step(0)) is None              # a tree tag type: not carried
+    assert life.disk_anchors.stats().skips == {"draft_tag": 1}
+    nxt = np.concatenate([TURN, [1]])
+    assert life.ram_anchors.lookup(nxt, SDOM, len(nxt) - 1).tokens == len(TURN)  # RAM keeps it

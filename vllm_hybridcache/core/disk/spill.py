@@ -24,18 +24,20 @@ import numpy as np
 
 from ..keys import PromptKeys
 from .directory import ANCHOR
+from .tags import EncodedTag
 from .writer import WriteJob
 
 __all__ = ["SpillBook", "anchor_job"]
 
 
-def anchor_job(link_id: int, domain: bytes, keys: PromptKeys, rows: int, when: str
-               ) -> WriteJob:
+def anchor_job(link_id: int, domain: bytes, keys: PromptKeys, rows: int, when: str,
+               tag: EncodedTag | None = None) -> WriteJob:
     """The write of an end anchor holding the state after every token of `keys`: one root
-    file [0, n) named by the digest of the whole prefix."""
+    file [0, n) named by the digest of the whole prefix. `tag`: the anchor's encoded draft
+    tag on a speculative route (tags.py), carried into the header; None on the AR route."""
     n = len(keys)
     return WriteJob(link_id, domain, keys.digest(n), b"", 0, n, keys.token_bytes(0, n), rows,
-                    kind=ANCHOR, when=when)
+                    kind=ANCHOR, when=when, tag=tag)
 
 
 @dataclass
@@ -54,13 +56,19 @@ class SpillBook:
     def reserved(self, job: WriteJob, tokens: np.ndarray) -> None:
         """A new anchor was reserved (`job.when == "spill"`). Anchors of its domain whose
         tokens it extends are superseded: RAM drops them, and they are not written."""
+        self.superseded(job.domain, tokens)
+        self._entries[job.link_id] = _Entry(job, np.array(tokens, dtype=np.int64, copy=True))
+
+    def superseded(self, domain: bytes, tokens: np.ndarray) -> None:
+        """A new anchor of `domain` holding `tokens` was reserved, written or not (one whose
+        draft tag no file can carry is not): the anchors it extends are forgotten, since RAM
+        drops them as superseded, not evicted."""
         n = len(tokens)
         for lid, e in list(self._entries.items()):
             m = len(e.tokens)
-            if (e.job.domain == job.domain and m <= n
+            if (e.job.domain == domain and m <= n
                     and np.array_equal(np.asarray(tokens[:m]), e.tokens)):
                 del self._entries[lid]
-        self._entries[job.link_id] = _Entry(job, np.array(tokens, dtype=np.int64, copy=True))
 
     def committed(self, link_id: int) -> None:
         e = self._entries.get(link_id)

@@ -1,17 +1,20 @@
 """Draft tags in link files: a RAM link's tag as plain data, and back.
 
 On a speculative (MTP) route a link's bytes are only valid for prompts whose draft rows it
-fits: the RAM tiers keep an opaque tag per link (the adapter's: the first position of the
-prefill step that ended at the cut on Flash-Next's rebuild route, the prompt tokens the
-boundary draft row read on the others) and a lookup's `fits(p, tag)` predicate reads it. A
-link file must carry that tag exactly, or a restore from disk could serve a prompt the link
-does not fit. The core imports no adapter code, so the adapter names the tag types it uses
-(`TagCodec(types)`) and this module only moves their integer fields:
+fits: the RAM tiers keep an opaque tag per link and a lookup's `fits(p, tag)` predicate reads
+it. The adapter's tags: for a tree link, the first position of the prefill step that ended at
+the cut on Flash-Next's rebuild route, the prompt tokens the boundary draft row read on the
+others; for an end anchor, a field-less marker on the rebuild route (its boundary row is
+rebuilt for whatever token comes next), the token its last draft row read on the others. A
+link file (tree link or spilled end anchor) must carry that tag exactly, or a restore from
+disk could serve a prompt the link does not fit. The core imports no adapter code, so the
+adapter names the tag types it uses (`TagCodec(types)`, one codec per kind of file: a tag
+type of the other kind decodes as unknown) and this module only moves their integer fields:
 
     None                        -> no tag (the AR route)
     an int                      -> ("int", (v,))
     a tuple of ints             -> ("tuple", (v, ...))
-    a NamedTuple of ints named  -> (its class name, its fields)
+    a NamedTuple of ints named  -> (its class name, its fields; () for a field-less marker)
 
 Anything else cannot be carried (`UnencodableTag`): such a link is not written. A file whose
 tag names a type this engine does not know decodes to a value equal to nothing, so it fits no

@@ -50,6 +50,7 @@ import numpy as np
 from ..disk.admission import WriteAdmission
 from ..disk.cost import ReadCost, ReadRefusal
 from ..disk.directory import ANCHOR, TREE, LinkDirectory
+from ..disk.spill import anchor_job
 from ..disk.tags import TagCodec, TagProblem, UnencodableTag
 from ..disk.writer import WriteJob
 from ..keys import Hasher, PromptKeys, blake2b_128
@@ -443,9 +444,15 @@ class DiskAnchors(DiskTier):
     RAM). Restores, sources, invalidation and drops work as in DiskTier; the files and the
     writer belong to the tree tier given here (one directory, one index, one writer).
 
-    Not on a speculative route: an end anchor's draft tag there is not carried in its file
-    (session spill is off there), so a lookup with a `fits` predicate is a miss, and a file
-    with a tag never serves.
+    On a speculative (MTP) route an anchor's file carries the RAM anchor's draft tag in its
+    header (`tags`: the adapter's anchor tag types; a tag no file can carry is not written,
+    `spill_job`), and a lookup applies the same `fits` predicate as the RAM anchor tier: the
+    deepest candidate that fits serves, a deeper one refused by its tag is counted as a
+    `draft_tag` miss (the file stays: it may fit another prompt). A tagged file never serves
+    a lookup without a predicate, nor an untagged one a lookup with one. On Flash-Next's MTP
+    route the anchor's boundary hidden row and draft-pass geometry are sections of the layout,
+    so they are parts of the file with their CRC-32, and the worker rebuilds the anchor's
+    boundary draft row from the staged copy as from a RAM anchor.
     """
 
     kind = LinkKind.ANCHOR
@@ -453,11 +460,13 @@ class DiskAnchors(DiskTier):
 
     KNOWN_MAX = 4096  # candidate names remembered (a name whose file never came is a miss)
 
-    def __init__(self, tree: DiskTier) -> None:
+    def __init__(self, tree: DiskTier, tags: TagCodec | None = None) -> None:
+        """tags: the codec of the end anchors' draft tags (their own types: a tree link's tag
+        type in an anchor file decodes as unknown and fits nothing); none on the AR route."""
         on_delete = tree.dir.on_delete
         super().__init__(tree.layout, tree.dir, tree._cuts, next_id=tree._next_id,
                          hasher=tree._hasher, cost=tree.cost, baseline=tree._baseline,
-                         tags=tree.tags)
+                         tags=tags)
         self.dir.on_delete = on_delete  # deletions reach the tree tier's writer ops
         self._known: OrderedDict[tuple[bytes, int, bytes], None] = OrderedDict()
         for e in tree.dir.anchors():
@@ -475,22 +484,39 @@ class DiskAnchors(DiskTier):
     def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
                fits: Fits | None = None) -> LookupResult:
         """The deepest spilled anchor of `domain` whose tokens are a prefix of tokens[:limit],
-        header and every token verified (no payload byte read)."""
+        header and every token verified (no payload byte read), and whose draft tag fits the
+        prompt (`fits(end, tag)` on a speculative route; untagged files only without it)."""
         keys = self._as_keys(tokens)
         n = len(keys)
         lim = n if limit is None else max(0, min(int(limit), n))
-        if fits is not None:
-            return self._miss(MissReason.NO_PREFIX, n, lim)
         cands = [(end, dg) for (dom, end, dg) in self._known if dom == domain and 0 < end <= lim]
-        found = self.dir.lookup_anchor(keys, domain, lim, cands) if cands else None
-        if (found is None or found[1].tag is not None
-                or found[1].rows != self.layout.view_rows(0, found[1].end)):
-            return self._miss(MissReason.NO_PREFIX, n, lim)
+        found = None
+        refused = 0
+        while cands and found is None:
+            found = self.dir.lookup_anchor(keys, domain, lim, cands)
+            if found is None:
+                break
+            header = found[1]
+            cands = [(end, dg) for end, dg in cands if end < header.end]  # the next deepest
+            tag = self.tags.decode(header.tag)
+            if fits is None or tag is None:  # as in DiskTier.lookup
+                ok = fits is None and tag is None
+            else:
+                ok = fits(header.end, tag)
+            if not ok:
+                refused = max(refused, header.end)
+                found = None
+            elif header.rows != self.layout.view_rows(0, header.end):
+                found = None
+        if refused > (found[1].end if found is not None else 0):
+            self._misfit += 1
+        if found is None:
+            return self._miss(MissReason.NO_PREFIX, n, lim, refused)
         path, header, _ = found
-        if not self._worth(keys, domain, lim, _payload(header), header.end):
-            return self._miss(MissReason.NO_PREFIX, n, lim)
+        if not self._worth(keys, domain, lim, _payload(header), header.end, fits):
+            return self._miss(MissReason.NO_PREFIX, n, lim, refused)
         lid = self._next_id()
-        self._offered[lid] = (path, keys, domain, None)
+        self._offered[lid] = (path, keys, domain, self.tags.decode(header.tag))
         while len(self._offered) > OFFERED_MAX:
             self._offered.popitem(last=False)
         parts = {s.name: s.nbytes for s in self.layout.sections}
@@ -499,10 +525,23 @@ class DiskAnchors(DiskTier):
         plan = RestorePlan((LinkRef(lid, 0, header.end),), header.end, parts,
                            sum(parts.values()))
         return LookupResult(True, plan.tokens, plan, None, n, lim, tier=self.tier.value,
-                            kind=self.kind.value)
+                            kind=self.kind.value, shortened=refused > plan.tokens,
+                            refused=refused)
 
     def write_job(self, record: LinkRecord) -> WriteJob | None:
         return None  # anchors are written through session spill (core/disk/spill.py)
+
+    def spill_job(self, link_id: int, domain: bytes, keys: PromptKeys, rows: int,
+                  tag: object = None) -> WriteJob | None:
+        """The session-spill write of a RAM end anchor just reserved (`when="spill"`), with its
+        draft tag encoded for the header; None, counted as a `draft_tag` skip, when no file
+        can carry the tag (the anchor stays in RAM only)."""
+        try:
+            enc = self.tags.encode(tag)
+        except UnencodableTag:
+            self._rec.skip(TagProblem.DRAFT_TAG.value)
+            return None
+        return anchor_job(link_id, domain, keys, rows, "spill", enc)
 
     def clear(self) -> int:
         """Delete every spilled anchor file of this fingerprint (each deletion reaches the
@@ -522,6 +561,8 @@ class DiskAnchors(DiskTier):
         snap = self._rec.snapshot()
         if self._slow:
             snap.misses = {**snap.misses, ReadRefusal.SLOWER_THAN_PREFILL.value: self._slow}
+        if self._misfit:
+            snap.misses = {**snap.misses, TagProblem.DRAFT_TAG.value: self._misfit}
         snap.links = len(self)
         snap.bytes_held = self.bytes_held
         snap.links_pinned = sum(len(ids) for ids in self._active)
