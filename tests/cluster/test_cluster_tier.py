@@ -4,166 +4,11 @@ restored byte for byte; every failure is a counted miss that serves nothing."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
+from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica, cuts_of
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
-from vllm_hybridcache.core.keys import make_domain
-from vllm_hybridcache.core.tiers.cluster import (
-    ClusterError,
-    ClusterMiss,
-    ClusterTier,
-    RemoteEntry,
-    link_payload,
-)
-
-FP = b"F" * 32
-DOM = make_domain(model="m")
-PROMPT = np.arange(5000, 5400, dtype=np.int64)
-CUTS = [64, 128, 256]
-
-
-def _cuts(tokens: np.ndarray) -> list[int]:
-    return [c for c in CUTS if c <= len(tokens)]
-
-
-class Answer:
-    """A Pending that is done after `polls` calls of done()."""
-
-    def __init__(self, value=None, error: ClusterError | None = None, polls: int = 1) -> None:
-        self.value, self.error, self.polls = value, error, polls
-
-    def done(self) -> bool:
-        self.polls -= 1
-        return self.polls < 0
-
-    def result(self):
-        assert self.polls < 0, "result() before done()"
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class FakeCluster:
-    """The directory and the object store of a cluster, in process."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple[bytes, bytes, bytes], RemoteEntry] = {}
-        self.objects: dict[int, bytes] = {}
-        self.dead: set[str] = set()
-        self.forgotten: list[bytes] = []
-        self.delay = 1
-        self.silent = False  # never answer (timeouts)
-
-
-class FakeTransport:
-    def __init__(self, cluster: FakeCluster, owner: str) -> None:
-        self.c, self.owner = cluster, owner
-
-    def locate(self, fingerprint, domain, digests):
-        found = [self.c.entries[(fingerprint, domain, d)] for d in digests
-                 if (fingerprint, domain, d) in self.c.entries]
-        return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
-
-    def fetch(self, entries):
-        dead = [e.owner for e in entries if e.owner in self.c.dead]
-        if dead:
-            return Answer(error=ClusterError(ClusterMiss.OWNER_LOST, dead[0]), polls=self.c.delay)
-        missing = [e for e in entries if e.handle not in self.c.objects]
-        if missing:
-            return Answer(error=ClusterError(ClusterMiss.OBJECT_LOST, "gone"), polls=self.c.delay)
-        return Answer([self.c.objects[e.handle] for e in entries], polls=self.c.delay)
-
-    def forget(self, fingerprint, domain, digests):
-        for d in digests:
-            self.c.forgotten.append(d)
-            self.c.entries.pop((fingerprint, domain, d), None)
-
-    def publish(self, fingerprint, domain, digest, parent_digest, start, end, payload):
-        h = len(self.c.objects) + 1
-        self.c.objects[h] = payload
-        self.c.entries[(fingerprint, domain, digest)] = RemoteEntry(
-            digest, parent_digest, start, end, len(payload), self.owner, h)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Replica:
-    """One replica without vLLM: RAM tree + cluster tier (scheduler), store (worker)."""
-
-    def __init__(self, cluster: FakeCluster, name: str, layout, tmp_path, fp: bytes = FP,
-                 budget: int = 1 << 30) -> None:
-        ids = IdSource()
-        self.clock = Clock()
-        self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
-                                 next_id=ids)
-        self.transport = FakeTransport(cluster, name)
-        self.tier = ClusterTier(layout, fp, self.transport, _cuts, tmp_path / name / "stage",
-                                budget, timeout_s=10.0, next_id=ids, promote=self.tree.adopt,
-                                clock=self.clock, owner=name,
-                                baseline=lambda k, d, lim: self.tree.lookup(k, d, lim).tokens)
-        self.cache = SnapshotCache([self.tree, self.tier])
-        self.store = LinkStore(layout, pin_memory=False)
-        self.layout, self.fp, self.tmp = layout, fp, tmp_path / name
-        self.tmp.mkdir(parents=True, exist_ok=True)
-
-    def capture(self, prompt: np.ndarray, seed: int = 0) -> None:
-        """Commit a link at every cut (seeded bytes) and publish it, as the adapter does."""
-        keys = self.tree.keys(prompt)
-        gen = torch.Generator().manual_seed(seed)
-        for c in _cuts(keys.tokens):
-            r = self.cache.reserve("tree", keys, c, DOM)
-            assert r.link_id is not None
-            bufs = self.store.allocate(r.link_id, self.layout.view_rows(r.start, r.end))
-            for t in (*bufs.sections.values(), *bufs.views.values()):
-                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                        dtype=torch.uint8, generator=gen))
-            self.store.seal(r.link_id)
-            assert self.cache.commit(r.addr)
-            job = self.tier.publish_job(self.tree.link_record(r.link_id))
-            assert job is not None
-            b = self.store.buffers(job.link_id)
-            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp)
-            self.transport.publish(self.fp, job.domain, job.digest, job.parent_digest,
-                                   job.start, job.end, payload)
-
-    def lookup(self, prompt: np.ndarray, polls: int = 10):
-        """Ask until the answer is not pending (the scheduler asks once per step)."""
-        keys = self.cache.keys(prompt)
-        for _ in range(polls):
-            res = self.cache.lookup(keys, DOM, len(prompt) - 1)
-            if not res.pending:
-                return keys, res
-        return keys, res
-
-    def restore_bytes(self, chain) -> dict[str, bytes]:
-        secs = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
-                for s in self.layout.sections}
-        rows: dict[str, list[bytes]] = {}
-
-        def sink(name, start, t):
-            rows.setdefault(name, []).append(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-        self.store.restore(chain, secs, sink)
-        out = {k: v.view(torch.uint8).numpy().tobytes() for k, v in secs.items()}
-        out.update({k: b"".join(v) for k, v in rows.items()})
-        return out
-
-    def serve(self, res) -> dict[str, bytes]:
-        """The worker's part of a remote hit: stage the files verified, then restore."""
-        assert self.cache.begin_restore(res)
-        stage_chain(self.store, res.plan.chain, self.cache.sources(res), self.fp)
-        out = self.restore_bytes(res.plan.chain)
-        self.cache.end_restore(res, True, 0.01)
-        return out
+from vllm_hybridcache.core.tiers.cluster import ClusterMiss, ClusterTier
 
 
 @pytest.fixture
@@ -337,7 +182,7 @@ def test_a_link_published_at_its_capture_is_the_committed_links_publication(tmp_
     a = Replica(c, "a", layout, tmp_path)
     keys = a.tree.keys(PROMPT)
     early, ids = [], []
-    for cut in _cuts(keys.tokens):
+    for cut in cuts_of(keys.tokens):
         r = a.cache.reserve("tree", keys, cut, DOM)
         assert (r.parent_id is not None) == (r.start > 0)
         early.append(a.tier.capture_job(r.link_id, keys, DOM, r.start, r.end))
@@ -372,7 +217,7 @@ def test_own_entries_and_chains_no_deeper_than_ram_are_never_fetched(pair):
     b.clock.t += 2  # past the "nothing found" belief
     _, again = b.lookup(PROMPT)
     assert again.hit and again.tier == "ram" and b.tier.stats().fetches == 1
-    unaware = ClusterTier(b.layout, FP, b.transport, _cuts, b.tmp / "stage2", 1 << 30,
+    unaware = ClusterTier(b.layout, FP, b.transport, cuts_of, b.tmp / "stage2", 1 << 30,
                           timeout_s=10.0, clock=b.clock)  # negative control: no baseline
     unaware.lookup(keys, DOM, len(PROMPT) - 1)
     for _ in range(5):

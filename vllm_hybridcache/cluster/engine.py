@@ -17,9 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
+from vllm_hybridcache.core.disk.directory import ANCHOR
 from vllm_hybridcache.core.disk.writer import WriteJob
-from vllm_hybridcache.core.tiers.cluster import ClusterTarget, ClusterTier, link_payload
+from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.tiers.cluster import (
+    ClusterAnchors,
+    ClusterTarget,
+    ClusterTier,
+    anchor_block,
+    link_payload,
+)
 
 from .transport import RayTransport
 
@@ -73,6 +82,14 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
     return tier, ClusterTarget(settings.cluster_address, fp.digest, owner)
 
 
+def open_cluster_anchors(tier: ClusterTier, anchors) -> ClusterAnchors:
+    """The cluster's end anchors beside `tier` (same transport, fingerprint, staging folder,
+    budget and RAM tree baseline); a prompt with an end anchor of its own in RAM (`anchors`,
+    the RAM anchor tier) does not ask the directory."""
+    return ClusterAnchors(tier, local=lambda keys, domain, limit:
+                          anchors.lookup(keys, domain, limit).tokens)
+
+
 def remote_cuts(vllm_config, segmentation):
     """Where a remote link may end on a prompt (the positions a lookup asks the directory
     about): the segmentation's cuts, and in fine mode every 64-aligned position too, since
@@ -103,16 +120,23 @@ class Publisher:
         self.target = target
         self.transport = RayTransport(target.address, owner=target.owner)
         self._tmp = _scratch("hybridcache-publish-")
-        self._published: dict[int, tuple[bytes, bytes]] = {}  # link id -> (domain, digest)
+        # link id -> (kind, domain, digest)
+        self._published: dict[int, tuple[str, bytes, bytes]] = {}
         self.published = 0
         self.failed = 0
 
     def publish(self, job: WriteJob, parts: dict[str, Any]) -> None:
         try:
             payload = link_payload(job, self.target.fingerprint, parts, self._tmp)
-            self.transport.publish(self.target.fingerprint, job.domain, job.digest,
-                                   job.parent_digest, job.start, job.end, payload)
-            self._published[job.link_id] = (job.domain, job.digest)
+            if job.kind == ANCHOR:
+                keys = PromptKeys(np.frombuffer(job.tokens, dtype=np.int64))
+                self.transport.publish_anchor(self.target.fingerprint, job.domain, job.digest,
+                                              keys.digest(anchor_block(job.end)), job.end,
+                                              payload)
+            else:
+                self.transport.publish(self.target.fingerprint, job.domain, job.digest,
+                                       job.parent_digest, job.start, job.end, payload)
+            self._published[job.link_id] = (job.kind, job.domain, job.digest)
             self.published += 1
         except Exception as e:
             self.failed += 1
@@ -124,8 +148,11 @@ class Publisher:
         for lid in link_ids:
             k = self._published.pop(lid, None)
             if k is not None:
+                kind, domain, digest = k
+                withdraw = (self.transport.withdraw_anchor if kind == ANCHOR
+                            else self.transport.withdraw)
                 try:
-                    self.transport.withdraw(self.target.fingerprint, *k)
+                    withdraw(self.target.fingerprint, domain, digest)
                 except Exception as e:
                     logger.warning("hybridcache: cluster withdraw failed: %s", e)
 

@@ -5,8 +5,9 @@ payload objects to this node, both without waiting: each returns a Pending whose
 Ray with a zero timeout (`ray.wait(..., timeout=0, fetch_local=True)`), so the scheduler loop
 never blocks on the network. Worker side: `publish` puts a payload into the object store (this
 process owns it) and registers it; `withdraw` removes it when the link leaves the worker's
-store. Ray errors become ClusterError reasons: a dead owner `owner_lost`, a lost object
-`object_lost`, anything else `unreachable`.
+store. End anchors have their own calls (`locate_anchors`, `publish_anchor`, ...: the
+directory keeps them apart). Ray errors become ClusterError reasons: a dead owner
+`owner_lost`, a lost object `object_lost`, anything else `unreachable`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class RayTransport:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self._dir: Any = None
         self._held: dict[tuple[bytes, bytes, bytes], Any] = {}  # published payload refs
+        self._held_anchors: dict[tuple[bytes, bytes, bytes], Any] = {}
 
     def _directory(self) -> Any:
         if self._dir is None:
@@ -120,6 +122,29 @@ class RayTransport:
         except rex.RayError as e:
             raise ClusterError(_reason(e), str(e)) from e
 
+    def locate_anchors(self, fingerprint: bytes, domain: bytes, blocks: Sequence[bytes],
+                       limit: int) -> Any:
+        try:
+            ref = self._directory().locate_anchors.remote(fingerprint, domain, list(blocks),
+                                                          int(limit))
+        except rex.RayError as e:
+            return _Failed(ClusterError(_reason(e), str(e)))
+        return _Pending([ref], lambda vals: [
+            RemoteEntry(d, parent, start, end, nbytes, owner, h[0])
+            for d, parent, start, end, nbytes, owner, h in vals[0]])
+
+    def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes],
+                       clearing: bool = False) -> None:
+        """Fire and forget; `clearing`: only this replica's anchors, and wait for the answer
+        (a clear returns only once what it cleared is no longer located)."""
+        try:
+            ref = self._directory().forget_anchors.remote(
+                fingerprint, domain, list(digests), self.owner if clearing else None)
+            if clearing:
+                ray.get(ref, timeout=30)
+        except rex.RayError as e:
+            raise ClusterError(_reason(e), str(e)) from e
+
     # ------------------------------------------------------------------ worker side
     def publish(self, fingerprint: bytes, domain: bytes, digest: bytes, parent_digest: bytes,
                 start: int, end: int, payload: bytes) -> None:
@@ -135,11 +160,27 @@ class RayTransport:
         if self._held.pop((fingerprint, domain, digest), None) is not None:
             self._directory().forget.remote(fingerprint, domain, [digest], self.owner)
 
+    def publish_anchor(self, fingerprint: bytes, domain: bytes, digest: bytes, block: bytes,
+                       end: int, payload: bytes) -> None:
+        """Put an end anchor's payload in the object store and list it under `block` (the
+        digest of its prefix at `anchor_block(end)`)."""
+        d = self._directory()
+        ref = ray.put(payload)
+        self._held_anchors[(fingerprint, domain, digest)] = ref
+        d.publish_anchor.remote(fingerprint, domain, digest, block, end, len(payload),
+                                self.owner, [ref])
+
+    def withdraw_anchor(self, fingerprint: bytes, domain: bytes, digest: bytes) -> None:
+        """Stop offering an end anchor (it left this worker's store)."""
+        if self._held_anchors.pop((fingerprint, domain, digest), None) is not None:
+            self._directory().forget_anchors.remote(fingerprint, domain, [digest], self.owner)
+
     def close(self) -> None:
         """Withdraw every link of this replica (a clean shutdown)."""
-        if self._dir is not None and self._held:
+        if self._dir is not None and (self._held or self._held_anchors):
             try:
                 ray.get(self._dir.forget_owner.remote(self.owner), timeout=5)
             except rex.RayError as e:
                 logger.warning("hybridcache: cluster directory not told of shutdown: %s", e)
         self._held.clear()
+        self._held_anchors.clear()

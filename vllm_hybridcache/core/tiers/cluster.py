@@ -24,6 +24,12 @@ How a remote hit is served (docs/cluster.md):
 - Staged bytes count against `budget_bytes` until the restore ends; a successful restore is
   promoted into the RAM tree (`promote`), whose budget then holds it.
 
+End anchors move too (`ClusterAnchors`, tier `cluster`, kind `anchor`): a replica publishes
+the end anchors it captures (a link file of kind `anchor` holding the whole prefix [0, n)), and
+another replica whose prompt extends one's tokens fetches and verifies it the same way, then
+resumes from it as from a RAM end anchor: session-exact (nothing the resumed request captures
+is shared), never across domains, only deeper than what this replica holds.
+
 Publication: the adapter asks `capture_job` for every RAM tree link a step captures, and the
 worker publishes it right after the capture, in that step (`publish_job`, at the commit, then
 finds it published; it publishes what was not, e.g. a link captured before the tier saw it).
@@ -50,7 +56,7 @@ import numpy as np
 
 from ..disk.linkfile import LinkFileError, LinkFileProblem, read_header, write_link_file
 from ..disk.writer import WriteJob
-from ..keys import Hasher, PromptKeys, blake2b_128
+from ..keys import BLOCK, Hasher, PromptKeys, blake2b_128
 from ..layout import StateLayout
 from ..stats import SECONDS_BOUNDS, CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
 from .base import (
@@ -66,8 +72,9 @@ from .base import (
     Tokens,
 )
 
-__all__ = ["ClusterError", "ClusterMiss", "ClusterStats", "ClusterTarget", "ClusterTier",
-           "ClusterTransport", "Pending", "RemoteEntry", "link_payload"]
+__all__ = ["ClusterAnchors", "ClusterError", "ClusterMiss", "ClusterStats", "ClusterTarget",
+           "ClusterTier", "ClusterTransport", "Pending", "RemoteEntry", "anchor_block",
+           "link_payload"]
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
@@ -133,6 +140,27 @@ class ClusterTransport(Protocol):
     def forget(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> None:
         """Remove entries that failed (fire and forget)."""
 
+    def locate_anchors(self, fingerprint: bytes, domain: bytes, blocks: Sequence[bytes],
+                       limit: int) -> Pending:
+        """End anchors of at most `limit` tokens whose key block digest (`anchor_block`) is
+        one of `blocks` (result: list[RemoteEntry], each a root [0, end))."""
+
+    def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes],
+                       clearing: bool = False) -> None:
+        """Remove end-anchor entries (fire and forget). `clearing`: this replica's own entries
+        only, and wait for the directory's answer (a clear: what it cleared is no longer
+        located once it returns)."""
+
+
+def anchor_block(end: int) -> int:
+    """Where an end anchor is indexed in the directory: the last key block boundary at or
+    before its end. A lookup does not know an anchor's length, but the digests at a prompt's
+    block boundaries are cheap (the key chain, core/keys.py), so it sends those and gets back
+    only anchors on its own prefix up to the last block; the anchor's own digest at its end is
+    then checked, and its token ids compared after the fetch. Anchors shorter than one block
+    are not published."""
+    return end // BLOCK * BLOCK
+
 
 class ClusterStats(CacheStats, kw_only=True):
     """The cluster tier's stats: a CacheStats plus what remote payloads cost to bring here, so
@@ -193,7 +221,7 @@ def link_payload(job: WriteJob, fingerprint: bytes, parts: dict[str, Any], tmp_d
         write_link_file(path, fingerprint=fingerprint, domain=job.domain, digest=job.digest,
                         parent_digest=job.parent_digest, start=job.start, end=job.end,
                         tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
-                        parts=parts, created=time.time())
+                        parts=parts, created=time.time(), kind=job.kind)
         return path.read_bytes()
     finally:
         path.unlink(missing_ok=True)
@@ -254,6 +282,7 @@ class ClusterTier(CacheTier):
         self._locate_seconds = Histogram.empty(SECONDS_BOUNDS)
         self._fetches = 0
         self._fetch_bytes = 0
+        self._peers: list[ClusterTier] = []  # tiers sharing the staging budget
 
     # ------------------------------------------------------------------ queries
     @property
@@ -282,16 +311,16 @@ class ClusterTier(CacheTier):
         keys = self._as_keys(tokens)
         n = len(keys)
         lim = n if limit is None else max(0, min(int(limit), n))
-        cuts = sorted(c for c in self._cuts(keys.tokens) if 0 < c <= lim)
-        if fits is not None or not cuts or not self.enabled:
+        cuts = self._positions(keys, domain, lim) if fits is None and self.enabled else []
+        if not cuts:
             return self._result(False, 0, None, MissReason.NO_PREFIX.value, n, lim)
-        top = cuts[-1]
+        top = self._depth(cuts, lim)
         key = (domain, top, keys.digest(top))
         now = self._clock()
         self._expire(now)
         op = self._ops.get(key)
         if op is None:
-            op = self._start(key, keys, cuts, now)
+            op = self._start(key, keys, cuts, now, lim)
         else:
             self._ops.move_to_end(key)
         self._advance(key, op, keys, now, lim)
@@ -315,12 +344,27 @@ class ClusterTier(CacheTier):
         return self._result(True, plan.tokens, plan, None, n, lim)
 
     # ------------------------------------------------------------------ the remote lookup
+    def _positions(self, keys: PromptKeys, domain: bytes, lim: int) -> list[int]:
+        """Where a remote link may end on this prompt (ascending): the cuts up to `lim`."""
+        return sorted(c for c in self._cuts(keys.tokens) if 0 < c <= lim)
+
+    def _depth(self, positions: list[int], lim: int) -> int:
+        """The depth a pending lookup claims (the deepest a hit could be)."""
+        return positions[-1]
+
+    def _locate(self, domain: bytes, keys: PromptKeys, positions: list[int],
+                lim: int) -> Pending:
+        return self.transport.locate(self.fingerprint, domain,
+                                     [keys.digest(c) for c in positions])
+
+    def _forget(self, domain: bytes, digests: list[bytes]) -> None:
+        self.transport.forget(self.fingerprint, domain, digests)
+
     def _start(self, key: tuple[bytes, int, bytes], keys: PromptKeys, cuts: list[int],
-               now: float) -> _Op:
+               now: float, lim: int) -> _Op:
         domain = key[0]
         try:
-            pending = self.transport.locate(self.fingerprint, domain,
-                                            [keys.digest(c) for c in cuts])
+            pending = self._locate(domain, keys, cuts, lim)
             op = _Op(_Stage.LOCATE, now, pending)
         except ClusterError as e:
             op = _Op(_Stage.FAILED, now, reason=e.reason)
@@ -356,7 +400,7 @@ class ClusterTier(CacheTier):
                     op.stage, op.pending, op.started = _Stage.NONE, None, now
                     return
                 nbytes = sum(e.nbytes for e in chain)
-                if self._staged_bytes() + nbytes > self.budget_bytes:
+                if self._budget_used() + nbytes > self.budget_bytes:
                     raise ClusterError(ClusterMiss.BUDGET, f"{nbytes} bytes to stage")
                 op.chain, op.nbytes = chain, nbytes
                 op.pending, op.stage = self.transport.fetch(chain), _Stage.FETCH
@@ -418,7 +462,9 @@ class ClusterTier(CacheTier):
                     reason = (ClusterMiss.FOREIGN if err.problem is LinkFileProblem.FOREIGN
                               else ClusterMiss.CORRUPT)
                     raise ClusterError(reason, str(err)) from err
-                if (header.domain != domain or header.digest != e.digest
+                if (header.kind != self.kind.value or header.tag is not None
+                        or header.domain != domain
+                        or header.digest != e.digest
                         or header.parent_digest != e.parent_digest
                         or (header.start, header.end) != (e.start, e.end)
                         or header.rows != self.layout.view_rows(e.start, e.end)
@@ -434,7 +480,7 @@ class ClusterTier(CacheTier):
         self._count_failure(reason)
         if op.chain and reason not in (ClusterMiss.BUDGET, ClusterMiss.TIMEOUT):
             try:
-                self.transport.forget(self.fingerprint, domain, [e.digest for e in op.chain])
+                self._forget(domain, [e.digest for e in op.chain])
             except ClusterError:
                 pass  # the directory is unreachable: it learns at the next failure
 
@@ -461,6 +507,11 @@ class ClusterTier(CacheTier):
         for p in op.paths:
             p.unlink(missing_ok=True)
         op.paths = []
+
+    def _budget_used(self) -> int:
+        """Staged bytes of this tier and of the tiers sharing its budget (tree and anchors:
+        one budget for what this replica holds of other replicas)."""
+        return self._staged_bytes() + sum(p._staged_bytes() for p in self._peers)
 
     def _staged_bytes(self) -> int:
         ops = {id(op): op for op in self._ops.values()}
@@ -589,8 +640,7 @@ class ClusterTier(CacheTier):
             for ids, (op, _, domain) in self._active.items():
                 if lid in ids:
                     try:
-                        self.transport.forget(self.fingerprint, domain,
-                                              [e.digest for e in op.chain])
+                        self._forget(domain, [e.digest for e in op.chain])
                     except ClusterError:
                         pass
                     n += len(op.chain)
@@ -667,3 +717,121 @@ class ClusterTier(CacheTier):
     @property
     def bytes_held(self) -> int:
         return self._staged_bytes()
+
+
+# local(keys, domain, limit) -> depth of this replica's own end anchor for the prompt (0: none)
+LocalAnchor = Callable[[PromptKeys, bytes, int], int]
+
+
+class ClusterAnchors(ClusterTier):
+    """End anchors committed on another replica (tier `cluster`, kind `anchor`).
+
+    An end anchor is the state where a conversation's last turn stopped (core/tiers/anchors.py):
+    one root link [0, n) of the prompt plus all but the last sampled token, session-exact. A
+    replica publishes the anchors it captures (`anchor_job`, the worker publishes right after
+    the capture, as for tree links); when a turn of that conversation lands on another replica,
+    this tier finds the anchor, fetches it, verifies it like any remote payload (header, kind
+    `anchor`, fingerprint, domain, digest, rows, every token id; every part's CRC in the
+    worker) and serves it like the RAM anchor tier would have on the owner:
+
+    - session-exact (`cold_exact` False): the resumed request publishes nothing shared, exactly
+      as after a local anchor; the greedy gate is what holds it to a cold run;
+    - never across domains (the domain includes `cache_salt`) or fingerprints (the directory is
+      keyed by both, and the payload's header is checked against both);
+    - `slow`: served only when deeper than RAM's hit; a replica that holds an end anchor of the
+      prompt itself does not ask the directory (its own conversation: it never waits on the
+      cluster for it), and its own entries are never fetched;
+    - not promoted: after the restore the staged ids are dropped (the request's own end anchor
+      replaces it in RAM, as with a spilled anchor read from disk);
+    - never on a speculative route (a payload does not carry the anchor's draft tag): a lookup
+      with a `fits` predicate is a miss and a tagged anchor is never published.
+
+    A lookup sends the directory the prompt's digests at its key block boundaries and gets the
+    anchors indexed under one of them (`anchor_block`); an anchor whose digest at its end is
+    not the prompt's is ignored, and the fetched payload's token ids are compared with the
+    prompt's before anything is served. Staged bytes share one budget with the tree tier
+    given (`budget_bytes` of the cluster tier). An anchor dropped on its owner (superseded,
+    evicted, failed, cleared) leaves the directory as its owner's worker drops it; a clear of
+    the RAM anchors also removes every anchor this replica published from the directory before
+    it returns (`withdraw_all`), so nothing cleared is located afterwards.
+    """
+
+    kind = LinkKind.ANCHOR
+    cold_exact = False
+
+    def __init__(self, tree: ClusterTier, local: LocalAnchor | None = None) -> None:
+        super().__init__(tree.layout, tree.fingerprint, tree.transport, tree._cuts,
+                         tree.stage_dir, tree.budget_bytes, tree.timeout_s,
+                         next_id=tree._next_id, hasher=tree._hasher, promote=None,
+                         clock=tree._clock, owner=tree.owner, baseline=tree._baseline)
+        self._local = local
+        self._peers.append(tree)
+        tree._peers.append(self)
+
+    # ------------------------------------------------------------------ the remote lookup
+    def _positions(self, keys: PromptKeys, domain: bytes, lim: int) -> list[int]:
+        """The prompt's key block boundaries up to `lim` (where anchors are indexed); none when
+        this replica holds an end anchor of the prompt itself."""
+        if lim < BLOCK or (self._local is not None and self._local(keys, domain, lim) > 0):
+            return []
+        return list(range(BLOCK, lim + 1, BLOCK))
+
+    def _depth(self, positions: list[int], lim: int) -> int:
+        return lim  # an anchor may end anywhere up to the lookup's limit
+
+    def _locate(self, domain: bytes, keys: PromptKeys, positions: list[int],
+                lim: int) -> Pending:
+        return self.transport.locate_anchors(self.fingerprint, domain,
+                                             [keys.digest(c) for c in positions], lim)
+
+    def _forget(self, domain: bytes, digests: list[bytes]) -> None:
+        self.transport.forget_anchors(self.fingerprint, domain, digests)
+
+    def _chain(self, entries: Sequence[RemoteEntry], keys: PromptKeys) -> list[RemoteEntry]:
+        """The deepest anchor whose digest at its end is the prompt's (a chain of one)."""
+        for e in sorted(entries, key=lambda e: e.end, reverse=True):
+            if (e.start == 0 and not e.parent_digest and BLOCK <= e.end <= len(keys)
+                    and e.digest == keys.digest(e.end)):
+                return [e]
+        return []
+
+    # ------------------------------------------------------------------ publication
+    def publish_job(self, record: Any) -> WriteJob | None:
+        """Anchors are published at their capture only (`anchor_job`)."""
+        return None
+
+    def capture_job(self, link_id: int, keys: PromptKeys, domain: bytes, start: int, end: int,
+                    tag: Any = None) -> WriteJob | None:
+        return self.anchor_job(link_id, keys, domain, end, tag)
+
+    def anchor_job(self, link_id: int, keys: PromptKeys, domain: bytes, end: int,
+                   tag: Any = None) -> WriteJob | None:
+        """The publication of an end anchor of tokens[:end] reserved in RAM, for the worker to
+        publish right after its capture, or None: tagged (a speculative route), shorter than a
+        key block, published already, tier off. `keys` may be longer than the anchor."""
+        if tag is not None or end < BLOCK or end > len(keys):
+            return None
+        job = self._job(link_id, domain, keys.digest(end), b"", 0, end,
+                        keys.token_bytes(0, end))
+        if job is None:
+            return None
+        return msgspec.structs.replace(job, kind=self.kind.value)
+
+    def withdraw_all(self) -> int:
+        """Remove from the directory every anchor this replica published and still holds
+        (the RAM end anchors were cleared: the adapter calls this), waiting for the directory's
+        answer, so that nothing cleared is located once the clear returns (the drops reach the
+        worker, which withdraws them too, only with the next step). Returns how many."""
+        by_domain: dict[bytes, list[bytes]] = {}
+        for domain, digest in self._published:
+            by_domain.setdefault(domain, []).append(digest)
+        n = 0
+        for domain, digests in by_domain.items():
+            try:
+                self.transport.forget_anchors(self.fingerprint, domain, digests, clearing=True)
+                n += len(digests)
+            except ClusterError:
+                pass  # the directory is unreachable: nothing can be located there either
+        self._published.clear()
+        self._published_ids.clear()
+        return n

@@ -1,0 +1,221 @@
+"""The cluster tests' in-process stand-ins for Ray: a fake directory and object store shared by
+replicas without vLLM (RAM tree, cluster tier, optionally RAM and cluster end anchors, a worker
+store), and the helpers that commit, publish, look up and restore on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
+from vllm_hybridcache.core.disk.reader import stage_chain
+from vllm_hybridcache.core.keys import make_domain
+from vllm_hybridcache.core.tiers.anchors import EndAnchors
+from vllm_hybridcache.core.tiers.cluster import (
+    ClusterAnchors,
+    ClusterError,
+    ClusterMiss,
+    ClusterTier,
+    RemoteEntry,
+    anchor_block,
+    link_payload,
+)
+
+FP = b"F" * 32
+DOM = make_domain(model="m")
+PROMPT = np.arange(5000, 5400, dtype=np.int64)
+CUTS = [64, 128, 256]
+
+
+def cuts_of(tokens: np.ndarray) -> list[int]:
+    return [c for c in CUTS if c <= len(tokens)]
+
+
+class Answer:
+    """A Pending that is done after `polls` calls of done()."""
+
+    def __init__(self, value=None, error: ClusterError | None = None, polls: int = 1) -> None:
+        self.value, self.error, self.polls = value, error, polls
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def result(self):
+        assert self.polls < 0, "result() before done()"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class FakeCluster:
+    """The directory and the object store of a cluster, in process."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[bytes, bytes, bytes], RemoteEntry] = {}
+        # end anchors: key -> (block digest, entry), as the directory actor keeps them
+        self.anchors: dict[tuple[bytes, bytes, bytes], tuple[bytes, RemoteEntry]] = {}
+        self.objects: dict[int, bytes] = {}
+        self.dead: set[str] = set()
+        self.forgotten: list[bytes] = []
+        self.delay = 1
+        self.silent = False  # never answer (timeouts)
+
+
+class FakeTransport:
+    def __init__(self, cluster: FakeCluster, owner: str) -> None:
+        self.c, self.owner = cluster, owner
+
+    def locate(self, fingerprint, domain, digests):
+        found = [self.c.entries[(fingerprint, domain, d)] for d in digests
+                 if (fingerprint, domain, d) in self.c.entries]
+        return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
+
+    def fetch(self, entries):
+        dead = [e.owner for e in entries if e.owner in self.c.dead]
+        if dead:
+            return Answer(error=ClusterError(ClusterMiss.OWNER_LOST, dead[0]), polls=self.c.delay)
+        missing = [e for e in entries if e.handle not in self.c.objects]
+        if missing:
+            return Answer(error=ClusterError(ClusterMiss.OBJECT_LOST, "gone"), polls=self.c.delay)
+        return Answer([self.c.objects[e.handle] for e in entries], polls=self.c.delay)
+
+    def forget(self, fingerprint, domain, digests):
+        for d in digests:
+            self.c.forgotten.append(d)
+            self.c.entries.pop((fingerprint, domain, d), None)
+
+    def publish(self, fingerprint, domain, digest, parent_digest, start, end, payload):
+        h = len(self.c.objects) + 1
+        self.c.objects[h] = payload
+        self.c.entries[(fingerprint, domain, digest)] = RemoteEntry(
+            digest, parent_digest, start, end, len(payload), self.owner, h)
+
+    def locate_anchors(self, fingerprint, domain, blocks, limit):
+        found = [e for (fp, dom, _), (b, e) in self.c.anchors.items()
+                 if (fp, dom) == (fingerprint, domain) and b in set(blocks) and e.end <= limit]
+        return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
+
+    def forget_anchors(self, fingerprint, domain, digests, clearing=False):
+        for d in digests:
+            k = (fingerprint, domain, d)
+            if k in self.c.anchors and (not clearing or self.c.anchors[k][1].owner == self.owner):
+                self.c.forgotten.append(d)
+                del self.c.anchors[k]
+
+    def publish_anchor(self, fingerprint, domain, digest, block, end, payload):
+        h = len(self.c.objects) + 1
+        self.c.objects[h] = payload
+        self.c.anchors[(fingerprint, domain, digest)] = (block, RemoteEntry(
+            digest, b"", 0, end, len(payload), self.owner, h))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Replica:
+    """One replica without vLLM: RAM tree + cluster tier (scheduler), store (worker); with
+    `anchors`, also RAM end anchors and the cluster's end anchors (ClusterAnchors)."""
+
+    def __init__(self, cluster: FakeCluster, name: str, layout, tmp_path, fp: bytes = FP,
+                 budget: int = 1 << 30, anchors: bool = False) -> None:
+        ids = IdSource()
+        self.clock = Clock()
+        self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
+                                 next_id=ids)
+        self.transport = FakeTransport(cluster, name)
+        self.tier = ClusterTier(layout, fp, self.transport, cuts_of, tmp_path / name / "stage",
+                                budget, timeout_s=10.0, next_id=ids, promote=self.tree.adopt,
+                                clock=self.clock, owner=name,
+                                baseline=lambda k, d, lim: self.tree.lookup(k, d, lim).tokens)
+        tiers = [self.tree, self.tier]
+        self.anchors: EndAnchors | None = None
+        self.remote_anchors: ClusterAnchors | None = None
+        if anchors:
+            self.anchors = EndAnchors(layout, 8, 1 << 30, next_id=ids)
+            ram = self.anchors
+            self.remote_anchors = ClusterAnchors(
+                self.tier, local=lambda k, d, lim: ram.lookup(k, d, lim).tokens)
+            tiers += [self.anchors, self.remote_anchors]
+        self.cache = SnapshotCache(tiers)
+        self.store = LinkStore(layout, pin_memory=False)
+        self.layout, self.fp, self.tmp = layout, fp, tmp_path / name
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def capture(self, prompt: np.ndarray, seed: int = 0) -> None:
+        """Commit a link at every cut (seeded bytes) and publish it, as the adapter does."""
+        keys = self.tree.keys(prompt)
+        gen = torch.Generator().manual_seed(seed)
+        for c in cuts_of(keys.tokens):
+            r = self.cache.reserve("tree", keys, c, DOM)
+            assert r.link_id is not None
+            bufs = self.store.allocate(r.link_id, self.layout.view_rows(r.start, r.end))
+            for t in (*bufs.sections.values(), *bufs.views.values()):
+                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                        dtype=torch.uint8, generator=gen))
+            self.store.seal(r.link_id)
+            assert self.cache.commit(r.addr)
+            job = self.tier.publish_job(self.tree.link_record(r.link_id))
+            assert job is not None
+            b = self.store.buffers(job.link_id)
+            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp)
+            self.transport.publish(self.fp, job.domain, job.digest, job.parent_digest,
+                                   job.start, job.end, payload)
+
+    def capture_anchor(self, tokens: np.ndarray, seed: int = 0, publish: bool = True) -> int:
+        """Commit an end anchor of `tokens` (seeded bytes) and publish it, as the adapter and
+        the worker do at a finished request's capture; its link id."""
+        keys = self.cache.keys(tokens)
+        r = self.cache.reserve("anchor", keys, len(tokens), DOM)
+        assert r.link_id is not None
+        bufs = self.store.allocate(r.link_id, self.layout.view_rows(0, len(tokens)))
+        gen = torch.Generator().manual_seed(seed)
+        for t in (*bufs.sections.values(), *bufs.views.values()):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8, generator=gen))
+        self.store.seal(r.link_id)
+        assert self.cache.commit(r.addr)
+        job = self.remote_anchors.anchor_job(r.link_id, keys, DOM, len(tokens))
+        if publish:
+            assert job is not None and job.kind == "anchor"
+            b = self.store.buffers(job.link_id)
+            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp)
+            self.transport.publish_anchor(self.fp, job.domain, job.digest,
+                                          keys.digest(anchor_block(len(tokens))), job.end,
+                                          payload)
+        return r.link_id
+
+    def lookup(self, prompt: np.ndarray, polls: int = 10):
+        """Ask until the answer is not pending (the scheduler asks once per step)."""
+        keys = self.cache.keys(prompt)
+        for _ in range(polls):
+            res = self.cache.lookup(keys, DOM, len(prompt) - 1)
+            if not res.pending:
+                return keys, res
+        return keys, res
+
+    def restore_bytes(self, chain) -> dict[str, bytes]:
+        secs = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
+                for s in self.layout.sections}
+        rows: dict[str, list[bytes]] = {}
+
+        def sink(name, start, t):
+            rows.setdefault(name, []).append(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+        self.store.restore(chain, secs, sink)
+        out = {k: v.view(torch.uint8).numpy().tobytes() for k, v in secs.items()}
+        out.update({k: b"".join(v) for k, v in rows.items()})
+        return out
+
+    def serve(self, res) -> dict[str, bytes]:
+        """The worker's part of a remote hit: stage the files verified, then restore."""
+        assert self.cache.begin_restore(res)
+        stage_chain(self.store, res.plan.chain, self.cache.sources(res), self.fp)
+        out = self.restore_bytes(res.plan.chain)
+        self.cache.end_restore(res, True, 0.01)
+        return out
