@@ -15,7 +15,7 @@ from tests.cluster.conftest import wait_owner_dead
 from vllm_hybridcache.cluster import RayTransport, directory_handle
 from vllm_hybridcache.core.tiers.cluster import ClusterMiss
 
-from .test_cluster_tier import DOM, FP, PROMPT, Replica
+from .fakes import DOM, FP, PROMPT, Replica
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,14 @@ class Publisher:
         for it in items:
             self.t.publish(*it)
         return len(items)
+
+    def publish_anchors(self, items) -> int:
+        for it in items:
+            self.t.publish_anchor(*it)
+        return len(items)
+
+    def withdraw_anchor(self, fp: bytes, dom: bytes, digest: bytes) -> None:
+        self.t.withdraw_anchor(fp, dom, digest)
 
     def pid(self) -> int:
         return os.getpid()
@@ -71,7 +79,7 @@ def _fresh_directory():
 
 
 def test_directory_publish_locate_fetch_across_processes(local_ray, tmp_path, layout):
-    from .test_cluster_tier import FakeCluster
+    from .fakes import FakeCluster
     a = Replica(FakeCluster(), "a", layout, tmp_path)
     a.capture(PROMPT)
     _fresh_directory()
@@ -89,7 +97,7 @@ def test_directory_publish_locate_fetch_across_processes(local_ray, tmp_path, la
 
 
 def _published(local_ray, tmp_path, layout):
-    from .test_cluster_tier import FakeCluster
+    from .fakes import FakeCluster
     a = Replica(FakeCluster(), "a", layout, tmp_path)
     a.capture(PROMPT)
     expected = a.restore_bytes(a.tree.lookup(a.tree.keys(PROMPT), DOM).plan.chain)
@@ -105,7 +113,7 @@ def _published(local_ray, tmp_path, layout):
 
 
 def test_cluster_tier_over_ray_restores_byte_for_byte(local_ray, tmp_path, layout):
-    from .test_cluster_tier import FakeCluster
+    from .fakes import FakeCluster
     _, pub, expected = _published(local_ray, tmp_path, layout)
     b = Replica(FakeCluster(), "b", layout, tmp_path)
     b.tier.transport = RayTransport(local_ray, owner="b")
@@ -124,7 +132,7 @@ def test_cluster_tier_over_ray_restores_byte_for_byte(local_ray, tmp_path, layou
 def test_owner_killed_before_the_fetch_is_a_counted_miss(local_ray, tmp_path, layout):
     """The replica that published the links dies before anyone fetched them: the lookup is an
     owner_lost (or object_lost) miss, nothing is staged, and the entries leave the directory."""
-    from .test_cluster_tier import FakeCluster
+    from .fakes import FakeCluster
     d, pub, _ = _published(local_ray, tmp_path, layout)
     c = Replica(FakeCluster(), "c", layout, tmp_path)
     c.tier.transport = RayTransport(local_ray, owner="c")
@@ -165,3 +173,45 @@ def test_the_owner_book_keeps_the_fronts_owners_in_a_ray_actor(local_ray):
             is Outcome.OWNER
     finally:
         ray.kill(book)
+
+
+def test_an_end_anchor_over_ray_restores_byte_for_byte_and_leaves_when_withdrawn(
+        local_ray, tmp_path, layout):
+    """An end anchor published by another process (kind `anchor`, indexed by its key block)
+    is located, fetched and restored byte for byte by a replica whose prompt extends it; once
+    its owner withdraws it (the anchor left its store) it is no longer located; a clearing
+    forget by another replica leaves it listed (only the owner's own clear removes it)."""
+    from .fakes import FakeCluster
+    a = Replica(FakeCluster(), "a", layout, tmp_path, anchors=True)
+    a.capture_anchor(PROMPT[:300])
+    (_, dom, digest), (block, e) = next(iter(a.transport.c.anchors.items()))
+    expected = a.restore_bytes(a.cache.lookup(a.cache.keys(PROMPT), DOM, 399).plan.chain)
+    d = _fresh_directory()
+    pub = Publisher.remote(local_ray)
+    item = (FP, dom, digest, block, e.end, a.transport.c.objects[e.handle])
+    assert ray.get(pub.publish_anchors.remote([item])) == 1
+    for _ in range(1200):  # a publication reaches the directory fire-and-forget
+        if ray.get(d.stats.remote()).get("pub", {}).get("anchors") == 1:
+            break
+        time.sleep(0.05)
+    b = Replica(FakeCluster(), "b", layout, tmp_path, anchors=True)
+    b.tier.transport = b.remote_anchors.transport = RayTransport(local_ray, owner="b")
+    keys = b.cache.keys(PROMPT)
+    res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+    for _ in range(12000):
+        res = b.cache.lookup(keys, DOM, len(PROMPT) - 1)
+        if not res.pending:
+            break
+        time.sleep(0.005)
+    assert res.hit and (res.tier, res.kind) == ("cluster", "anchor") and res.tokens == 300
+    assert b.serve(res) == expected
+    b.tier.transport.forget_anchors(FP, dom, [digest], clearing=True)  # not b's: stays
+    blocks = [keys.digest(p) for p in range(64, 400, 64)]
+    assert len(_poll(b.tier.transport.locate_anchors(FP, dom, blocks, 399))) == 1
+    ray.get(pub.withdraw_anchor.remote(FP, dom, digest))
+    for _ in range(1200):
+        if not _poll(b.tier.transport.locate_anchors(FP, dom, blocks, 399)):
+            break
+        time.sleep(0.05)
+    assert _poll(b.tier.transport.locate_anchors(FP, dom, blocks, 399)) == []
+    ray.kill(pub)
