@@ -67,7 +67,17 @@ def model_path(embedded_model):
     return embedded_model("flash-next-tiny")
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda k: f"k{k}")
+def _ks(*ks: int):
+    """Parametrizes a test over the engines with these numbers of draft tokens (the `llm`
+    fixture, one engine per k for the module: pytest groups the tests by k)."""
+    return pytest.mark.parametrize("llm", ks, indirect=True, ids=lambda k: f"k{k}")
+
+
+EVERY_K = _ks(1, 2, 3)
+ANCHOR_K = _ks(1, 2)        # the end-anchor tests: k = 3 adds time, not paths
+
+
+@pytest.fixture(scope="module")
 def llm(request, inproc, model_path):
     spec = {"method": "mtp", "num_speculative_tokens": request.param}
     with connector_engine(model_path, extra={"grid": GRID}, dtype="float32",
@@ -81,6 +91,7 @@ def _draft_views(sched) -> list[str]:
     return [v.name for v in sched.parts.layout.views if v.name.startswith("mtp.")]
 
 
+@EVERY_K
 def test_links_record_the_mtp_route_and_carry_the_draft_rows(llm):
     sched, _ = engine_parts(llm)
     assert sched.base_domain["route"] == "mtp"       # AR engines record "ar": never shared
@@ -90,6 +101,7 @@ def test_links_record_the_mtp_route_and_carry_the_draft_rows(llm):
     assert _draft_views(sched), sched.parts.layout.views
 
 
+@EVERY_K
 def test_mtp_warm_equals_cold(llm):
     colds = {}
     for name, p in PROMPTS.items():
@@ -110,6 +122,7 @@ def test_mtp_warm_equals_cold(llm):
         assert warm["state"] == cold["state"], name      # the draft head's rows included
 
 
+@EVERY_K
 def test_without_the_rebuild_another_last_token_differs(llm, monkeypatch):
     """Negative control for the rebuild: restoring A's chain for a prompt with another last
     token without rebuilding the boundary rows (each link's row as A's prefill wrote it) leaves
@@ -133,6 +146,7 @@ def test_without_the_rebuild_another_last_token_differs(llm, monkeypatch):
     assert forced["tokens"] == cold["tokens"] and forced["logprobs"] == cold["logprobs"]
 
 
+@EVERY_K
 def test_a_corrupted_boundary_input_is_caught(llm):
     """Negative control: the rebuilt rows come from the kept hidden rows; perturbing them
     (a ulp-sized change is enough) changes the restored draft-head rows."""
@@ -151,6 +165,7 @@ def test_a_corrupted_boundary_input_is_caught(llm):
     assert any(warm["state"][n] != cold["state"][n] for n in _draft_views(sched))
 
 
+@EVERY_K
 def test_corrupted_draft_rows_are_caught(llm):
     """Negative control: the state comparison sees a bad restore of the draft head's rows
     (greedy verification would hide it in the tokens)."""
@@ -177,6 +192,7 @@ def _spec_counts(llm) -> tuple[int, int]:
             int(got.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
+@EVERY_K
 def test_live_continuation_with_drafts_passes_the_greedy_gate(llm):
     """Five turns, each the previous prompt + its answer + a new message: every turn resumes at
     the previous turn's end anchor, agrees with a cold run of its prompt, and the drafts of the
@@ -204,13 +220,10 @@ def test_live_continuation_with_drafts_passes_the_greedy_gate(llm):
     assert warm == cold, (warm, cold)
 
 
+@EVERY_K
 def test_greedy_gate_catches_a_corrupted_anchor_with_drafts(llm):
     """Negative control: the same gate fails on a resumed run whose anchor was corrupted."""
     gate_catches_a_corrupted_anchor(llm)
-
-
-def _k(llm) -> int:
-    return int(llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens)
 
 
 def _anchored(llm, p: list[int]) -> dict:
@@ -234,15 +247,8 @@ def _covered(llm, n: int, prompt: list[int]) -> None:
     assert len(prompt) >= ((n - 1) // bt + 1) * bt, (n, bt, len(prompt))
 
 
-@pytest.fixture()
-def anchor_k12(llm):
-    """The anchor tests run on the k = 1 and k = 2 engines (k = 3 adds time, not paths)."""
-    if _k(llm) > 2:
-        pytest.skip("end anchors with drafts: k = 1 and 2")
-    return llm
-
-
-def test_a_rebuilt_anchor_row_is_the_row_its_decode_pass_wrote(anchor_k12, monkeypatch):
+@ANCHOR_K
+def test_a_rebuilt_anchor_row_is_the_row_its_decode_pass_wrote(llm, monkeypatch):
     """The next turn is the previous prompt + its answer + new text, so it continues at the
     anchor's end with the request's last sampled token, the token the anchor's boundary draft
     row read in its last verify step. Rebuilt from the kept hidden row on that pass's shape,
@@ -251,7 +257,6 @@ def test_a_rebuilt_anchor_row_is_the_row_its_decode_pass_wrote(anchor_k12, monke
     included), and passes the greedy gate against a cold run of its prompt.
     Negative controls: the row rebuilt from another row of the pass (a rejected draft's), or
     the target's state block of the last draft (not rolled back), change the state parts."""
-    llm = anchor_k12
     first = _anchored(llm, SESSION)
     nxt = SESSION + first["tokens"] + NEW_TEXT
     n = len(SESSION) + len(first["tokens"]) - 1
@@ -302,12 +307,12 @@ def _last_block(num_computed, num_tokens, prompt_len, last_start, last_len, spec
     return None if end is None else (end[0], last_len - 1)
 
 
-def test_an_anchor_serves_a_next_turn_with_another_next_token(anchor_k12, monkeypatch):
+@ANCHOR_K
+def test_an_anchor_serves_a_next_turn_with_another_next_token(llm, monkeypatch):
     """A next turn that continues at the anchor's end with another token than the request's
     last sampled one (an answer cut short, a re-rendered stop token) resumes at the anchor:
     its boundary draft row is rebuilt for that token (without the rebuild the draft rows
     differ, nothing else does), and it passes the greedy gate against a cold run."""
-    llm = anchor_k12
     first = _anchored(llm, SESSION)
     other = [*SESSION, *first["tokens"][:-1], first["tokens"][-1] + 1, *NEW_TEXT]
     n = len(SESSION) + len(first["tokens"]) - 1
