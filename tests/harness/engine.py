@@ -137,16 +137,21 @@ class FakeWorker:
 
     `rank` shifts the model's arithmetic, so each worker's tensors hold a different shard (as
     tensor parallelism gives each rank different heads); only rank 0's samples count.
+    `defer_save`: the order vLLM's model runner uses with a draft model (speculative decoding,
+    `defer_finalize`): the step's connector output, worker metadata included, is built before
+    `wait_for_save`, which runs after the draft, so a step's copies are reported with the next
+    step's output.
     """
 
     def __init__(self, cfg, kv_config, rank: int,
-                 instrumentation: HarnessInstrumentation) -> None:
+                 instrumentation: HarnessInstrumentation, defer_save: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from vllm_hybridcache.adapter.connector import HybridSnapshotConnector
 
         n = kv_config.num_blocks
         self.rank = rank
+        self.defer_save = defer_save
         self.sections = [torch.zeros(n, *s) for s in SECTION_SHAPES]
         self.kv = torch.zeros(2, n, BLOCK, 1, HEAD)       # [K/V, blocks, tokens, heads, dim]
         self.connector = HybridSnapshotConnector(cfg, KVConnectorRole.WORKER, kv_config)
@@ -211,13 +216,16 @@ class FakeWorker:
             sampled.append([tok] if start + n >= req.num_tokens else [])
         # asynchronous loads start after the forward (no synchronous loads in this connector)
         conn.start_load_kv(None)
-        conn.wait_for_save()
+        if not self.defer_save:
+            conn.wait_for_save()
         res = conn.get_transfer_results(so.finished_req_ids)
         out = KVConnectorOutput(
             finished_sending=res.finished_sending, finished_recving=res.finished_recving,
             failed_recving=res.failed_recving,
             invalid_block_ids=conn.get_block_ids_with_load_errors(),
             kv_connector_worker_meta=conn.build_connector_worker_meta())
+        if self.defer_save:  # after the draft model's forward (vLLM's finalize_kv_connector)
+            conn.wait_for_save()
         conn.clear_connector_metadata()
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -254,12 +262,13 @@ class HarnessEngine:
 
     `settings`: the connector's settings (defaults: grid 64, no message-end cuts, no memory
     floor). One `Instrumentation` per worker (`instrumentation[rank]`); rank 0's is also the
-    scheduler side's, with state probes on.
+    scheduler side's, with state probes on. `defer_save`: workers report a step's copies with
+    the next step, as vLLM's runner does with a draft model (see `FakeWorker`).
     """
 
     def __init__(self, settings: dict[str, Any] | None = None, *, workers: int = 1,
                  num_blocks: int = 160, max_num_batched_tokens: int = 256,
-                 max_num_seqs: int = 8) -> None:
+                 max_num_seqs: int = 8, defer_save: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.structured_output import StructuredOutputManager
@@ -271,7 +280,7 @@ class HarnessEngine:
         kv_config = kv_cache_config(num_blocks)
         self.instrumentation = [HarnessInstrumentation(probe_states=r == 0)
                                 for r in range(workers)]
-        self.workers = [FakeWorker(cfg, kv_config, r, self.instrumentation[r])
+        self.workers = [FakeWorker(cfg, kv_config, r, self.instrumentation[r], defer_save)
                         for r in range(workers)]
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, cfg)
         sched_cls = cfg.scheduler_config.get_scheduler_cls()
