@@ -371,6 +371,7 @@ class SchedulerSide:
         self._disk_target: DiskTarget | None = None
         self._disk_writes: list[WriteJob] = []
         self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
+        self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
         self._cluster_target = None
         self._cluster_publish: list[WriteJob] = []
         if layout is not None:
@@ -390,11 +391,19 @@ class SchedulerSide:
                 self.cluster, self._cluster_target = open_cluster_tier(
                     vllm_config, layout, self.segmentation, settings, ids, tree)
                 tiers.append(self.cluster)
-            tiers.append(EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids))
+            ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
+            tiers.append(ram_anchors)
             if self.disk is not None and spill:
                 self.disk_anchors = DiskAnchors(self.disk)
                 tiers.append(self.disk_anchors)
                 self.spill = SpillBook()
+            if self.cluster is not None and anchors and not self._speculative:
+                # end anchors move between replicas (not on the MTP route: a payload does
+                # not carry the anchor's draft tag)
+                from vllm_hybridcache.cluster.engine import open_cluster_anchors
+
+                self.cluster_anchors = open_cluster_anchors(self.cluster, ram_anchors)
+                tiers.append(self.cluster_anchors)
             self.cache = SnapshotCache(tiers)
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
@@ -655,6 +664,8 @@ class SchedulerSide:
         if self.cluster is not None:
             plan.cluster_target = self._cluster_target
             self.cluster.unpublished([a.link_id for a in plan.drops])
+            if self.cluster_anchors is not None:
+                self.cluster_anchors.unpublished([a.link_id for a in plan.drops])
             for c in plan.captures:  # published by the worker right after its capture
                 entry = self._live.get(c.req_id)
                 if entry is not None and (c.addr.tier, c.addr.kind) == (Tier.RAM, LinkKind.TREE):
@@ -861,6 +872,12 @@ class SchedulerSide:
                              "spill")
             self.spill.reserved(job, keys.tokens)
             self._disk_writes.append(job)
+        if self.cluster_anchors is not None and r.addr.tier == Tier.RAM:
+            # published by the worker right after the anchor's capture (the plan carrying it)
+            job = self.cluster_anchors.anchor_job(r.addr.link_id, self.cache.keys(tokens),
+                                                  domain, n, tag)
+            if job is not None:
+                self._cluster_publish.append(job)
         self._finishing.append(CaptureJob(addr=r.addr, req_id=request.request_id,
                                           row_start=r.start, row_end=r.end,
                                           block_ids=[list(b) for b in block_ids],
@@ -882,6 +899,11 @@ class SchedulerSide:
         if self.spill is not None and tier in (None, Tier.RAM) and kind in (None,
                                                                            LinkKind.ANCHOR):
             self.spill.discard_all()  # cleared, not evicted: nothing to write
+        if self.cluster_anchors is not None and tier in (None, Tier.RAM) and kind in (
+                None, LinkKind.ANCHOR):
+            # cleared anchors leave the directory before the clear returns (their drops reach
+            # the worker, which withdraws them too, only with the next step)
+            self.cluster_anchors.withdraw_all()
         return n
 
     def tier_names(self) -> list[str]:
