@@ -47,7 +47,7 @@ from vllm_hybridcache.core import (
 from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
-from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
+from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
@@ -378,10 +378,9 @@ class SchedulerSide:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
             tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
             tiers: list[CacheTier] = [tree]
-            # session spill: end anchors on disk (not on the MTP route: a file does not carry
-            # the draft tag an anchor's fit depends on)
-            spill = bool(settings.session_spill and anchors
-                         and vllm_config.speculative_config is None)
+            # session spill: end anchors on disk (on the MTP route too: an anchor file
+            # carries its draft tag, and the disk anchor tier applies the RAM one's `fits`)
+            spill = bool(settings.session_spill and anchors)
             if settings.disk_dir and self.reason_inactive is None:
                 self.disk = self._open_disk(vllm_config, layout, settings, ids, tree, spill)
                 tiers.append(self.disk)
@@ -394,7 +393,8 @@ class SchedulerSide:
             ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
             tiers.append(ram_anchors)
             if self.disk is not None and spill:
-                self.disk_anchors = DiskAnchors(self.disk)
+                self.disk_anchors = DiskAnchors(self.disk, tags=TagCodec(
+                    {"NextToken": NextToken, "RebuiltAnchor": RebuiltAnchor}))  # MTP: in files
                 tiers.append(self.disk_anchors)
                 self.spill = SpillBook()
             if self.cluster is not None and anchors and not self._speculative:
@@ -868,10 +868,13 @@ class SchedulerSide:
         if self.spill is not None and r.addr.tier == Tier.RAM:
             # the worker keeps this anchor in mind for the shutdown drain (session spill)
             keys = self.cache.keys(tokens)
-            job = anchor_job(r.addr.link_id, domain, keys, self.parts.layout.view_rows(0, n),
-                             "spill")
-            self.spill.reserved(job, keys.tokens)
-            self._disk_writes.append(job)
+            job = self.disk_anchors.spill_job(r.addr.link_id, domain, keys,
+                                              self.parts.layout.view_rows(0, n), tag)
+            if job is None:  # a tag no file can carry (counted): superseded all the same
+                self.spill.superseded(domain, keys.tokens)
+            else:
+                self.spill.reserved(job, keys.tokens)
+                self._disk_writes.append(job)
         if self.cluster_anchors is not None and r.addr.tier == Tier.RAM:
             # published by the worker right after the anchor's capture (the plan carrying it)
             job = self.cluster_anchors.anchor_job(r.addr.link_id, self.cache.keys(tokens),
