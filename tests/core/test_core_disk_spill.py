@@ -195,6 +195,11 @@ def test_spill_book_writes_evictions_only():
     assert [(j.link_id, j.when, j.kind, j.end) for j in out] == [(2, "now", "anchor", 10)]
     book.discard([3])
     assert book.dropped([3]) == []
+    tagged = anchor_job(6, OTHER, PromptKeys(a[:60] + 1), 1, "spill", ("Rebuilt", ()))
+    book.reserved(tagged, a[:60] + 1)
+    book.committed(6)
+    assert [(j.link_id, j.when, j.tag) for j in book.dropped([6])] == [
+        (6, "now", ("Rebuilt", ()))]  # an evicted anchor's write keeps its draft tag
     book.reserved(job(5, a[:30], OTHER), a[:30])
     book.committed(5)
     book.superseded(OTHER, a[:40])  # a newer anchor of 5's conversation, not written (its tag)
