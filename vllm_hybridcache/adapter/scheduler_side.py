@@ -2,11 +2,12 @@
 
 Runs in the EngineCore process, on the scheduler's thread only (the tiers are single-threaded
 by contract). Each live request has one `_Live` entry, and the hooks touch only that entry and
-the cache facade. Per step it (1) answers lookups for new requests, (2) turns hits into load
-jobs once vLLM has allocated blocks, (3) reserves a link for every prefill step that ends on a
-cut, and (4) commits or aborts links when the workers report the step's copies. Nothing is
-published before the workers confirm (commit gating), and a request whose steps left the
-segmentation (a step cut short by the token budget) captures nothing after that point: its
+the cache facade. Per step it (1) answers lookups for new requests (or asks vLLM to ask again
+next step, while a deeper link of the prompt awaits its report: adapter/inflight.py), (2) turns
+hits into load jobs once vLLM has allocated blocks, (3) reserves a link for every prefill step
+that ends on a cut, and (4) commits or aborts links when the workers report the step's copies.
+Nothing is published before the workers confirm (commit gating), and a request whose steps left
+the segmentation (a step cut short by the token budget) captures nothing after that point: its
 later states are not cold-exact.
 """
 
@@ -26,6 +27,7 @@ import msgspec
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild, rebuild_input, with_draft_input
 from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
 from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
@@ -110,6 +112,8 @@ class _Live:
     # its end anchor copies the state block of the last accepted token (see anchor_end)
     last_start: int = -1
     last_len: int = 0
+    # lookups answered "ask again next step" to wait for a link in flight (adapter/inflight.py)
+    lookup_waits: int = 0
 
     @property
     def draft_route(self) -> bool:
@@ -418,6 +422,8 @@ class SchedulerSide:
                              else DRAFT_REBUILD if rebuild is not None
                              else draft_reads(vllm_config))
         self._live: dict[str, _Live] = {}
+        # tree links planned and not yet reported: a lookup may wait a step for one
+        self._inflight = InflightLinks()
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
         self._loads: list[LoadJob] = []
         self._finishing: list[CaptureJob] = []
@@ -567,11 +573,25 @@ class SchedulerSide:
         if res.pending:
             entry.lookup = None
             return None, False  # its copy lands with the next step: ask again then
+        if entry.lookup_waits < MAX_WAITS and self._inflight.awaited(
+                entry.keys, entry.domain, res.tokens, limit, self._tree_pending,
+                entry.fits if entry.draft_route else None):
+            # a deeper link of this prompt ran last step and its report lands with the next
+            # one (a draft model defers it): wait a step rather than prefill what it serves
+            entry.lookup_waits += 1
+            entry.lookup = None
+            return None, False
         entry.lookup = res
         if self.disk is not None and not entry.disk_seen:
             entry.disk_seen = True
             self._admit_for_disk(entry, res)
         return (res.tokens, True) if res.hit else (0, False)
+
+    def _tree_pending(self, addr: LinkAddr) -> bool:
+        """Whether a RAM tree link is still reserved (neither committed nor dropped)."""
+        tree = self.tree
+        return tree is not None and tree.has(addr.link_id) and not tree.is_committed(
+            addr.link_id)
 
     def _admit_for_disk(self, entry: _Live, res: LookupResult) -> None:
         """Count the prompt's cuts for the disk tier's write admission before its prefill
@@ -628,6 +648,7 @@ class SchedulerSide:
         self._finishing = []
         if not self.active:
             return plan
+        self._inflight.next_plan()
         for data in so.scheduled_new_reqs:
             entry = self._live.get(data.req_id)
             if entry is None:
@@ -649,6 +670,13 @@ class SchedulerSide:
                     entry.block_ids[g].extend(ids)
             self._plan_step(entry, req_id, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens[req_id], plan)
+        for c in plan.captures:  # tree links this step fills: lookups may wait for them
+            entry = self._live.get(c.req_id)
+            if (entry is not None and not c.finishing
+                    and (c.addr.tier, c.addr.kind) == (Tier.RAM, LinkKind.TREE)):
+                self._inflight.planned(c.addr, entry.domain, entry.keys, c.row_end,
+                                       entry.draft_tag(c.row_end) if not c.inner_offset
+                                       else None)
         plan.drops = self.cache.drain_dropped()
         if self.spill is not None and self.disk_anchors is not None:
             # committed end anchors RAM evicted: written now rather than lost (the worker
@@ -758,6 +786,8 @@ class SchedulerSide:
     def apply_report(self, report: StepReport | None) -> None:
         if report is None or not self.active:
             return
+        self._inflight.reported(report.saved)
+        self._inflight.reported(report.failed_saves)
         for addr in report.failed_saves:
             self.cache.abort(addr)
             self._unspill(addr)
