@@ -9,10 +9,16 @@ head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
 2. the files are dropped from the page cache (`posix_fadvise(DONTNEED)` per file; a restart
    after a reboot reads them from the device; `--keep-page-cache` to skip);
 3. life 2 on the same folder: after a short unrelated warm-up request (a new process's first
-   forward pays one-time costs), for each head: the head with a third tail measures the
-   **disk** latency (the head is read from link files, verified, restored, promoted) and the
-   worker's part of it (`restore_seconds`: reading, verifying and restoring the files); the
-   same head with a unique `cache_salt` measures **cold** (same engine, nothing to reuse).
+   forward pays one-time costs) and, unless `--no-warm-head`, a disk hit on one more head of
+   the first size written in life 1 (the process's first turn over a long context pays the
+   first forward of that shape: reported as `first_disk_hit_s`), for each head: the head
+   with a third tail measures the **disk** latency (the head is read from link files,
+   verified, restored, promoted) and the worker's part of it (`restore_seconds`: reading,
+   verifying and restoring the files); the head with a fifth tail is then served from the
+   links the disk hit promoted (`ram_promoted_s`: a RAM hit in the same process, the disk
+   read taken out); the same head with a unique `cache_salt` measures **cold** (same engine,
+   nothing to reuse). The scheduler side's part (the folder's scan and the chain lookup) is
+   timed in this process on the same files between the lives.
 
 Each request asks for one token (`/v1/completions` with prompt token ids, `max_tokens=1`), so
 its latency is the time to first token plus one HTTP round trip. Token ids are seeded and
@@ -61,8 +67,42 @@ def _disk_stats(base: str) -> dict:
     return requests.get(base + "/v1/cache/stats").json()["tiers"].get("disk", {})
 
 
+def _restore_sum(base: str, tier: str) -> float:
+    """Seconds the workers spent on `tier`'s restores so far (a disk restore: reading and
+    verifying the files, then the copy into the KV cache; a RAM restore: the copy only)."""
+    st = requests.get(base + "/v1/cache/stats").json()["tiers"].get(tier, {})
+    return float(st.get("restore_seconds", {}).get("sum") or 0.0)
+
+
+def lookup_seconds(root: Path, ids: list[int], grid: int) -> dict:
+    """The scheduler side's part of a disk hit, timed in this process on the same files while
+    no server runs: opening the folder (the start-up scan: every header read and verified) and
+    the chain lookup of `ids` (a name stat per cut, every header of the chain verified, every
+    stored token compared). Nothing is deleted: the files are the ones life 1 wrote."""
+    import msgspec
+
+    from vllm_hybridcache.core import PromptKeys
+    from vllm_hybridcache.core.disk import LinkDirectory, linkfile
+
+    f = next(root.rglob("*.link"))
+    with open(f, "rb") as fh:  # the engine's fingerprint and the domain, as the file says
+        _, hlen, _ = linkfile._PRE.unpack(fh.read(linkfile._PRE.size))
+        hdr = msgspec.msgpack.decode(fh.read(hlen), type=linkfile.LinkFileHeader)
+    d = LinkDirectory(root, hdr.fingerprint, budget_bytes=1 << 50)
+    t0 = time.perf_counter()
+    d.open()
+    t_open = time.perf_counter() - t0
+    keys = PromptKeys(np.asarray(ids, dtype=np.int64))
+    cuts = list(range(grid, len(ids), grid))
+    t0 = time.perf_counter()
+    chain = d.lookup(keys, hdr.domain, cuts, len(ids) - 1)
+    t_lookup = time.perf_counter() - t0
+    d.close()
+    return {"scan_s": t_open, "lookup_s": t_lookup, "lookup_links": len(chain)}
+
+
 def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: Path,
-        drop_page_cache: bool = True) -> dict:
+        drop_page_cache: bool = True, warm_head: bool = True) -> dict:
     from vllm_hybridcache.models import ensure_model
 
     path = ensure_model(model)
@@ -70,7 +110,11 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
     vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
     # one independent head per size (no shared prefix: each is served by its own chain)
     head_ids = {h: random_prompt(rng, h, vocab) for h in heads}
-    tails = [random_prompt(rng, tail, vocab) for _ in range(4)]
+    tails = [random_prompt(rng, tail, vocab) for _ in range(5)]
+    # one more independent head of the first size, served from disk first in life 2: the new
+    # process's first request over a long context pays one-time costs (the first forward of
+    # that shape) that are not the disk tier's; life 1's RAM-warm turn came after such a one
+    warm_ids = random_prompt(rng, heads[0], vocab) if warm_head else None
     settings = ServerSettings(model_path=str(path), served_name="m",
                               max_model_len=max(heads) + tail + 64, port=port,
                               kv_cache_space_gib=4)
@@ -80,15 +124,19 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 # every committed link written (what the wait below counts on)
                 "VLLM_HYBRIDCACHE_DISK_WRITE_FIRST_TOKENS": "0"}
     out: dict = {"model": model, "heads": heads, "tail": tail, "grid": grid,
-                 "page_cache_dropped": drop_page_cache, "by_head": {}}
+                 "page_cache_dropped": drop_page_cache, "warm_head": warm_head, "by_head": {}}
     by = {h: out["by_head"].setdefault(str(h), {}) for h in heads}
     with mock.patch.dict(os.environ, env_keys):
         with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
+            if warm_ids is not None:
+                complete(srv.base_url, warm_ids + tails[0])
             for h in heads:
                 by[h]["first_prefill_s"], _ = complete(srv.base_url, head_ids[h] + tails[0])
+                before = _restore_sum(srv.base_url, "ram")
                 by[h]["ram_warm_s"], body = complete(srv.base_url, head_ids[h] + tails[1])
                 by[h]["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"][
                     "cached_tokens"]
+                by[h]["ram_restore_seconds"] = _wait_restore(srv.base_url, before, "ram")
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:  # every committed link on disk
                 ram = requests.get(srv.base_url + "/v1/cache/stats").json()["tiers"]["ram"]
@@ -99,6 +147,9 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
             out["disk_files"] = st.get("links", 0)
             out["disk_bytes"] = st.get("bytes_held", 0)
         files = list((workdir / "disk").rglob("*.link"))
+        for h in heads:
+            by[h]["scheduler_side"] = lookup_seconds(workdir / "disk", head_ids[h] + tails[2],
+                                                     grid)
         if drop_page_cache:  # a restart after a reboot: the files come from the device
             drop_cache(files)
         with running_server(SYSTEMS["ours"], settings, workdir / "life2.log") as srv:
@@ -106,32 +157,46 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
             # a short unrelated request first: the new process's first forward pays one-time
             # costs that are not the disk tier's (life 1's RAM-warm request came after one)
             complete(srv.base_url, tails[3][:64], cache_salt="warm-up")
+            if warm_ids is not None:  # the first disk hit of this process (its own figure)
+                before = _restore_sum(srv.base_url, "disk")
+                out["first_disk_hit_s"], body = complete(srv.base_url, warm_ids + tails[2])
+                out["first_disk_hit_cached_tokens"] = body["usage"]["prompt_tokens_details"][
+                    "cached_tokens"]
+                out["first_disk_hit_restore_seconds"] = _wait_restore(srv.base_url, before,
+                                                                      "disk")
             for h in heads:
-                before = _disk_stats(srv.base_url).get("restore_seconds", {}).get("sum") or 0.0
+                before = _restore_sum(srv.base_url, "disk")
                 by[h]["disk_s"], body = complete(srv.base_url, head_ids[h] + tails[2])
                 by[h]["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"][
                     "cached_tokens"]
-                st = _wait_restore(srv.base_url, before)
-                by[h]["disk_restore_seconds"] = (
-                    (st.get("restore_seconds", {}).get("sum") or 0.0) - before)
+                by[h]["disk_restore_seconds"] = _wait_restore(srv.base_url, before, "disk")
+                # the promoted links, from RAM in this life: the same turn without the disk
+                # read, in the same process (tells the disk tier's part from this process's
+                # first request of that shape)
+                before = _restore_sum(srv.base_url, "ram")
+                by[h]["ram_promoted_s"], body = complete(srv.base_url, head_ids[h] + tails[4])
+                by[h]["ram_promoted_cached_tokens"] = body["usage"]["prompt_tokens_details"][
+                    "cached_tokens"]
+                by[h]["ram_promoted_restore_seconds"] = _wait_restore(srv.base_url, before,
+                                                                      "ram")
                 by[h]["cold_s"], body = complete(srv.base_url, head_ids[h] + tails[3],
                                                  cache_salt=f"cold-{uuid.uuid4().hex}")
                 assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
     for b in by.values():
         b["disk_over_ram"] = b["disk_s"] / b["ram_warm_s"]
         b["disk_over_cold"] = b["disk_s"] / b["cold_s"]
+        b["disk_over_ram_promoted"] = b["disk_s"] / b["ram_promoted_s"]
     return out
 
 
-def _wait_restore(base: str, before: float) -> dict:
-    """The disk tier's stats once the last restore's seconds arrived (they ride on the next
-    step's output), or after 10 s."""
+def _wait_restore(base: str, before: float, tier: str) -> float:
+    """The seconds `tier`'s workers spent on restores since `before` (the sum's value then),
+    once the last restore's seconds arrived (they ride on the next step's output), or 10 s."""
     deadline = time.monotonic() + 10
     while True:
-        st = _disk_stats(base)
-        if (st.get("restore_seconds", {}).get("sum") or 0.0) > before or \
-                time.monotonic() > deadline:
-            return st
+        now = _restore_sum(base, tier)
+        if now > before or time.monotonic() > deadline:
+            return now - before
         time.sleep(0.2)
 
 
@@ -142,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", default="16384", help="head sizes, comma list (4096,16384,32768)")
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="leave the files in the page cache between the lives (default: drop)")
+    ap.add_argument("--no-warm-head", action="store_true",
+                    help="no disk hit on another head of the first size before the measured "
+                         "ones in life 2 (the measured disk turn is then the process's first)")
     ap.add_argument("--tail", type=int, default=128)
     ap.add_argument("--grid", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8420)
@@ -149,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hc-restart-") as work:
         heads = [int(h) for h in args.head.split(",")]
         print(json.dumps(run(args.restart_model, heads, args.tail, args.grid, args.port,
-                             Path(work), drop_page_cache=not args.keep_page_cache)))
+                             Path(work), drop_page_cache=not args.keep_page_cache,
+                             warm_head=not args.no_warm_head)))
     return 0
 
 

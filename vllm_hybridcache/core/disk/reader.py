@@ -4,9 +4,12 @@ Why through the store: a restore from RAM is the path every exactness test cover
 hit is made into one. The worker reads each file of the chain into freshly allocated store
 buffers under the ids the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32
 as it reads, seals them, and restores with `LinkStore.restore` as for a RAM hit. Nothing is
-restored unless every file of the chain passed. Each part is read with one `readinto` straight
-into its store buffer (no intermediate copy); the buffers get a huge-page hint first
-(hugepages.py: fresh pages fault in 512 times fewer).
+restored unless every file of the chain passed. The parts are read with direct I/O through
+page-aligned bounce buffers, each chunk copied into its store buffer and checksummed there while
+it is still in the CPU's cache (direct.py: no page-cache copy, no second pass over the bytes);
+where the file system refuses direct I/O, with one `readinto` per part straight into its store
+buffer and a CRC pass (linkfile.read_parts). Both check the same things. The buffers get a
+huge-page hint first (hugepages.py: fresh pages fault in 512 times fewer).
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from ..store import LinkStore, MissingLinkError
 from ..tiers.base import LinkRef
+from .direct import DirectIOUnsupported, read_parts_direct
 from .hugepages import advise_huge_pages
-from .linkfile import LinkFileError, LinkFileProblem, read_header, read_parts
+from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
-__all__ = ["DiskReadError", "stage_chain"]
+__all__ = ["DiskReadError", "read_verified", "stage_chain"]
 
 
 class DiskReadError(MissingLinkError):
@@ -31,10 +37,24 @@ class DiskReadError(MissingLinkError):
         self.problem = problem
 
 
+def read_verified(path: Path, header: LinkFileHeader, base: int,
+                  parts: dict[str, torch.Tensor], direct: bool = True) -> int:
+    """Every part of the file into `parts`, each CRC-32 checked: with direct I/O when `direct`
+    and the file system takes it, else buffered. Returns the bytes read; LinkFileError (the
+    destinations then hold partial bytes) or OSError otherwise."""
+    if direct:
+        try:
+            return read_parts_direct(path, header, base, parts)
+        except DirectIOUnsupported:
+            pass  # nothing was verified: the buffered read starts over
+    return read_parts(path, header, base, parts)
+
+
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
-                fingerprint: bytes) -> int:
+                fingerprint: bytes, direct: bool = True) -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
-    read. On any problem every link staged by this call is dropped and DiskReadError raised."""
+    read. On any problem every link staged by this call is dropped and DiskReadError raised.
+    `direct=False`: buffered reads only (the benchmark's side-by-side)."""
     if len(chain) != len(sources):
         raise ValueError(f"{len(chain)} links but {len(sources)} files")
     layout = store.layout
@@ -52,7 +72,7 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
             staged.append(ref.link_id)
             parts = {**bufs.sections, **bufs.views}
             advise_huge_pages(parts.values())  # fresh buffers: fewer page faults (a hint)
-            n += read_parts(path, header, base, parts)
+            n += read_verified(path, header, base, parts, direct)
             store.seal(ref.link_id)
         except (LinkFileError, OSError) as e:
             store.drop(staged)
