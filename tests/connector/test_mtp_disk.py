@@ -9,14 +9,28 @@ another last token are served from the files (a disk hit, then promoted into RAM
 their cold runs bit for bit: tokens, logprobs and every state part, the draft head's rows
 included.
 
-Negative controls (on the k = 2 engine): a file whose tag is wrong ends the chain before it
+Negative controls (on the k = 2 engine only: they are parametrized over it, not skipped on
+k = 1): a file whose tag is wrong ends the chain before it
 (a counted `draft_tag` miss, the output cold-equal; one without a tag serves nothing on this
 route, tests/core/test_core_disk_tags.py); a
 flipped bit in the hidden-row part fails its CRC (a counted `checksum` miss, the load
 recomputed cold, the file deleted with the longer links); and the same one-ulp change written
 with a valid CRC is restored and leaves draft-head rows that differ from the cold run, so the
-state comparison catches a bad hidden row and the CRC is what keeps it out. End anchors stay
-in RAM on this route (session spill off): no anchor file is ever written.
+state comparison catches a bad hidden row and the CRC is what keeps it out.
+
+End anchors (session spill, on by default on this route too): an anchor keeps the target's
+hidden row at its end and the geometry of the draft pass that wrote its boundary row, and its
+tag (`RebuiltAnchor`) says a restore rebuilds that row for the next turn's token. The worker's
+shutdown drain (the connector's shutdown hook, as at a SIGTERM) writes a live anchor's file
+(tag in the header, the hidden row and the geometry as checksummed parts); with every tier
+empty and the file named to the disk anchor tier as a restart's scan names it, the
+conversation's next turn is served from it: it equals the same turn resumed from the RAM
+anchor bit for bit (tokens, logprobs, every state part: session-exact) and passes the greedy
+gate against a cold run of its prompt. Negative controls (k = 2): an anchor file whose tag
+does not fit the prompt is a counted `draft_tag` miss (the turn runs cold, equal to the cold
+run); the hidden row one ulp off with a valid CRC is restored and the draft head's rows then
+differ from the RAM-anchor run.
+The restart of the real server with MTP on is not run here (see docs/disk-tier.md).
 """
 
 from __future__ import annotations
@@ -28,10 +42,11 @@ import pytest
 import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
+from tests.connector.test_end_anchors import greedy_gate
 from tests.connector.test_exactness import GRID, A, clear, run
-from tests.connector.test_mtp_route import PROMPTS
-from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT
-from vllm_hybridcache.adapter.scheduler_side import DraftStep
+from tests.connector.test_mtp_route import NEW_TEXT, PROMPTS, SESSION
+from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
+from vllm_hybridcache.adapter.scheduler_side import DraftStep, NextToken, RebuiltAnchor
 from vllm_hybridcache.core.disk.linkfile import read_header, read_parts, write_link_file
 from vllm_hybridcache.instrumentation import instrument
 
@@ -46,7 +61,17 @@ def model_path(embedded_model):
     return embedded_model("flash-next-tiny")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda k: f"k{k}")
+def _ks(*ks: int):
+    """Parametrizes a test over the engines with these numbers of draft tokens (the `llm`
+    fixture, one engine per k for the module: pytest groups the tests by k)."""
+    return pytest.mark.parametrize("llm", ks, indirect=True, ids=lambda k: f"k{k}")
+
+
+EVERY_K = _ks(1, 2)
+CONTROLS_K = _ks(2)  # the negative controls: the k = 2 engine
+
+
+@pytest.fixture(scope="module")
 def llm(request, inproc, model_path, tmp_path_factory):
     spec = {"method": "mtp", "num_speculative_tokens": request.param}
     disk = tmp_path_factory.mktemp(f"mtp-disk-k{request.param}")
@@ -163,10 +188,11 @@ def _ulp(h: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(h, torch.full_like(h, float("inf")))
 
 
+@EVERY_K
 def test_links_written_on_the_mtp_route_restore_from_disk_equal_cold(llm, colds, a_files):
     sched, _ = engine_parts(llm)
     assert sched.base_domain["route"] == "mtp" and sched._draft_reads == "rebuild"
-    assert sched.spill is None and sched.disk_anchors is None  # anchors stay off disk
+    assert sched.spill is not None and sched.disk_anchors is not None  # session spill on
     fp = sched.disk.dir.fingerprint
     for end, (path, _) in a_files.items():
         h, _ = read_header(path, fp)
@@ -188,13 +214,11 @@ def test_links_written_on_the_mtp_route_restore_from_disk_equal_cold(llm, colds,
     branch = run(llm, BRANCH)                             # from disk again: 2 files
     assert branch["cached"] == 2 * GRID and disk_stats(llm).restores == after.restores + 1
     _same(branch, colds["branch"], "branch from disk")
-    assert not list(sched.disk.dir.dir.glob("a-*/*.link"))  # no end anchor on disk
     assert sched.tree.stats().shortened == 0 and "draft_tag" not in disk_stats(llm).misses
 
 
+@CONTROLS_K
 def test_a_file_with_a_wrong_tag_is_a_counted_miss(llm, colds, a_files):
-    if llm.k != 2:
-        pytest.skip("negative controls: the k = 2 engine")
     sched, _ = engine_parts(llm)
     fp = sched.disk.dir.fingerprint
     got = put_a(llm, a_files)
@@ -207,9 +231,8 @@ def test_a_file_with_a_wrong_tag_is_a_counted_miss(llm, colds, a_files):
     # (a file without a tag serves nothing on this route: tests/core/test_core_disk_tags.py)
 
 
+@CONTROLS_K
 def test_a_corrupted_hidden_row_is_a_counted_miss_and_would_be_caught(llm, colds, a_files):
-    if llm.k != 2:
-        pytest.skip("negative controls: the k = 2 engine")
     sched, _ = engine_parts(llm)
     fp = sched.disk.dir.fingerprint
     got = put_a(llm, a_files)
@@ -233,4 +256,100 @@ def test_a_corrupted_hidden_row_is_a_counted_miss_and_would_be_caught(llm, colds
     assert bad["cached"] == 3 * GRID
     names = [v.name for v in sched.parts.layout.views if v.name.startswith("mtp.")]
     assert any(bad["state"][n] != colds["ext"]["state"][n] for n in names)
+    wipe(llm)
+
+
+# ---------------------------------------------------------------- end anchors (session spill)
+def anchor_stats(llm):
+    sched, _ = engine_parts(llm)
+    return sched.cache.stats()[("disk", "anchor")]
+
+
+@pytest.fixture(scope="module")
+def spilled(llm) -> dict:
+    """A conversation's first turn (SESSION) leaves its end anchor; the worker's shutdown
+    drain (the connector's shutdown hook, what a SIGTERM runs) writes it to disk; its next
+    turn (prompt + answer + new text) resumed from the RAM anchor, and its cold run (every tier
+    empty); the anchor's file (path, bytes, header)."""
+    sched, worker = engine_parts(llm)
+    wipe(llm)
+    first = run(llm, SESSION)
+    run(llm, [1, 2, 3])                      # one more step commits the anchor
+    n = len(SESSION) + len(first["tokens"]) - 1
+    worker.shutdown()                        # the drain; the next plan starts a new writer
+    (path,) = [p for p in sched.disk.dir.dir.glob("a-*/*.link")
+               if int(p.stem.rsplit("-", 1)[1]) == n]
+    header, _ = read_header(path, sched.disk.dir.fingerprint)
+    raw = path.read_bytes()
+    nxt = SESSION + first["tokens"] + NEW_TEXT
+    ram = run(llm, nxt)  # the RAM anchor (the disk anchor tier learns of files at a start)
+    assert ram["cached"] == n and ram["state"]
+    wipe(llm)
+    cold = run(llm, nxt)
+    assert cold["cached"] == 0
+    return {"nxt": nxt, "n": n, "ram": ram, "cold": cold, "path": path,
+            "raw": raw, "header": header}
+
+
+def put_anchor(llm, spilled) -> Path:
+    """Every tier empty, then the anchor's file back on disk, named to the disk anchor tier as
+    a restart's start-up scan names the files it finds."""
+    sched, _ = engine_parts(llm)
+    wipe(llm)
+    h, path = spilled["header"], spilled["path"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(spilled["raw"])
+    sched.disk_anchors.note_spilled(h.domain, h.end, h.digest)
+    return path
+
+
+@EVERY_K
+def test_an_end_anchor_spilled_on_the_mtp_route_resumes_from_disk(llm, spilled):
+    sched, _ = engine_parts(llm)
+    h = spilled["header"]
+    assert h.kind == "anchor" and (h.start, h.end) == (0, spilled["n"])
+    assert sched.disk_anchors.tags.decode(h.tag) == RebuiltAnchor()
+    assert {DRAFT_INPUT, DRAFT_PASS} <= {e.name for e in h.parts}
+    put_anchor(llm, spilled)
+    before = anchor_stats(llm)
+    out = run(llm, spilled["nxt"])
+    after = anchor_stats(llm)
+    assert out["cached"] == spilled["n"]
+    assert (after.restores, after.restores_failed) == (before.restores + 1,
+                                                       before.restores_failed)
+    _same(out, spilled["ram"], "next turn from the disk anchor vs the RAM anchor")
+    cold = spilled["cold"]
+    assert greedy_gate(out, cold) == len(cold["tokens"])
+
+
+@CONTROLS_K
+def test_an_anchor_file_whose_tag_does_not_fit_is_a_counted_miss(llm, spilled):
+    """The file says its boundary row read another token than the next turn has (NextToken):
+    the disk anchor tier refuses it (a counted `draft_tag` miss, the file kept), and the turn
+    runs cold, equal to its cold run."""
+    sched, _ = engine_parts(llm)
+    path = put_anchor(llm, spilled)
+    nxt, n = spilled["nxt"], spilled["n"]
+    rewrite(path, sched.disk.dir.fingerprint,
+            tag=sched.disk_anchors.tags.encode(NextToken(nxt[n] + 1)))
+    misfit = anchor_stats(llm).misses.get("draft_tag", 0)
+    out = run(llm, nxt)
+    assert out["cached"] == 0 and anchor_stats(llm).misses.get("draft_tag", 0) == misfit + 1
+    assert path.exists()
+    _same(out, spilled["cold"], "next turn with a misfit anchor file")
+
+
+@CONTROLS_K
+def test_a_wrong_hidden_row_in_an_anchor_file_is_caught(llm, spilled):
+    """Negative control: the anchor's hidden row one ulp off, written with a valid CRC (a
+    flipped bit with a stale one is a checksum miss like any part: the tree link case above),
+    is restored, and the draft head's rows then differ from the run resumed from the RAM
+    anchor: the state comparison catches a wrong hidden row."""
+    sched, _ = engine_parts(llm)
+    path = put_anchor(llm, spilled)
+    rewrite(path, sched.disk.dir.fingerprint, hidden=_ulp)
+    bad = run(llm, spilled["nxt"])
+    assert bad["cached"] == spilled["n"]
+    names = [v.name for v in sched.parts.layout.views if v.name.startswith("mtp.")]
+    assert any(bad["state"][v] != spilled["ram"]["state"][v] for v in names)
     wipe(llm)
