@@ -8,6 +8,8 @@ few page-aligned bounce buffers (`O_DIRECT`, CHUNK bytes per request, read ahead
 thread while the caller works), and the caller checksums each chunk while it is still in the
 CPU's cache and copies it into its part's destination. The page cache is neither filled nor
 read. The file format already places every part at a page-aligned offset (linkfile.ALIGN).
+The cost: a file still in the page cache (read in the life that wrote it) comes from the
+device again; the restart this tier is for reads files the page cache no longer holds.
 
 Verification is the same as the buffered read's: every part named and sized as the header
 says, every byte of it read (a short read is `truncated`), and its CRC-32 over all its bytes
