@@ -38,11 +38,13 @@ def plot_restart(run: dict, out: Path) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     heads = [str(h) for h in run["heads"]]
-    series = (("cold", "cold_s"), ("RAM-warm", "ram_warm_s"), ("disk after restart", "disk_s"))
+    series = [("cold", "cold_s"), ("RAM-warm", "ram_warm_s"), ("disk after restart", "disk_s")]
+    if all("ram_promoted_s" in run["by_head"][h] for h in heads):  # runs since 2026-12-01
+        series.append(("promoted RAM\n(after the disk hit)", "ram_promoted_s"))
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.27
+    width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
-        xs = [j + (i - 1) * width for j in range(len(heads))]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(heads))]
         ys = [run["by_head"][h][key] for h in heads]
         bars = ax.bar(xs, ys, width, label=label)
         ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
