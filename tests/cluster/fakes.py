@@ -96,10 +96,10 @@ class FakeTransport:
                  if (fp, dom) == (fingerprint, domain) and b in set(blocks) and e.end <= limit]
         return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
 
-    def forget_anchors(self, fingerprint, domain, digests, clearing=False):
+    def forget_anchors(self, fingerprint, domain, digests, owner=None):
         for d in digests:
             k = (fingerprint, domain, d)
-            if k in self.c.anchors and (not clearing or self.c.anchors[k][1].owner == self.owner):
+            if k in self.c.anchors and owner in (None, self.c.anchors[k][1].owner):
                 self.c.forgotten.append(d)
                 del self.c.anchors[k]
 

@@ -205,7 +205,7 @@ def test_an_end_anchor_over_ray_restores_byte_for_byte_and_leaves_when_withdrawn
         time.sleep(0.005)
     assert res.hit and (res.tier, res.kind) == ("cluster", "anchor") and res.tokens == 300
     assert b.serve(res) == expected
-    b.tier.transport.forget_anchors(FP, dom, [digest], clearing=True)  # not b's: stays
+    b.tier.transport.forget_anchors(FP, dom, [digest], owner="b")  # not b's: stays
     blocks = [keys.digest(p) for p in range(64, 400, 64)]
     assert len(_poll(b.tier.transport.locate_anchors(FP, dom, blocks, 399))) == 1
     ray.get(pub.withdraw_anchor.remote(FP, dom, digest))

@@ -134,13 +134,13 @@ class RayTransport:
             for d, parent, start, end, nbytes, owner, h in vals[0]])
 
     def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes],
-                       clearing: bool = False) -> None:
-        """Fire and forget; `clearing`: only this replica's anchors, and wait for the answer
+                       owner: str | None = None) -> None:
+        """Fire and forget; with `owner`: only that replica's anchors, and wait for the answer
         (a clear returns only once what it cleared is no longer located)."""
         try:
-            ref = self._directory().forget_anchors.remote(
-                fingerprint, domain, list(digests), self.owner if clearing else None)
-            if clearing:
+            ref = self._directory().forget_anchors.remote(fingerprint, domain, list(digests),
+                                                          owner)
+            if owner is not None:
                 ray.get(ref, timeout=30)
         except rex.RayError as e:
             raise ClusterError(_reason(e), str(e)) from e

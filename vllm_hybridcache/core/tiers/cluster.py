@@ -146,9 +146,9 @@ class ClusterTransport(Protocol):
         one of `blocks` (result: list[RemoteEntry], each a root [0, end))."""
 
     def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes],
-                       clearing: bool = False) -> None:
-        """Remove end-anchor entries (fire and forget). `clearing`: this replica's own entries
-        only, and wait for the directory's answer (a clear: what it cleared is no longer
+                       owner: str | None = None) -> None:
+        """Remove end-anchor entries (fire and forget). With `owner`: only that replica's
+        entries, and wait for the directory's answer (a clear: what it cleared is no longer
         located once it returns)."""
 
 
@@ -828,7 +828,8 @@ class ClusterAnchors(ClusterTier):
         n = 0
         for domain, digests in by_domain.items():
             try:
-                self.transport.forget_anchors(self.fingerprint, domain, digests, clearing=True)
+                self.transport.forget_anchors(self.fingerprint, domain, digests,
+                                              owner=self.owner or "")
                 n += len(digests)
             except ClusterError:
                 pass  # the directory is unreachable: nothing can be located there either
