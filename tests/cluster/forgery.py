@@ -1,6 +1,7 @@
 """Stand-ins for the cluster tests' negative controls and dead owners: a `Ghost` replica that
-publishes payloads under its own name, and forged payloads (state bytes altered, every header
-check and CRC valid: what a bug in a copy would produce)."""
+publishes payloads (tree links or end anchors) under its own name, and forged payloads (state
+bytes altered, every header check and CRC valid, the kind kept: what a bug in a copy would
+produce)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ class Ghost:
             self.t.publish(*it)
         return [ray.put(b"probe")]
 
+    def publish_anchors(self, items) -> int:
+        """End anchors (RayTransport.publish_anchor arguments), listed as the ghost's."""
+        for it in items:
+            self.t.publish_anchor(*it)
+        return len(items)
+
 
 def forge(payload: bytes, fingerprint: bytes, folder: Path) -> bytes:
     """The same link with slightly different state bytes and valid checksums."""
@@ -40,7 +47,7 @@ def forge(payload: bytes, fingerprint: bytes, folder: Path) -> bytes:
         parts[e.name] = a
     write_link_file(dst, fingerprint=h.fingerprint, domain=h.domain, digest=h.digest,
                     parent_digest=h.parent_digest, start=h.start, end=h.end,
-                    tokens=h.token_ids(), rows=h.rows, parts=parts)
+                    tokens=h.token_ids(), rows=h.rows, parts=parts, kind=h.kind)
     return dst.read_bytes()
 
 
