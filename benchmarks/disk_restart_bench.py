@@ -10,10 +10,10 @@ head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
    after a reboot reads them from the device; `--keep-page-cache` to skip);
 3. life 2 on the same folder: after a short unrelated warm-up request (a new process's first
    forward pays one-time costs) and, unless `--no-warm-head`, a disk hit on one more head of
-   the first size written in life 1 (the process's first turn over a long context pays the
-   first forward of that shape: reported as `first_disk_hit_s`), for each head: the head
-   with a third tail measures the **disk** latency (the head is read from link files,
-   verified, restored, promoted) and the worker's part of it (`restore_seconds`: reading,
+   the first size written in life 1 (reported as `first_disk_hit_s`: the measured turn is
+   then, like life 1's RAM-warm turn, not the process's first over a long context), for each
+   head: the head with a third tail measures the **disk** latency (the head is read from
+   link files, verified, restored, promoted) and the worker's part of it (`restore_seconds`: reading,
    verifying and restoring the files); the head with a fifth tail is then served from the
    links the disk hit promoted (`ram_promoted_s`: a RAM hit in the same process, the disk
    read taken out); the same head with a unique `cache_salt` measures **cold** (same engine,
@@ -111,9 +111,9 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
     # one independent head per size (no shared prefix: each is served by its own chain)
     head_ids = {h: random_prompt(rng, h, vocab) for h in heads}
     tails = [random_prompt(rng, tail, vocab) for _ in range(5)]
-    # one more independent head of the first size, served from disk first in life 2: the new
-    # process's first request over a long context pays one-time costs (the first forward of
-    # that shape) that are not the disk tier's; life 1's RAM-warm turn came after such a one
+    # one more independent head of the first size, served from disk first in life 2, so the
+    # measured disk turn is not the new process's first over a long context (life 1's
+    # RAM-warm turn came after long prefills): any one-time cost of that shape falls on it
     warm_ids = random_prompt(rng, heads[0], vocab) if warm_head else None
     settings = ServerSettings(model_path=str(path), served_name="m",
                               max_model_len=max(heads) + tail + 64, port=port,
