@@ -13,12 +13,12 @@ head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
    the first size written in life 1 (reported as `first_disk_hit_s`: the measured turn is
    then, like life 1's RAM-warm turn, not the process's first over a long context), for each
    head: the head with a third tail measures the **disk** latency (the head is read from
-   link files, verified, restored, promoted) and the worker's part of it (`restore_seconds`: reading,
-   verifying and restoring the files); the head with a fifth tail is then served from the
-   links the disk hit promoted (`ram_promoted_s`: a RAM hit in the same process, the disk
-   read taken out); the same head with a unique `cache_salt` measures **cold** (same engine,
-   nothing to reuse). The scheduler side's part (the folder's scan and the chain lookup) is
-   timed in this process on the same files between the lives.
+   link files, verified, restored, promoted) and the worker's part of it (`restore_seconds`:
+   reading, verifying and restoring the files); the head with a fifth tail is then served
+   from the links the disk hit promoted (`ram_promoted_s`: a RAM hit in the same process, the
+   disk read taken out); the same head with a unique `cache_salt` measures **cold** (same
+   engine, nothing to reuse). The scheduler side's part (the folder's scan and the chain
+   lookup) is timed in this process on the same files between the lives.
 
 Each request asks for one token (`/v1/completions` with prompt token ids, `max_tokens=1`), so
 its latency is the time to first token plus one HTTP round trip. Token ids are seeded and
