@@ -165,14 +165,14 @@ def test_without_direct_io_the_buffered_read_takes_over_verified(link, monkeypat
     with pytest.raises(DirectIOUnsupported):
         read_parts_direct(path, header, base, _empty_like(parts))
     out = _empty_like(parts)
-    assert reader.read_verified(path, header, base, out) == sum(
+    assert reader.read_verified(path, header, base, out, direct=True) == sum(
         t.numel() * t.element_size() for t in parts.values())
     assert _same(out, parts) and len(calls) == 2
     raw = bytearray(path.read_bytes())
     raw[base + header.parts[0].offset + 7] ^= 1
     path.write_bytes(bytes(raw))
     with pytest.raises(LinkFileError) as ei:
-        reader.read_verified(path, header, base, _empty_like(parts))
+        reader.read_verified(path, header, base, _empty_like(parts), direct=True)
     assert ei.value.problem == LinkFileProblem.CHECKSUM
 
 

@@ -297,3 +297,29 @@ def test_prefill_steps_feed_the_cost_check(tmp_path):
     side._time_prefill(entry, 300, 1, len(TOKENS))  # not where the last step ended
     assert cost.prefills_seen == 1
     assert side._ram_depth(entry.keys, entry.domain, len(TOKENS)) == 0
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, direct):
+    """`disk_direct_reads` travels with the disk target to the worker, whose staging of a disk
+    hit reads with direct I/O exactly when it is set (buffered by default)."""
+    import vllm_hybridcache.adapter.worker_side as worker_side
+
+    side, worker = _side(tmp_path, disk_direct_reads=direct), _worker()
+    _, plan = _commit_link(side, worker, 128)
+    assert plan.disk_target.direct_reads is direct
+    worker.save(plan)
+    assert worker._writer.close(30)
+    side2 = _side(tmp_path, disk_direct_reads=direct)
+    req = _request("b", [*TOKENS, 1, 2])
+    assert side2.get_num_new_matched_tokens(req, 0) == (128, True)
+    side2.update_state_after_alloc(req, BLOCKS, 128)
+    (load,) = side2.build_plan(_no_steps()).loads
+    seen: list[bool] = []
+    monkeypatch.setattr(worker_side, "stage_chain",
+                        lambda store, chain, sources, fp, d: seen.append(d) or 0)
+    fresh = _worker()
+    fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target))
+    fresh._stage(load)
+    assert fresh._writer.close(30)
+    assert seen == [direct]

@@ -479,7 +479,8 @@ class SchedulerSide:
                 "give a writable folder or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir") from e
         self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
                                        settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                       spill=spill, drain_s=float(settings.spill_timeout_s))
+                                       spill=spill, drain_s=float(settings.spill_timeout_s),
+                                       direct_reads=settings.disk_direct_reads)
         if spill:
             self._warn_short_shutdown(vllm_config, settings.spill_timeout_s)
         st = directory.stats

@@ -147,7 +147,8 @@ class WorkerSide:
         """Read a disk hit's files into the store under the chain's ids (core/disk/reader.py);
         a refused file fails the load and is counted by its problem."""
         try:
-            stage_chain(self.store, job.chain, job.sources, job.fingerprint)
+            direct = self._writer is not None and self._writer.target.direct_reads
+            stage_chain(self.store, job.chain, job.sources, job.fingerprint, direct)
         except DiskReadError as e:
             if self._writer is not None:
                 self._writer.note_read_failure(e.problem)

@@ -4,12 +4,14 @@ Why through the store: a restore from RAM is the path every exactness test cover
 hit is made into one. The worker reads each file of the chain into freshly allocated store
 buffers under the ids the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32
 as it reads, seals them, and restores with `LinkStore.restore` as for a RAM hit. Nothing is
-restored unless every file of the chain passed. The parts are read with direct I/O through
-page-aligned bounce buffers, each chunk copied into its store buffer and checksummed there while
-it is still in the CPU's cache (direct.py: no page-cache copy, no second pass over the bytes);
-where the file system refuses direct I/O, with one `readinto` per part straight into its store
-buffer and a CRC pass (linkfile.read_parts). Both check the same things. The buffers get a
-huge-page hint first (hugepages.py: fresh pages fault in 512 times fewer).
+restored unless every file of the chain passed. By default each part is read with one
+`readinto` straight into its store buffer and a CRC pass (linkfile.read_parts); with the
+`disk_direct_reads` setting, with direct I/O through page-aligned bounce buffers, each chunk
+copied into its store buffer and checksummed there while it is still in the CPU's cache
+(direct.py: no page-cache copy), falling back to the buffered read where the file system
+refuses direct I/O. Both check the same things; the buffered read measured faster on the
+benchmark host (docs/benchmarks/disk.md). The buffers get a huge-page hint first
+(hugepages.py: fresh pages fault in 512 times fewer).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class DiskReadError(MissingLinkError):
 
 
 def read_verified(path: Path, header: LinkFileHeader, base: int,
-                  parts: dict[str, torch.Tensor], direct: bool = True) -> int:
+                  parts: dict[str, torch.Tensor], direct: bool = False) -> int:
     """Every part of the file into `parts`, each CRC-32 checked: with direct I/O when `direct`
     and the file system takes it, else buffered. Returns the bytes read; LinkFileError (the
     destinations then hold partial bytes) or OSError otherwise."""
@@ -51,10 +53,10 @@ def read_verified(path: Path, header: LinkFileHeader, base: int,
 
 
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
-                fingerprint: bytes, direct: bool = True) -> int:
+                fingerprint: bytes, direct: bool = False) -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
     read. On any problem every link staged by this call is dropped and DiskReadError raised.
-    `direct=False`: buffered reads only (the benchmark's side-by-side)."""
+    `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`)."""
     if len(chain) != len(sources):
         raise ValueError(f"{len(chain)} links but {len(sources)} files")
     layout = store.layout
