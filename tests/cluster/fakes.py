@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.core.restored import restored_bytes
 from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
@@ -200,17 +201,7 @@ class Replica:
         return keys, res
 
     def restore_bytes(self, chain) -> dict[str, bytes]:
-        secs = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
-                for s in self.layout.sections}
-        rows: dict[str, list[bytes]] = {}
-
-        def sink(name, start, t):
-            rows.setdefault(name, []).append(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-        self.store.restore(chain, secs, sink)
-        out = {k: v.view(torch.uint8).numpy().tobytes() for k, v in secs.items()}
-        out.update({k: b"".join(v) for k, v in rows.items()})
-        return out
+        return restored_bytes(self.store, chain)
 
     def serve(self, res) -> dict[str, bytes]:
         """The worker's part of a remote hit: stage the files verified, then restore."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.core.restored import restored_bytes
 from vllm_hybridcache.core import (
     EndAnchors,
     IdSource,
@@ -77,17 +78,7 @@ class Life:
         return {**b.sections, **b.views}
 
     def restore_bytes(self, chain) -> dict[str, bytes]:
-        secs = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
-                for s in self.layout.sections}
-        rows: dict[str, list[bytes]] = {}
-
-        def sink(name, start, t):
-            rows.setdefault(name, []).append(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-        self.store.restore(chain, secs, sink)
-        out = {k: v.view(torch.uint8).numpy().tobytes() for k, v in secs.items()}
-        out.update({k: b"".join(v) for k, v in rows.items()})
-        return out
+        return restored_bytes(self.store, chain)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.core.restored import restored_bytes
 from vllm_hybridcache.core import (
     DiskTier,
     IdSource,
@@ -91,18 +92,7 @@ class Engine:
 
     def restore_bytes(self, chain, store: LinkStore | None = None) -> dict[str, bytes]:
         """Every section of the deepest link and every view's rows, as bytes."""
-        store = store or self.store
-        secs = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
-                for s in self.layout.sections}
-        rows: dict[str, list[bytes]] = {}
-
-        def sink(name, start, t):
-            rows.setdefault(name, []).append(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-        store.restore(chain, secs, sink)
-        out = {k: v.view(torch.uint8).numpy().tobytes() for k, v in secs.items()}
-        out.update({k: b"".join(v) for k, v in rows.items()})
-        return out
+        return restored_bytes(store or self.store, chain)
 
 
 def _files(root: Path) -> list[Path]:
