@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests.core.restored import restored_bytes
+from tests.core.link_bytes import fill_seeded, restored_bytes
 from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
@@ -155,11 +155,7 @@ class Replica:
         for c in cuts_of(keys.tokens):
             r = self.cache.reserve("tree", keys, c, DOM)
             assert r.link_id is not None
-            bufs = self.store.allocate(r.link_id, self.layout.view_rows(r.start, r.end))
-            for t in (*bufs.sections.values(), *bufs.views.values()):
-                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                        dtype=torch.uint8, generator=gen))
-            self.store.seal(r.link_id)
+            fill_seeded(self.store, r.link_id, self.layout.view_rows(r.start, r.end), gen)
             assert self.cache.commit(r.addr)
             job = self.tier.publish_job(self.tree.link_record(r.link_id))
             assert job is not None
@@ -174,12 +170,8 @@ class Replica:
         keys = self.cache.keys(tokens)
         r = self.cache.reserve("anchor", keys, len(tokens), DOM)
         assert r.link_id is not None
-        bufs = self.store.allocate(r.link_id, self.layout.view_rows(0, len(tokens)))
-        gen = torch.Generator().manual_seed(seed)
-        for t in (*bufs.sections.values(), *bufs.views.values()):
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                    dtype=torch.uint8, generator=gen))
-        self.store.seal(r.link_id)
+        fill_seeded(self.store, r.link_id, self.layout.view_rows(0, len(tokens)),
+                    torch.Generator().manual_seed(seed))
         assert self.cache.commit(r.addr)
         job = self.remote_anchors.anchor_job(r.link_id, keys, DOM, len(tokens))
         if publish:

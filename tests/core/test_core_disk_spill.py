@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.core.restored import restored_bytes
+from tests.core.link_bytes import fill_seeded, restored_bytes
 from vllm_hybridcache.core import (
     EndAnchors,
     IdSource,
@@ -63,12 +63,8 @@ class Life:
         """Reserve (with its draft tag, if any), fill with seeded bytes and commit an end
         anchor; its spill job (None when no file can carry the tag)."""
         r = self.cache.reserve("anchor", tokens, len(tokens), domain, tag)
-        bufs = self.store.allocate(r.link_id, self.layout.view_rows(0, len(tokens)))
-        gen = torch.Generator().manual_seed(seed)
-        for t in (*bufs.sections.values(), *bufs.views.values()):
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                    dtype=torch.uint8, generator=gen))
-        self.store.seal(r.link_id)
+        fill_seeded(self.store, r.link_id, self.layout.view_rows(0, len(tokens)),
+                    torch.Generator().manual_seed(seed))
         assert self.cache.commit(r.addr)
         return self.disk_anchors.spill_job(r.link_id, domain, PromptKeys(tokens),
                                            self.layout.view_rows(0, len(tokens)), tag)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.core.restored import restored_bytes
+from tests.core.link_bytes import fill_seeded, restored_bytes
 from vllm_hybridcache.core import (
     DiskTier,
     IdSource,
@@ -73,11 +73,7 @@ class Engine:
             if r.link_id is None:
                 out[c] = r.existing_id
                 continue
-            bufs = self.store.allocate(r.link_id, self.layout.view_rows(r.start, r.end))
-            for t in (*bufs.sections.values(), *bufs.views.values()):
-                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                        dtype=torch.uint8, generator=gen))
-            self.store.seal(r.link_id)
+            fill_seeded(self.store, r.link_id, self.layout.view_rows(r.start, r.end), gen)
             assert self.cache.commit(r.addr)
             job = self.disk.write_job(self.tree.link_record(r.link_id))
             if job is not None:  # None: the file exists already

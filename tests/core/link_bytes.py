@@ -1,10 +1,21 @@
-"""What a restore from a link store writes, as bytes: the tests compare restores by it."""
+"""Link bytes in the core, disk and cluster tests: a link filled with seeded bytes, and what a
+restore from a link store writes (the tests compare restores by it)."""
 
 from __future__ import annotations
 
 import torch
 
 from vllm_hybridcache.core import LinkStore
+
+
+def fill_seeded(store: LinkStore, link_id: int, rows: dict, gen: torch.Generator) -> None:
+    """Allocate link `link_id` with `rows` per view, fill every part with bytes from `gen`
+    and seal it, as a worker's capture would (with made-up bytes)."""
+    bufs = store.allocate(link_id, rows)
+    for t in (*bufs.sections.values(), *bufs.views.values()):
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                dtype=torch.uint8, generator=gen))
+    store.seal(link_id)
 
 
 def restored_bytes(store: LinkStore, chain) -> dict[str, bytes]:
