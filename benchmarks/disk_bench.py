@@ -88,6 +88,7 @@ def dd(args: list[str]) -> float:
 def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
     lay, rows = layout_for(mib)
     store = LinkStore(lay, pin_memory=False)
+    load_start = os.getloadavg()  # a shared machine: the load the figures were taken under
     work = Path(tempfile.mkdtemp(prefix="hc-disk-bench-", dir=folder))
     try:
         d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
@@ -220,6 +221,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         out["read_slab_ratio"] = out["tier_read_slab_gib_s"] / out["dd_read_gib_s"]
         out["read_zlib_crc_ratio"] = out["tier_read_zlib_crc_gib_s"] / out["dd_read_gib_s"]
         out["write_ratio"] = out["tier_write_gib_s"] / out["dd_write_gib_s"]
+        out["loadavg_start"], out["loadavg_end"] = load_start, os.getloadavg()
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -20,12 +20,20 @@ head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
    engine, nothing to reuse). The scheduler side's part (the folder's scan and the chain
    lookup) is timed in this process on the same files between the lives.
 
+Every RAM-warm and disk turn is measured with the tier's writer idle (no write in flight and no
+new file for 3 s: the links of the head's first prefill in life 1, of the previous head's cold
+run in life 2, are written first), so that neither side of a ratio shares the cores with it.
+
 Each request asks for one token (`/v1/completions` with prompt token ids, `max_tokens=1`), so
 its latency is the time to first token plus one HTTP round trip. Token ids are seeded and
 avoid the message-end ids, so cuts fall on the grid only.
 
 Usage: python -m benchmarks.run --micro disk_restart [--restart-model qwen3-next-tiny]
-       [--head 4096,16384,32768] [--keep-page-cache]
+       [--head 4096,16384,32768] [--keep-page-cache] [--repeats N]
+With `--repeats N` each head's RAM-warm and disk turns are served N times (new tails; before
+each disk turn after the first the RAM tier is cleared and the files dropped from the page
+cache, so it is a disk hit again) and their medians reported beside every run; the load
+average at the start and at the end of each life is recorded (a shared machine).
 Prints one JSON line; docs/benchmarks/disk.md records the results.
 """
 
@@ -61,6 +69,25 @@ def complete(base: str, ids: list[int], max_tokens: int = 1, **extra) -> tuple[f
     dt = time.perf_counter() - t0
     r.raise_for_status()
     return dt, r.json()
+
+
+def wait_writes_done(folder: Path, still_s: float = 3.0, limit_s: float = 300.0) -> float:
+    """Wait until the tier's writer is idle, as seen in its folder: no temporary file (a write
+    in flight) and the same set of link files for `still_s`; returns the seconds waited.
+
+    Why: a turn measured while the writer writes the links of the previous prefill (or of a
+    cold run) shares the 2 cores with it; both sides of a ratio are measured with it idle."""
+    t0 = time.monotonic()
+    last, since = None, t0
+    while time.monotonic() - t0 < limit_s:
+        names = {f.name for f in folder.rglob("*") if f.is_file()}
+        busy = any(n.startswith(".tmp-") for n in names)
+        if busy or names != last:
+            last, since = names, time.monotonic()
+        elif time.monotonic() - since >= still_s:
+            break
+        time.sleep(0.25)
+    return time.monotonic() - t0
 
 
 def _disk_stats(base: str) -> dict:
@@ -102,7 +129,7 @@ def lookup_seconds(root: Path, ids: list[int], grid: int) -> dict:
 
 
 def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: Path,
-        drop_page_cache: bool = True, warm_head: bool = True) -> dict:
+        drop_page_cache: bool = True, warm_head: bool = True, repeats: int = 1) -> dict:
     from vllm_hybridcache.models import ensure_model
 
     path = ensure_model(model)
@@ -111,6 +138,10 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
     # one independent head per size (no shared prefix: each is served by its own chain)
     head_ids = {h: random_prompt(rng, h, vocab) for h in heads}
     tails = [random_prompt(rng, tail, vocab) for _ in range(5)]
+    # repeats of the RAM-warm and disk turns, each with its own tail (a tail already served
+    # would hit its own deeper links)
+    warm_tails = [tails[1]] + [random_prompt(rng, tail, vocab) for _ in range(repeats - 1)]
+    disk_tails = [tails[2]] + [random_prompt(rng, tail, vocab) for _ in range(repeats - 1)]
     # one more independent head of the first size, served from disk first in life 2, so the
     # measured disk turn is not the new process's first over a long context (life 1's
     # RAM-warm turn came after long prefills): any one-time cost of that shape falls on it
@@ -124,7 +155,8 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 # every committed link written (what the wait below counts on)
                 "VLLM_HYBRIDCACHE_DISK_WRITE_FIRST_TOKENS": "0"}
     out: dict = {"model": model, "heads": heads, "tail": tail, "grid": grid,
-                 "page_cache_dropped": drop_page_cache, "warm_head": warm_head, "by_head": {}}
+                 "page_cache_dropped": drop_page_cache, "warm_head": warm_head,
+                 "repeats": repeats, "loadavg": {"start": os.getloadavg()}, "by_head": {}}
     by = {h: out["by_head"].setdefault(str(h), {}) for h in heads}
     with mock.patch.dict(os.environ, env_keys):
         with running_server(SYSTEMS["ours"], settings, workdir / "life1.log") as srv:
@@ -132,11 +164,18 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 complete(srv.base_url, warm_ids + tails[0])
             for h in heads:
                 by[h]["first_prefill_s"], _ = complete(srv.base_url, head_ids[h] + tails[0])
-                before = _restore_sum(srv.base_url, "ram")
-                by[h]["ram_warm_s"], body = complete(srv.base_url, head_ids[h] + tails[1])
+                by[h]["ram_writer_wait_s"] = wait_writes_done(workdir / "disk")
+                warm, restores = [], []
+                for t in warm_tails:
+                    before = _restore_sum(srv.base_url, "ram")
+                    dt, body = complete(srv.base_url, head_ids[h] + t)
+                    warm.append(dt)
+                    restores.append(_wait_restore(srv.base_url, before, "ram"))
+                by[h]["ram_warm_runs_s"] = warm
+                by[h]["ram_warm_s"] = float(np.median(warm))
                 by[h]["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"][
                     "cached_tokens"]
-                by[h]["ram_restore_seconds"] = _wait_restore(srv.base_url, before, "ram")
+                by[h]["ram_restore_seconds"] = float(np.median(restores))
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:  # every committed link on disk
                 ram = requests.get(srv.base_url + "/v1/cache/stats").json()["tiers"]["ram"]
@@ -144,6 +183,7 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 if st.get("links", 0) >= ram["kinds"]["tree"]["captures"] > 0:
                     break
                 time.sleep(1)
+            out["loadavg"]["life1_end"] = os.getloadavg()
             out["disk_files"] = st.get("links", 0)
             out["disk_bytes"] = st.get("bytes_held", 0)
         files = list((workdir / "disk").rglob("*.link"))
@@ -165,11 +205,25 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 out["first_disk_hit_restore_seconds"] = _wait_restore(srv.base_url, before,
                                                                       "disk")
             for h in heads:
-                before = _restore_sum(srv.base_url, "disk")
-                by[h]["disk_s"], body = complete(srv.base_url, head_ids[h] + tails[2])
+                by[h]["disk_writer_wait_s"] = wait_writes_done(workdir / "disk")
+                disk, restores = [], []
+                for r, t in enumerate(disk_tails):
+                    if r:  # the last disk hit was promoted: RAM out, files off the cache
+                        requests.post(srv.base_url + "/v1/cache/clear",
+                                      params={"tier": "ram"}).raise_for_status()
+                        if drop_page_cache:
+                            drop_cache(files)
+                    before = _restore_sum(srv.base_url, "disk")
+                    dt, body = complete(srv.base_url, head_ids[h] + t)
+                    disk.append(dt)
+                    restores.append(_wait_restore(srv.base_url, before, "disk"))
+                    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, body
+                by[h]["disk_runs_s"] = disk
+                by[h]["disk_s"] = float(np.median(disk))
                 by[h]["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"][
                     "cached_tokens"]
-                by[h]["disk_restore_seconds"] = _wait_restore(srv.base_url, before, "disk")
+                by[h]["disk_restore_runs_seconds"] = restores
+                by[h]["disk_restore_seconds"] = float(np.median(restores))
                 # the promoted links, from RAM in this life: the same turn without the disk
                 # read, in the same process (tells the disk tier's part from this process's
                 # first request of that shape)
@@ -182,6 +236,7 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 by[h]["cold_s"], body = complete(srv.base_url, head_ids[h] + tails[3],
                                                  cache_salt=f"cold-{uuid.uuid4().hex}")
                 assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
+            out["loadavg"]["life2_end"] = os.getloadavg()
     for b in by.values():
         b["disk_over_ram"] = b["disk_s"] / b["ram_warm_s"]
         b["disk_over_cold"] = b["disk_s"] / b["cold_s"]
@@ -213,12 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail", type=int, default=128)
     ap.add_argument("--grid", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8420)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="RAM-warm and disk turns per head (medians reported; before each "
+                         "disk turn after the first, the RAM tier is cleared and the files "
+                         "dropped from the page cache)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hc-restart-") as work:
         heads = [int(h) for h in args.head.split(",")]
         print(json.dumps(run(args.restart_model, heads, args.tail, args.grid, args.port,
                              Path(work), drop_page_cache=not args.keep_page_cache,
-                             warm_head=not args.no_warm_head)))
+                             warm_head=not args.no_warm_head, repeats=args.repeats)))
     return 0
 
 
