@@ -111,6 +111,11 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         takes them; a fetch that would exceed it is a counted miss (`budget`).
     cluster_timeout_s: a remote lookup (directory, then payloads) not answered in this time is
         a counted miss (`timeout`); the request waits at most this long before prefilling cold.
+    inner_captures: where the model's forward is split-invariant (Flash-Next with its switch),
+        also capture links inside a prefill step (fine segmentation: the prompt's last
+        64-aligned position, junctions; docs/split-invariance.md). Off = step mode on every
+        engine (links only where a step ends), the same forward. On by default (fine mode's
+        purpose); their cost on a cold prefill: docs/benchmarks/split-invariance-captures.md.
     """
 
     enabled: bool = True
@@ -135,6 +140,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_replica: str = ""
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
+    inner_captures: bool = True
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -217,7 +223,7 @@ def _announce(message: str) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if name in ("enabled", "session_spill", "disk_direct_reads"):
+    if name in ("enabled", "session_spill", "disk_direct_reads", "inner_captures"):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True

@@ -292,12 +292,15 @@ def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
                         message_end_min=settings.message_end_min)
 
 
-def segmentation_mode(vllm_config) -> tuple[str, str]:
+def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, str]:
     """(mode, why) of this engine's segmentation: `fine` (links also at 64-aligned positions
     inside a step) only where the model says its forward is split-invariant there
     (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch),
-    and not on a speculative route (the draft rows' tags are step-shaped); `step` otherwise.
+    and not on a speculative route (the draft rows' tags are step-shaped) nor with the
+    `inner_captures` setting off; `step` otherwise.
     """
+    if not inner_captures:
+        return STEP, "inner_captures off"
     if getattr(vllm_config, "speculative_config", None) is not None:
         return STEP, "speculative decoding"
     try:
@@ -354,7 +357,8 @@ class SchedulerSide:
             self.reason_inactive = "budget_bytes=0"
         layout = self.parts.layout if self.parts is not None else None
         self.segmentation = resolve_segmentation(settings, vllm_config)
-        self.segmentation_mode, self._mode_why = segmentation_mode(vllm_config)
+        self.segmentation_mode, self._mode_why = segmentation_mode(vllm_config,
+                                                                   settings.inner_captures)
         self._recent = RecentPrompts() if self.segmentation_mode == FINE else None
         anchors = settings.session_anchors
         self._speculative = vllm_config.speculative_config is not None
