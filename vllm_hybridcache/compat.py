@@ -448,6 +448,96 @@ def vllm_cpu_gdn_prefill() -> Callable[..., Any] | None:
     return _custom_ops.chunk_gated_delta_rule_cpu
 
 
+# --------------------------------------------------------------------- CPU attention pin
+
+CPU_ATTN_Q_HEADS: dict[str, int] = {"amx": 32, "vec": 8}
+"""vLLM 0.32.0's CPU attention: query heads one register iteration of the kernel holds, per
+ISA (`MaxQHeadNumPerIteration` of its C++ `AttentionImpl`). Any other ISA gets one query token
+per piece, which is invariant on every ISA (see `pin_cpu_attention_split`)."""
+
+
+def cpu_attention_piece_tokens(isa: str, num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per piece such that a piece is one query tile of one register iteration.
+
+    The kernel groups a KV head's query heads per token (GQA) when the iteration's head count
+    is a multiple of the group, else it runs heads one by one (q_heads_per_kv = 1).
+    """
+    heads = CPU_ATTN_Q_HEADS.get(isa)
+    if heads is None:
+        return 1
+    group = num_heads // max(num_kv_heads, 1)
+    return max(1, heads // group) if heads % group == 0 else heads
+
+
+def split_attention_queries(query_start_loc: Any, seq_lens: Any,
+                            tokens: int) -> tuple[Any, Any, Any]:
+    """Cut every request's queries into pieces of at most `tokens` consecutive queries, each a
+    causal request of its own: (query_start_loc, seq_lens, row of the original request) of the
+    pieces, which hold the same query rows in the same order."""
+    import torch
+
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    n_pieces = (q_lens + tokens - 1) // tokens
+    rows = torch.repeat_interleave(torch.arange(len(q_lens)), n_pieces)
+    first = torch.repeat_interleave(torch.cumsum(n_pieces, 0) - n_pieces, n_pieces)
+    k = torch.arange(len(rows)) - first                     # piece index inside its request
+    ends = torch.minimum((k + 1) * tokens, q_lens[rows])    # query offset of the piece's end
+    new_qsl = torch.cat([qsl[:1], qsl[rows] + ends]).to(query_start_loc.dtype)
+    new_seq = (seq_lens.to(torch.int64)[rows] - q_lens[rows] + ends).to(seq_lens.dtype)
+    return new_qsl, new_seq, rows
+
+
+@checked("0.32.0")
+def pin_cpu_attention_split(builder_cls: Any = None) -> bool:
+    """Make vLLM's CPU attention compute each query the same way whatever step it is in.
+
+    Why (docs/split-invariance.md, "vLLM's Qwen3-Next on CPU"): vLLM 0.32.0's CPU attention
+    (`cpu_attention_with_kv_cache`, scheduled by `get_scheduler_metadata`) splits a request's
+    queries into work items across threads by the step's total KV length, then into query
+    tiles, and sizes each tile's KV tiles from the tile's query head count
+    (`calcu_tile_size_with_constant_q`); a query's softmax and P@V sums are blocked by those KV
+    tiles, so its bits follow the step. A query tile of at most one register iteration
+    (`MaxQHeadNumPerIteration` heads) is rounded up to exactly that many heads and takes the
+    one-round KV tile size, the same for every such tile. So each request's queries are cut
+    into pieces of that size (`cpu_attention_piece_tokens`), each a causal request of its own
+    sharing the request's block-table row, and the scheduler metadata is rebuilt for the
+    pieces with KV splitting off (a one-token piece could otherwise have its KV range split
+    and reduced across threads). Layers with a sliding window, non-causal or encoder
+    attention keep vLLM's metadata. Wraps `CPUAttentionMetadataBuilder.build` (or
+    `builder_cls.build`, a subclass in tests); returns False when already wrapped.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import cpu_attn
+
+    cls = builder_cls or cpu_attn.CPUAttentionMetadataBuilder
+    original = cls.build
+    if getattr(original, "_hybridcache_pinned", False):
+        return False
+
+    def build(self: Any, common_prefix_len: int, common_attn_metadata: Any,
+              fast_build: bool = False) -> Any:
+        md = original(self, common_prefix_len, common_attn_metadata, fast_build)
+        if (md.causal is not True or md.dynamic_causal is not None
+                or md.encoder_cache is not None or self.window_size != -1):
+            return md
+        tokens = cpu_attention_piece_tokens(self.isa, self.num_heads, self.num_kv_heads)
+        qsl, seq_lens, rows = split_attention_queries(md.query_start_loc, md.seq_lens, tokens)
+        md.query_start_loc, md.seq_lens = qsl, seq_lens
+        md.block_table = md.block_table[rows]
+        md.max_query_len = min(md.max_query_len, tokens)
+        md.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=qsl,
+            causal=True, sliding_window_size=self.window_size, isa=self.isa,
+            enable_kv_split=False, dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
+        return md
+
+    build._hybridcache_pinned = True  # type: ignore[attr-defined]
+    cls.build = build
+    return True
+
+
 # --------------------------------------------------------------------- in-process engine
 
 

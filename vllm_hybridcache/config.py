@@ -35,6 +35,7 @@ FLASH_NEXT_IMPL_ENV = ENV_PREFIX + "FLASH_NEXT_IMPL"
 FLASH_NEXT_OPS_ENV = ENV_PREFIX + "FLASH_NEXT_OPS"
 FLASH_NEXT_SKIP_ENV = ENV_PREFIX + "FLASH_NEXT_SKIP"
 FLASH_NEXT_SPLIT_INVARIANT_ENV = ENV_PREFIX + "FLASH_NEXT_SPLIT_INVARIANT"
+CPU_ATTN_SPLIT_INVARIANT_ENV = ENV_PREFIX + "CPU_ATTN_SPLIT_INVARIANT"
 COPY_BACKEND_ENV = ENV_PREFIX + "COPY_BACKEND"
 CSRC_ENV = ENV_PREFIX + "CSRC"
 CLANG_ENV = ENV_PREFIX + "CLANG"
@@ -47,6 +48,8 @@ PROCESS_ENV: dict[str, str] = {
     FLASH_NEXT_OPS_ENV: "Flash-Next kernel backend: reference, cpu or triton",
     FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
     FLASH_NEXT_SPLIT_INVARIANT_ENV: "1 = Flash-Next's split-invariant forward (default 0)",
+    CPU_ATTN_SPLIT_INVARIANT_ENV: "1 = vLLM's CPU attention computes a query the same way "
+                                  "whatever its prefill step (default 0)",
     COPY_BACKEND_ENV: "snapshot copy kernels: auto, csrc, triton or torch",
     CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
     CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",

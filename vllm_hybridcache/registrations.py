@@ -23,7 +23,23 @@ def register_all() -> None:
 
     for arch in register_flash_next():
         _note(arch)
+    if cpu_attention_pinned():
+        from vllm_hybridcache.compat import pin_cpu_attention_split
+
+        pin_cpu_attention_split()
+        _note("cpu-attention-split-invariant")
     logger.debug("vllm_hybridcache registered: %s", ", ".join(REGISTERED))
+
+
+def cpu_attention_pinned() -> bool:
+    """`VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1`: vLLM's CPU attention pinned so that a
+    query's arithmetic does not follow its prefill step (compat.pin_cpu_attention_split;
+    docs/split-invariance.md). Opt-in: it changes the attention's bits and costs time."""
+    import os
+
+    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
+
+    return os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "0").strip() == "1"
 
 
 def _note(what: str) -> None:

@@ -155,18 +155,22 @@ def resolve_model_dir(model: str, revision: str | None) -> Path | None:
 
 def kernel_backend(vllm_config) -> str:
     """The kernel choices that change an engine's arithmetic beyond the device: vLLM's device
-    type and attention backend setting, and the Flash-Next implementation, kernel backend and
+    type and attention backend setting, the Flash-Next implementation, kernel backend and
     split-invariant forward chosen by our environment variables (empty = the platform
-    default)."""
+    default), and the pin of vLLM's CPU attention when it is on."""
     from vllm_hybridcache.config import FLASH_NEXT_IMPL_ENV, FLASH_NEXT_OPS_ENV
     from vllm_hybridcache.flash_next.ops import split_invariant
+    from vllm_hybridcache.registrations import cpu_attention_pinned
 
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))
     attn = os.environ.get("VLLM_ATTENTION_BACKEND", "")
+    # the CPU attention pin changes the attention's bits; named only when on, so engines
+    # without it keep their fingerprint
+    pinned = ";cpu_attention_split_invariant=1" if cpu_attention_pinned() else ""
     return (f"device={device};attention={attn};flash_next_impl="
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
             f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="
-            f"{int(split_invariant.enabled())}")
+            f"{int(split_invariant.enabled())}{pinned}")
 
 
 def speculative_setup(vllm_config) -> str:
