@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -145,6 +146,39 @@ def test_foreign_fingerprints_swept_unless_in_use(tmp_path):
     mine2 = _dir(tmp_path)
     assert not other.dir.exists() and mine2.stats.swept_dirs == 1
     assert mine.dir.exists()  # our own directory is never swept, locked by mine and mine2
+
+
+def test_a_sweep_between_creating_and_locking_our_folder_is_survived(tmp_path, monkeypatch):
+    """Another engine's sweep takes its exclusive lock on our fresh `.in-use` before we lock it
+    and deletes the folder: the lock we then take is on an unlinked file, so `open` makes the
+    folder again and holds the lock on the file that is really there."""
+    from vllm_hybridcache.core.disk import directory as directory_mod
+
+    real_fcntl = fcntl
+    real_flock = fcntl.flock
+    d = LinkDirectory(tmp_path, FP, 1 << 30)
+    sweeps = []
+
+    def flock_after_a_sweep(fd, op):
+        if op == real_fcntl.LOCK_SH and not sweeps:
+            sweeps.append(fd)
+            shutil.rmtree(d.dir)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(directory_mod.fcntl, "flock", flock_after_a_sweep)
+    d.open()
+    monkeypatch.setattr(directory_mod.fcntl, "flock", real_flock)
+    assert sweeps, "the simulated sweep did not run"
+    held, at_path = os.fstat(d._lock_fd), os.stat(d.dir / LOCK_NAME)
+    assert (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+    # the lock is real: a sweeper of another fingerprint cannot take our folder now
+    fd = os.open(d.dir / LOCK_NAME, os.O_RDWR)
+    try:
+        with pytest.raises(OSError):
+            real_flock(fd, real_fcntl.LOCK_EX | real_fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    d.close()
 
 
 def test_an_unrelated_folder_in_the_root_is_left_alone(tmp_path):

@@ -49,6 +49,8 @@ __all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
 
 SUFFIX = ".link"
 LOCK_NAME = ".in-use"
+# tries to lock our folder while other engines keep sweeping it (each try is microseconds)
+LOCK_ATTEMPTS = 8
 DAY_S = 86400.0
 TREE = "tree"
 ANCHOR = "anchor"
@@ -133,12 +135,41 @@ class LinkDirectory:
         Raises OSError (read-only or missing parent, permissions) for the caller to turn into a
         clear start-up error or a tier that stays off.
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        self._lock_fd = fd
+        self._lock_fd = self._lock_shared()
         self._sweep_foreign()
         self.scan()
+
+    def _lock_shared(self) -> int:
+        """Create our directory and hold a shared lock on the `.in-use` file that is in it.
+
+        Creating the lock file and locking it are two steps: an engine of another fingerprint
+        sweeping at that moment can take its exclusive lock in between and delete the folder
+        (the file we locked is then unlinked, and our files would land in a folder nobody
+        locks). So the lock counts only if the file we locked is still the one at the path;
+        otherwise the folder is created again.
+        """
+        path = self.dir / LOCK_NAME
+        for _ in range(LOCK_ATTEMPTS):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                continue  # the folder was removed between mkdir and open
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            held = os.fstat(fd)
+            try:
+                at_path = os.stat(path)
+            except FileNotFoundError:
+                at_path = None
+            if at_path is not None and (at_path.st_dev, at_path.st_ino) == (
+                held.st_dev,
+                held.st_ino,
+            ):
+                return fd
+            os.close(fd)
+        raise OSError(
+            errno.EBUSY, f"could not lock {path}: swept by another engine {LOCK_ATTEMPTS} times"
+        )
 
     def close(self) -> None:
         if self._lock_fd is not None:
