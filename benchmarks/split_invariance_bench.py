@@ -11,6 +11,17 @@ prompt vs 64-aligned steps), which is what the mode is for, and whether `before`
 the same bits.
 
     python -m benchmarks.split_invariance_bench --before --out docs/benchmarks/split-invariance.md
+
+With `--captures`, instead: the cost of fine segmentation's inner captures on the
+split-invariant forward, in-process (no engine, so no IPC or scheduler noise): one step of
+`--tokens` tokens prefilled cold with the capture hook armed at the two positions fine mode
+wants in it (a junction at `--junction` rounded down to 64, the prompt's last 64-aligned
+position; the GDN and PLE ops run piece by piece and every handed-over state is copied) against
+the same step without the hook, arms alternating, the same model object. The KV-row copies the
+engine's worker makes after the step are not in it (`split_invariance_captures_bench` measures
+the whole engine path).
+
+    python -m benchmarks.split_invariance_bench --captures --tokens 2000 --threads 1
 """
 
 from __future__ import annotations
@@ -82,6 +93,65 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
             f"| {yes[invariant['off']]} | {yes[invariant['on']]} |"]
 
 
+class _KeepStates:
+    """The capture hook (`InnerCapture` in flash_next/gdn.py): armed at fixed offsets of the
+    step, copies every state it is handed, as the worker's hook does."""
+
+    def __init__(self, offsets: tuple[int, ...]) -> None:
+        self._offsets = offsets
+        self.got: dict = {}
+
+    def offsets(self, slot: int) -> tuple[int, ...]:
+        return self._offsets
+
+    def put(self, layer: str, slot: int, offset: int, index: int, value) -> None:
+        self.got[(layer, offset, index)] = value.clone()
+
+
+def measure_captures(model: str, dtype: str, tokens: int, junction: int,
+                     repeat: int) -> list[str]:
+    """[row] of the in-process captures' cost (see the module docstring)."""
+    from vllm_hybridcache.models import ensure_model
+    from vllm_hybridcache.tools.flash_next_steps import FlashNextStepper
+
+    stepper = FlashNextStepper(ensure_model(model), dtype=dtype, ops="cpu",
+                               max_len=max(tokens, 2048), split_invariant=True)
+    offsets = tuple(sorted({junction // 64 * 64, (tokens - 1) // 64 * 64} - {0}))
+    gdn, _ = stepper.state_layers()
+    ids = _prompt(tokens)
+
+    @contextlib.contextmanager
+    def armed():
+        hook = _KeepStates(offsets)
+        for layer in gdn.values():
+            layer.inner_capture = hook
+        try:
+            yield hook
+        finally:
+            for layer in gdn.values():
+                layer.inner_capture = None
+
+    arms = {"plain": contextlib.nullcontext, "captures": armed}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    results, handed = {}, 0
+    stepper.prefill(ids, [tokens])  # warm-up
+    for r in range(repeat):
+        for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+            with arms[arm]() as hook:
+                t0 = time.perf_counter()
+                results[arm] = stepper.prefill(ids, [tokens])
+                times[arm].append(time.perf_counter() - t0)
+                if hook is not None:
+                    handed = len(hook.got)
+    same = "yes" if _equal(results["plain"], results["captures"]) else "no"
+    med = {a: statistics.median(ts) for a, ts in times.items()}
+    paired = statistics.median(c / p for p, c in zip(times["plain"], times["captures"],
+                                                       strict=True))
+    return [f"| {model} | {dtype} | {tokens} | {', '.join(map(str, offsets))} | {handed} "
+            f"| {med['plain']:.3f} | {med['captures']:.3f} "
+            f"| {med['captures'] / med['plain']:.3f} | {paired:.3f} | {same} |"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["flash-next-tiny"])
@@ -94,13 +164,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", action="store_true",
                     help="also time the split-invariant forward's former attention and "
                          "indexer scores (benchmarks/split_invariant_baseline.py)")
+    ap.add_argument("--captures", action="store_true",
+                    help="time the inner captures on the split-invariant forward instead")
+    ap.add_argument("--junction", type=int, default=1000,
+                    help="with --captures: where the junction capture goes (rounded down to 64)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+
+    import os
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.captures:
+        lines = [
+            f"command: `python -m benchmarks.split_invariance_bench "
+            f"{shlex.join(argv if argv is not None else sys.argv[1:])}`",
+            f"machine: {platform.processor() or platform.machine()}, torch threads "
+            f"{torch.get_num_threads()}, {args.repeat} rounds of the arms (order alternating), "
+            f"medians in seconds; load average before: {os.getloadavg()[0]:.1f}",
+            "",
+            "| model | dtype | tokens (one step) | captured at | states handed over "
+            "| plain s | captures s | captures/plain | median of the rounds' ratios "
+            "| same logits and states |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for model in args.models:
+            for dtype in args.dtypes:
+                lines += measure_captures(model, dtype, args.tokens, args.junction,
+                                          args.repeat)
+                print(lines[-1], flush=True)
+        lines.append(f"\nload average after: {os.getloadavg()[0]:.1f}")
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return 0
     lines = [
         f"command: `python -m benchmarks.split_invariance_bench "
         f"{shlex.join(argv if argv is not None else sys.argv[1:])}`",

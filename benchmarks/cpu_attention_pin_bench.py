@@ -1,0 +1,145 @@
+"""Cold prefill cost of the CPU attention pin (`VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1`).
+
+Two vLLM engines of the same model live in this process at once (each with its engine core in
+a child process, which reads the switch when the plugin registers there): `off` (vLLM's CPU
+attention as shipped) and `on` (pinned: every request's queries cut into pieces of one
+register iteration, `compat.pin_cpu_attention_split`). vLLM's own prefix caching is off and
+the plugin's connector is not installed, so the arms differ only in the pin. The arms alternate
+request by request (the order flips every round); each request is a fresh prompt prefilled
+cold for one token. Prints medians, the ratio and the machine's load average.
+
+    python -m benchmarks.cpu_attention_pin_bench --models qwen3-next-tiny \
+        --dtypes bfloat16 float32 --out docs/benchmarks/split-invariance-cpu-attention.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+from benchmarks.engine_cpu import cpu_seconds, descendants
+from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
+
+ARMS = ("off", "on")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def _engine(model_path, dtype: str, pinned: bool, max_len: int, step: int):
+    from vllm import LLM
+
+    os.environ[CPU_ATTN_SPLIT_INVARIANT_ENV] = "1" if pinned else "0"
+    before = descendants()
+    try:
+        # compiled like `vllm serve` (no enforce_eager): step costs as a server pays them
+        llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_len,
+                  max_num_batched_tokens=step, max_num_seqs=1, seed=0,
+                  enable_prefix_caching=False)
+    finally:
+        os.environ.pop(CPU_ATTN_SPLIT_INVARIANT_ENV, None)
+    llm.hybridcache_pids = descendants() - before  # this engine's processes
+    return llm
+
+
+def _generate(llm, ids: list[int]) -> tuple[float, float, int]:
+    """(wall s, CPU s of the engine's processes, first token) of one request."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    c0, t0 = cpu_seconds(llm.hybridcache_pids), time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    t1, c1 = time.perf_counter(), cpu_seconds(llm.hybridcache_pids)
+    return t1 - t0, c1 - c0, out[0].outputs[0].token_ids[0]
+
+
+def measure(model: str, dtype: str, tokens: int, step: int, repeat: int) -> list[str]:
+    from vllm_hybridcache.models import ensure_model
+
+    path = ensure_model(model)
+    engines = {arm: _engine(path, dtype, arm == "on", tokens + 64, step) for arm in ARMS}
+    for llm in engines.values():  # warm-up: the first calls of each shape, allocator growth
+        for k in range(2):
+            _generate(llm, _prompt(tokens, 900 + k))
+    times: dict[str, list[float]] = {a: [] for a in ARMS}
+    cpu: dict[str, list[float]] = {a: [] for a in ARMS}
+    first: dict[str, list[int]] = {a: [] for a in ARMS}
+    loads = [os.getloadavg()[0]]
+    for r in range(repeat):
+        ids = _prompt(tokens, r)
+        for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+            t, c, tok = _generate(engines[arm], ids)
+            times[arm].append(t)
+            cpu[arm].append(c)
+            first[arm].append(tok)
+        loads.append(os.getloadavg()[0])
+    for llm in engines.values():
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # already down
+            pass
+    del engines
+    gc.collect()
+    med = {a: statistics.median(ts) for a, ts in times.items()}
+    cmed = {a: statistics.median(cs) for a, cs in cpu.items()}
+    same = sum(a == b for a, b in zip(first["off"], first["on"], strict=True))
+    # each round's two requests ran back to back on the same prompt: their ratio cancels the
+    # load that moves between rounds
+    paired = statistics.median(on / off for off, on in zip(cpu["off"], cpu["on"], strict=True))
+    return [f"| {model} | {dtype} | {tokens} | {step} | {med['off']:.3f} | {med['on']:.3f} "
+            f"| {med['on'] / med['off']:.3f} | {cmed['off']:.2f} | {cmed['on']:.2f} "
+            f"| {cmed['on'] / cmed['off']:.3f} | {paired:.3f} | {same}/{repeat} "
+            f"| {min(loads):.1f}-{max(loads):.1f} |",
+            f"<!-- {model} {dtype}: wall off {[round(t, 3) for t in times['off']]} "
+            f"on {[round(t, 3) for t in times['on']]}; CPU off "
+            f"{[round(c, 2) for c in cpu['off']]} on {[round(c, 2) for c in cpu['on']]} -->"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen3-next-tiny"])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--tokens", type=int, default=3200)
+    ap.add_argument("--step", type=int, default=2048, help="vLLM's max_num_batched_tokens")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    lines = [
+        f"command: `python -m benchmarks.cpu_attention_pin_bench "
+        f"{shlex.join(argv if argv is not None else sys.argv[1:])}`",
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"{args.repeat} rounds of the arms (order alternating), medians in seconds of one "
+        "cold request (prompt + 1 token): wall time, and CPU time of the engine's processes "
+        "(`benchmarks/engine_cpu.py`); first token: rounds where both arms chose the same",
+        "",
+        "| model | dtype | tokens | step | off s | on s | on/off | off CPU s | on CPU s "
+        "| CPU on/off | CPU on/off, median of the rounds' ratios | same first token "
+        "| load average (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in args.models:
+        for dtype in args.dtypes:
+            rows = measure(model, dtype, args.tokens, args.step, args.repeat)
+            lines += rows
+            print("\n".join(rows), flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
