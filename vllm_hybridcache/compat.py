@@ -512,3 +512,146 @@ async def call_connector_utility(engine_client: Any, name: str, request: dict) -
     if call_all is None:
         raise NotImplementedError(f"{type(engine_client).__name__} cannot call engine utilities")
     return list(await call_all(name, request))
+
+
+# --------------------------------------------------------------------- attention K/V in place
+
+CapFn = Callable[[Any], int]
+"""`cap(request) -> tokens`: the deepest local prefix-cache hit allowed for a request."""
+
+OFF_SEGMENTATION_KEY = "vllm_hybridcache.off_segmentation"
+"""Mixed into the hash of every block a request writes off the segmentation (its provenance)."""
+
+
+@checked("0.32.0")
+def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
+                               scheduler_block_size: int, cap: CapFn,
+                               **manager_kwargs: Any) -> Any:
+    """A `KVCacheManager` whose prefix cache covers the attention groups only, capped by `cap`.
+
+    Why: on a hybrid model the recurrent state slot stays ours (vLLM's `mamba_cache_mode`
+    `none`), and vLLM's prefix cache can then serve only the attention K/V. vLLM 0.32.0 would
+    not do that by itself: with a `none`-mode Mamba group, `resolve_kv_cache_block_sizes` hashes
+    at the least common multiple of the groups' block sizes, `HybridKVCacheCoordinator` aligns
+    every hit to it and asks the Mamba group too (whose manager holds no cached state, so every
+    hit would be 0), and `KVCacheCoordinator.cache_blocks` would register a Mamba state block
+    once a request passes its block size. Here:
+
+    - the manager is built with caching on, hashing at the greatest common divisor of the
+      groups' block sizes (the LCM stays the scheduler block; requests must carry hashes of that
+      granularity, see `provenance_block_hasher`);
+    - its coordinator (vLLM's `HybridKVCacheCoordinator`, checked to be that class) becomes
+      `_AttentionInPlaceCoordinator`: the lookup runs over the attention groups only, hits and
+      registered blocks align to the attention block, and the Mamba managers never cache;
+    - `get_computed_blocks(request)` limits the lookup to `min(num_tokens - 1, cap(request))`,
+      so no hit ever goes deeper than what the caller can complete (a recurrent state at the
+      hit's end); a cap of 0 gives no hit.
+
+    `manager_kwargs` are passed on to `KVCacheManager` (as `Scheduler.__init__` passes them).
+    Raises RuntimeError when the groups are not one or more full-attention groups beside
+    Mamba-like groups, or vLLM builds another coordinator.
+    """
+    import math
+
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    specs = [g.kv_cache_spec for g in groups]
+    if not any(isinstance(s, MambaSpec) for s in specs) or not all(
+            isinstance(s, (MambaSpec, FullAttentionSpec)) for s in specs):
+        raise RuntimeError("attention K/V in place needs full-attention groups beside "
+                           f"Mamba-like groups; got {[type(s).__name__ for s in specs]}")
+    if any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "none" for s in specs):
+        raise RuntimeError("attention K/V in place keeps the recurrent state slot: "
+                           "mamba_cache_mode must be 'none'")
+    hash_block_size = math.gcd(*(s.block_size for s in specs))
+    manager = KVCacheManager(kv_cache_config, max_model_len, scheduler_block_size,
+                             hash_block_size, enable_caching=True, **manager_kwargs)
+    coordinator = manager.coordinator
+    if type(coordinator) is not HybridKVCacheCoordinator:
+        raise RuntimeError(f"vLLM built a {type(coordinator).__name__}, not the "
+                           "HybridKVCacheCoordinator this bend was checked on")
+    coordinator.__class__ = _attention_in_place_coordinator()
+    coordinator.hc_attention_only()
+    original = manager.get_computed_blocks
+
+    def get_computed_blocks(request: Any) -> Any:
+        coordinator.hc_limit = max(0, int(cap(request)))
+        try:
+            return original(request)
+        finally:
+            coordinator.hc_limit = None
+
+    manager.get_computed_blocks = get_computed_blocks
+    return manager
+
+
+@functools.cache
+def _attention_in_place_coordinator() -> type:
+    """`HybridKVCacheCoordinator` restricted to the attention groups (see
+    `attention_in_place_manager`); built on first use so importing compat imports no vLLM."""
+    from vllm.utils.math_utils import round_down
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    class _AttentionInPlaceCoordinator(HybridKVCacheCoordinator):
+        hc_alignment: int = 0
+        hc_limit: int | None = None
+
+        def hc_attention_only(self) -> None:
+            import math
+
+            self.attention_groups = [g for g in self.attention_groups
+                                     if not isinstance(g.spec, MambaSpec)]
+            attention = [self.single_type_managers[i].block_size
+                         for g in self.attention_groups for i in g.group_ids]
+            self.hc_alignment = math.lcm(*attention)
+            for manager in self.single_type_managers:
+                manager.cache_hit_alignment_tokens = self.hc_alignment
+                if isinstance(manager.kv_cache_spec, MambaSpec):
+                    manager.enable_caching = False
+
+        @property
+        def _cache_hit_alignment_tokens(self) -> int:
+            return self.hc_alignment or super()._cache_hit_alignment_tokens
+
+        def _align_cacheable(self, num_tokens: int) -> int:
+            return round_down(num_tokens, self.hc_alignment)
+
+        def find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
+            if self.hc_limit is not None:
+                max_cache_hit_length = min(max_cache_hit_length, self.hc_limit)
+            return super().find_longest_cache_hit(block_hashes, max_cache_hit_length)
+
+    return _AttentionInPlaceCoordinator
+
+
+@checked("0.32.0")
+def provenance_block_hasher(hash_block_size: int, hash_fn: Callable[[Any], Any],
+                            off_from: Callable[[Any], int]) -> Callable[[Any], list]:
+    """vLLM's request block hasher, with a provenance key on blocks written off the segmentation.
+
+    Why: a block is only as exact as the forward that wrote it, and vLLM's block hash names the
+    tokens, not the forward. `off_from(request)` is the first position whose row the request
+    writes off the segmentation (its prompt length for decoded rows; earlier after a step cut
+    short by the token budget, 0 for a resume from an end anchor). Every block ending after it
+    gets `hash_fn((vllm_hash, OFF_SEGMENTATION_KEY))`: a hash no cold prompt's lookup computes,
+    so such a block is never taken as a hit beside a cold-exact link. vLLM 0.32.0's
+    `get_request_block_hasher` chains each hash on `request.block_hashes[-1]`; a provenance hash
+    there only makes the next ones differ more.
+    """
+    from vllm.v1.core.kv_cache_utils import BlockHash, get_request_block_hasher
+
+    inner = get_request_block_hasher(hash_block_size, hash_fn)
+
+    def hasher(request: Any) -> list:
+        first = len(request.block_hashes)
+        hashes = inner(request)
+        off = off_from(request)
+        return [BlockHash(hash_fn((h, OFF_SEGMENTATION_KEY)))
+                if (first + i + 1) * hash_block_size > off else h
+                for i, h in enumerate(hashes)]
+
+    return hasher
