@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, TypeVar
 
@@ -625,6 +626,14 @@ def _attention_in_place_coordinator() -> type:
                 max_cache_hit_length = min(max_cache_hit_length, self.hc_limit)
             return super().find_longest_cache_hit(block_hashes, max_cache_hit_length)
 
+        def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+            # Register only rows of finished steps (vLLM registers a step's blocks when it
+            # schedules the step): a step found off the segmentation after it was scheduled
+            # has its blocks' hashes marked before they are registered (see
+            # `mark_off_segmentation`). A loaded hit sets num_computed_tokens first.
+            super().cache_blocks(request, min(num_computed_tokens,
+                                              int(request.num_computed_tokens)))
+
     return _AttentionInPlaceCoordinator
 
 
@@ -655,3 +664,100 @@ def provenance_block_hasher(hash_block_size: int, hash_fn: Callable[[Any], Any],
                 for i, h in enumerate(hashes)]
 
     return hasher
+
+
+def _off_hash(hash_fn: Callable[[Any], Any], block_hash: Any) -> Any:
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    return BlockHash(hash_fn((block_hash, OFF_SEGMENTATION_KEY)))
+
+
+@checked("0.32.0")
+def mark_off_segmentation(request: Any, old: int, new: int, hash_block_size: int,
+                          hash_fn: Callable[[Any], Any]) -> int:
+    """Give the provenance key to the request's hashed blocks that end in (new, old].
+
+    Why: the request learned that it writes its rows off the segmentation from position `new`
+    on, where it had assumed `old` (blocks ending after `old` already carry the key, see
+    `provenance_block_hasher`). vLLM 0.32.0's `Request.block_hashes` is a plain list the block
+    pool reads when it registers a request's blocks; the caller marks before registration
+    (the in-place coordinator registers only finished steps). Returns the blocks marked.
+    """
+    hashes = request.block_hashes
+    marked = 0
+    for j in range(len(hashes)):
+        end = (j + 1) * hash_block_size
+        if new < end <= old:
+            hashes[j] = _off_hash(hash_fn, hashes[j])
+            marked += 1
+    return marked
+
+
+@dataclass
+class AttentionInPlace:
+    """What `install_attention_in_place` set up on a scheduler: the granularity of block
+    hashes, the attention block (hits and registration align to it) and the hash function."""
+
+    hash_block_size: int
+    block_size: int
+    hash_fn: Callable[[Any], Any]
+
+    def hasher(self, off_from: Callable[[Any], int]) -> Callable[[Any], list]:
+        return provenance_block_hasher(self.hash_block_size, self.hash_fn, off_from)
+
+    def mark(self, request: Any, old: int, new: int) -> int:
+        return mark_off_segmentation(request, old, new, self.hash_block_size, self.hash_fn)
+
+
+@checked("0.32.0")
+def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
+    """Give `scheduler` (vLLM 0.32.0's `Scheduler`, just built) an attention-only prefix cache.
+
+    The manager vLLM built (caching off) is replaced, before any request exists, by
+    `attention_in_place_manager` with the arguments `Scheduler.__init__` passes, and the
+    connector is bound to it again (`bind_kv_cache_manager`). The scheduler's `block_size`
+    becomes the attention block: `Scheduler.schedule` treats a local hit that is not a
+    multiple of it as a partial tail that a connector hit replaces whole, and with the least
+    common multiple there (a Mamba group's block is `max_model_len` in `none` mode) every
+    local hit would be one. Its other uses in 0.32.0 do not apply here (sliding-window replay;
+    block-level load failures, refused with several groups; the `align`-mode checkpoint split,
+    which our cut hook replaces). `hash_block_size` follows the manager's. Requests must then
+    be hashed at that granularity: `rehash_request`.
+    """
+    import math
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    cfg = scheduler.kv_cache_config
+    manager = attention_in_place_manager(
+        cfg, max_model_len=scheduler.max_model_len, scheduler_block_size=scheduler.block_size,
+        cap=cap, max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
+        use_eagle=scheduler.use_eagle_block_drop,
+        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
+        enable_kv_cache_events=scheduler.enable_kv_cache_events,
+        dcp_world_size=scheduler.dcp_world_size, pcp_world_size=1,
+        metrics_collector=scheduler.kv_metrics_collector,
+        watermark=scheduler.scheduler_config.watermark)
+    coordinator = manager.coordinator
+    scheduler.kv_cache_manager = manager
+    if scheduler.connector is not None:
+        scheduler.connector.bind_kv_cache_manager(manager)
+    scheduler.block_size = coordinator.hc_alignment
+    scheduler.hash_block_size = coordinator.hash_block_size
+    hash_fn = get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo)
+    assert scheduler.block_size % coordinator.hash_block_size == 0
+    assert math.lcm(scheduler.block_size, coordinator.hash_block_size) == scheduler.block_size
+    return AttentionInPlace(coordinator.hash_block_size, coordinator.hc_alignment, hash_fn)
+
+
+@checked("0.32.0")
+def rehash_request(request: Any, hasher: Callable[[Any], list]) -> None:
+    """Hash `request` again with `hasher` (its block hashes, and every later one).
+
+    vLLM 0.32.0's `Request` keeps its hasher in `_block_hasher` (EngineCore's, at the least
+    common multiple of the group block sizes here) and extends `block_hashes` with it as
+    tokens arrive (`update_block_hashes`).
+    """
+    request._block_hasher = hasher
+    request.block_hashes = []
+    request.update_block_hashes()

@@ -111,6 +111,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         takes them; a fetch that would exceed it is a counted miss (`budget`).
     cluster_timeout_s: a remote lookup (directory, then payloads) not answered in this time is
         a counted miss (`timeout`); the request waits at most this long before prefilling cold.
+    attention_in_place: a hit's attention K/V comes from vLLM's block pool, shared in place by
+        every request with the prefix, and only the recurrent sections and the rows of the
+        hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
+        place). Off by default; on the AR route only (with speculative decoding it stays off).
     """
 
     enabled: bool = True
@@ -135,6 +139,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_replica: str = ""
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
+    attention_in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -217,7 +222,7 @@ def _announce(message: str) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if name in ("enabled", "session_spill", "disk_direct_reads"):
+    if name in ("enabled", "session_spill", "disk_direct_reads", "attention_in_place"):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True

@@ -49,6 +49,7 @@ def _admit(manager, req):
     got = manager.allocate_slots(req, req.num_tokens - hit, hit, blocks)
     assert got is not None
     req.num_computed_tokens = req.num_tokens
+    manager.cache_blocks(req, req.num_computed_tokens)  # the step ran: its blocks register
     return hit, manager.get_block_ids(req.request_id)
 
 
@@ -138,3 +139,32 @@ def test_refuses_a_model_without_recurrent_groups():
     with pytest.raises(RuntimeError, match="beside Mamba-like groups"):
         compat.attention_in_place_manager(only_attention, max_model_len=MAX_LEN,
                                           scheduler_block_size=BLOCK, cap=lambda r: 0)
+
+
+def test_mark_off_segmentation_marks_only_the_blocks_ending_in_the_new_range(hash_fn):
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    plain = get_request_block_hasher(BLOCK, hash_fn)
+    tokens = _prompt(80, 5)                                  # 5 blocks
+    req = _request("m", tokens, plain)
+    before = list(req.block_hashes)
+    assert compat.mark_off_segmentation(req, 80, 40, BLOCK, hash_fn) == 3   # end 48, 64, 80
+    assert req.block_hashes[:2] == before[:2]
+    assert all(a != b for a, b in zip(req.block_hashes[2:], before[2:], strict=True))
+    # moving the position earlier marks only the blocks not marked yet
+    marked = list(req.block_hashes)
+    assert compat.mark_off_segmentation(req, 40, 0, BLOCK, hash_fn) == 2
+    assert req.block_hashes[2:] == marked[2:] and req.block_hashes[1] != before[1]
+
+
+def test_install_replaces_the_schedulers_manager_before_any_request():
+    from tests.harness.engine import HarnessEngine
+
+    e = HarnessEngine()                          # setting off: vLLM's manager, caching off
+    sched = e.scheduler
+    assert not sched.kv_cache_manager.enable_caching and sched.block_size == MAX_LEN
+    got = compat.install_attention_in_place(sched, lambda r: 0)
+    assert (got.block_size, got.hash_block_size) == (BLOCK, BLOCK)
+    assert sched.block_size == BLOCK and sched.hash_block_size == BLOCK
+    assert sched.kv_cache_manager.enable_caching
+    assert sched.kv_cache_manager.coordinator.hc_alignment == BLOCK
