@@ -455,7 +455,12 @@ def in_place_stats(engine: HarnessEngine) -> dict[str, int]:
     copied from links, and the view bytes not copied (the stats payload's `in_place`)."""
     payload = engine.connector.get_kv_connector_stats()
     assert payload is not None, "the connector is inactive"
-    return dict(payload.data.get("in_place", {}))
+    out = {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0}
+    for kinds in payload.data.get("in_place", {}).values():   # {tier: {kind: counts}}
+        for counts in kinds.values():
+            for key in out:
+                out[key] += counts[key]
+    return out
 
 
 def load_jobs(engine: HarnessEngine, req_id: str) -> list:

@@ -168,3 +168,30 @@ def test_install_replaces_the_schedulers_manager_before_any_request():
     assert sched.block_size == BLOCK and sched.hash_block_size == BLOCK
     assert sched.kv_cache_manager.enable_caching
     assert sched.kv_cache_manager.coordinator.hc_alignment == BLOCK
+
+
+def test_in_place_counters_reach_prometheus_with_tier_and_kind():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from vllm_hybridcache.adapter.stats import HybridCacheProm, encode
+
+    reg = CollectorRegistry()
+
+    def bind(cls):
+        return lambda **kw: cls(registry=reg, **kw)
+
+    prom = HybridCacheProm(SimpleNamespace(kv_transfer_config=None),
+                           {Gauge: bind(Gauge), Counter: bind(Counter),
+                            Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    labels = {"engine": "0", "tier": "ram", "kind": "tree"}
+    for seq, (shared, copied) in enumerate(((384, 128), (768, 512)), start=1):
+        data = encode({}, seq, "e")
+        data["in_place"] = {"ram": {"tree": {"tokens_in_place": shared,
+                                             "tokens_copied": copied,
+                                             "bytes_saved": shared * 10}}}
+        prom.observe(data)
+    assert reg.get_sample_value("vllm:hybridcache_in_place_tokens_total", labels) == 768
+    assert reg.get_sample_value("vllm:hybridcache_copied_tokens_total", labels) == 512
+    assert reg.get_sample_value("vllm:hybridcache_in_place_bytes_saved_total", labels) == 7680

@@ -160,7 +160,7 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         data = encode(self._sched.cache.stats(), self._seq, self._epoch,
                       self._sched.segmentation_mode)
         if self._sched.in_place_block:
-            data["in_place"] = self._sched.in_place_stats()
+            data["in_place"] = self._sched.in_place_payload()
         return HybridCacheStats(data=data)
 
     # =================== segmentation (for the scheduler hook) ===================

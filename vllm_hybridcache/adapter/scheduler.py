@@ -69,7 +69,7 @@ class SegmentedScheduler(Scheduler):
             rehash_request(request, self._hasher)
         super().add_request(request)
 
-    def schedule(self) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if self._in_place is not None:
             for req_id, position in self._side.take_off_segmentation():
                 request = self.requests.get(req_id)
@@ -81,7 +81,7 @@ class SegmentedScheduler(Scheduler):
                     self._marked[req_id] = position
             for req_id in [r for r in self._marked if r not in self.requests]:
                 del self._marked[req_id]
-        return super().schedule()
+        return super().schedule(*args, **kwargs)
 
     def _split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int,
                num_external_computed_tokens: int) -> int | None:

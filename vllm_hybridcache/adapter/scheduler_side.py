@@ -434,9 +434,9 @@ class SchedulerSide:
         # found since the scheduler last took them (request id, position)
         self.in_place_block = 0
         self._off_marks: list[tuple[str, int]] = []
-        self.in_place_tokens = 0      # tokens of restored hits served from vLLM's blocks
-        self.copied_tokens = 0        # tokens of restored hits whose rows were copied
-        self.in_place_bytes = 0       # view bytes the in-place rows did not copy
+        # restored hits by the (tier, kind) of their link: tokens served from vLLM's blocks,
+        # tokens whose rows were copied, and the view bytes the in-place rows did not copy
+        self._in_place_counts: dict[tuple[str, str], dict[str, int]] = {}
         # tree links planned and not yet reported: a lookup may wait a step for one
         self._inflight = InflightLinks()
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
@@ -682,7 +682,7 @@ class SchedulerSide:
                 and self.cache.begin_restore(res)):
             entry.resume_at = res.tokens
             if self.in_place_block:
-                self._count_in_place(in_place, res.tokens)
+                self._count_in_place(res, in_place)
             entry.restoring = res
             sources = self.cache.sources(res)
             fp = b""
@@ -707,18 +707,33 @@ class SchedulerSide:
                                        chain=(), block_ids=block_ids,
                                        fail="the chain changed between lookup and allocation"))
 
-    def _count_in_place(self, in_place: int, tokens: int) -> None:
+    def _count_in_place(self, res: LookupResult, in_place: int) -> None:
         """Which source serves a restored hit's rows: vLLM's shared blocks below `in_place`,
         the link's copy above; and the view bytes the shared blocks did not copy."""
-        layout = self.parts.layout
-        self.in_place_tokens += in_place
-        self.copied_tokens += tokens - in_place
-        blocks = in_place // layout.view_block_tokens
-        self.in_place_bytes += blocks * sum(self.parts.block_bytes.values())
+        c = self._in_place_counts.setdefault(
+            (str(res.tier), str(res.kind)),
+            {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0})
+        c["tokens_in_place"] += in_place
+        c["tokens_copied"] += res.tokens - in_place
+        blocks = in_place // self.parts.layout.view_block_tokens
+        c["bytes_saved"] += blocks * sum(self.parts.block_bytes.values())
 
-    def in_place_stats(self) -> dict[str, int]:
-        return {"tokens_in_place": self.in_place_tokens, "tokens_copied": self.copied_tokens,
-                "bytes_saved": self.in_place_bytes}
+    def in_place_stats(self, tier: str | None = None,
+                       kind: str | None = None) -> dict[str, int]:
+        """Totals over the links' tiers and kinds (or of one), as `_count_in_place` counts."""
+        out = {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0}
+        for (t, k), c in self._in_place_counts.items():
+            if tier in (None, t) and kind in (None, k):
+                for key, v in c.items():
+                    out[key] += v
+        return out
+
+    def in_place_payload(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{tier: {kind: counts}} for the connector's stats payload."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (t, k), c in self._in_place_counts.items():
+            out.setdefault(t, {})[k] = dict(c)
+        return out
 
     def _off_segmentation(self, req_id: str, entry: _Live, position: int) -> None:
         """The request writes its rows off the segmentation from `position` on."""
