@@ -162,3 +162,17 @@ def _registered(e: HarnessEngine, prompt: list[int]) -> list[int]:
             break
         out.append(blk.block_id)
     return out
+
+
+def test_an_end_anchor_hit_is_copied_whole_and_equals_cold():
+    """An end anchor is session-exact: the cap is 0, its rows are copied as before, and the
+    next turn equals a cold run of its prompt."""
+    e = HarnessEngine(ON)
+    first = e.run(A[:100], max_tokens=4)
+    turn = A[:100] + first.tokens + [7, 8, 9, 10, 11]
+    ref = cold(turn)
+    warm = e.run(turn)
+    (job,) = load_jobs(e, warm.req_id)
+    assert warm.cached == 100 + len(first.tokens) - 1 and job.in_place == 0
+    same(warm, ref)
+    assert cache_stats(e, "anchor")["hits"] == 1
