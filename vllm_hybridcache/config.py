@@ -119,6 +119,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         64-aligned position, junctions; docs/split-invariance.md). Off = step mode on every
         engine (links only where a step ends), the same forward. On by default (fine mode's
         purpose); their cost on a cold prefill: docs/benchmarks/split-invariance-captures.md.
+    attention_in_place: a hit's attention K/V comes from vLLM's block pool, shared in place by
+        every request with the prefix, and only the recurrent sections and the rows of the
+        hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
+        place). Off by default; on the AR route only (with speculative decoding it stays off).
     """
 
     enabled: bool = True
@@ -144,6 +148,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
     inner_captures: bool = True
+    attention_in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -226,7 +231,8 @@ def _announce(message: str) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if name in ("enabled", "session_spill", "disk_direct_reads", "inner_captures"):
+    if name in ("enabled", "session_spill", "disk_direct_reads", "inner_captures",
+                "attention_in_place"):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True

@@ -295,6 +295,11 @@ class HarnessEngine:
         self.scheduler.max_num_encoder_input_tokens = max_num_batched_tokens
         self.scheduler.encoder_cache_manager = EncoderCacheManager(
             cache_size=max_num_batched_tokens)
+        # EngineCore seeds the root of vLLM's block hashes when a connector is configured
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+
+        init_none_hash(get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo))
         self.connector = self.scheduler.connector
         self.connector._sched.instrumentation = self.instrumentation[0]
         self.aggregator = KVOutputAggregator.from_connector(self.connector, workers)
@@ -443,3 +448,21 @@ def load_chain(job) -> list[int]:
 def dropped_ids(plan) -> set[int]:
     """Link ids a `StepPlan` tells the workers to drop."""
     return {addr.link_id for addr in plan.drops}
+
+
+def in_place_stats(engine: HarnessEngine) -> dict[str, int]:
+    """Attention K/V in place: tokens of restored hits served from vLLM's shared blocks and
+    copied from links, and the view bytes not copied (the stats payload's `in_place`)."""
+    payload = engine.connector.get_kv_connector_stats()
+    assert payload is not None, "the connector is inactive"
+    out = {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0}
+    for kinds in payload.data.get("in_place", {}).values():   # {tier: {kind: counts}}
+        for counts in kinds.values():
+            for key in out:
+                out[key] += counts[key]
+    return out
+
+
+def load_jobs(engine: HarnessEngine, req_id: str) -> list:
+    """Every `LoadJob` planned for a request so far."""
+    return [job for plan in engine.plans for job in plan.loads if job.req_id == req_id]

@@ -157,8 +157,11 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None or not self._sched.active:
             return None
         self._seq += 1
-        return HybridCacheStats(data=encode(self._sched.cache.stats(), self._seq, self._epoch,
-                                            self._sched.segmentation_mode))
+        data = encode(self._sched.cache.stats(), self._seq, self._epoch,
+                      self._sched.segmentation_mode)
+        if self._sched.in_place_block:
+            data["in_place"] = self._sched.in_place_payload()
+        return HybridCacheStats(data=data)
 
     # =================== segmentation (for the scheduler hook) ===================
     @property
@@ -167,6 +170,15 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def cuts_for(self, request) -> list[int] | None:
         return self._sched.cuts_for(request) if self._sched is not None else None
+
+    def in_place_side(self):
+        """The scheduler side when attention K/V in place is asked for and possible (an
+        active cache on the AR route), else None: the segmentation scheduler installs it."""
+        sched = self._sched
+        if (sched is None or not sched.active or not self.settings.attention_in_place
+                or sched.speculative):
+            return None
+        return sched
 
     # ========================= metrics =========================
     @classmethod

@@ -43,6 +43,9 @@ class LoadJob:
     fingerprint: bytes = b""
     # MTP route: rebuild each link's boundary draft row for this prompt (adapter/draft_rows.py)
     draft: DraftRebuild | None = None
+    # attention K/V in place: the first tokens vLLM's shared blocks already hold; the view
+    # blocks below it are not written (other requests read them)
+    in_place: int = 0
 
     def addr(self, link_id: int) -> LinkAddr:
         return LinkAddr(self.tier, self.kind, link_id)

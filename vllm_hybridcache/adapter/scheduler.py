@@ -6,20 +6,32 @@ We install `_split` there: a step that starts at position s ends no later than t
 after s. A resumed prefill then runs exactly the steps a cold one runs, which is what makes a
 restored link exact. Nothing else in `schedule()` changes; `--scheduler-cls` is vLLM's
 documented way to supply this class.
+
+With `attention_in_place` the scheduler also gets an attention-only prefix cache
+(`compat.install_attention_in_place`): a hit's attention K/V comes from vLLM's shared blocks,
+capped by the connector below the link that restores the recurrent state. Requests are hashed
+again with a provenance key on the blocks they write off the segmentation
+(`compat.provenance_block_hasher`); positions found off it during a step are marked at the
+start of the next `schedule()`, before vLLM registers those blocks.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_hybridcache.compat import (
+    install_attention_in_place,
     install_prefill_split,
+    rehash_request,
     require_supported_vllm,
     scheduler_has_recurrent_layers,
 )
 from vllm_hybridcache.segmentation import first_cut_after
+
+logger = logging.getLogger("vllm_hybridcache")
 
 
 class SegmentedScheduler(Scheduler):
@@ -29,8 +41,47 @@ class SegmentedScheduler(Scheduler):
         connector = self.get_kv_connector()
         active = bool(getattr(connector, "snapshot_cache_active", False))
         self._cuts_for = connector.cuts_for if active else None
+        self._in_place = None
         if self._cuts_for is not None and scheduler_has_recurrent_layers(self):
             install_prefill_split(self, self._split)
+            side = connector.in_place_side()
+            if side is not None:
+                self._install_in_place(side)
+
+    def _install_in_place(self, side: Any) -> None:
+        try:
+            self._in_place = install_attention_in_place(self, side.in_place_cap)
+        except RuntimeError as e:
+            logger.warning("hybridcache: attention K/V in place not available: %s", e)
+            return
+        side.in_place_block = self._in_place.block_size
+        self._side = side
+        self._marked: dict[str, int] = {}  # request id -> off-segmentation position applied
+        self._hasher = self._in_place.hasher(self._off_from)
+        logger.info("hybridcache: attention K/V in place (attention block %d, hash block %d)",
+                    self._in_place.block_size, self._in_place.hash_block_size)
+
+    def _off_from(self, request: Any) -> int:
+        return self._marked.get(request.request_id, request.num_prompt_tokens)
+
+    def add_request(self, request: Any) -> None:
+        if self._in_place is not None and request.request_id not in self.requests:
+            rehash_request(request, self._hasher)
+        super().add_request(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_place is not None:
+            for req_id, position in self._side.take_off_segmentation():
+                request = self.requests.get(req_id)
+                if request is None:
+                    continue
+                old = self._off_from(request)
+                if position < old:
+                    self._in_place.mark(request, old, position)
+                    self._marked[req_id] = position
+            for req_id in [r for r in self._marked if r not in self.requests]:
+                del self._marked[req_id]
+        return super().schedule(*args, **kwargs)
 
     def _split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int,
                num_external_computed_tokens: int) -> int | None:

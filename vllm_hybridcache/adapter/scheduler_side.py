@@ -114,6 +114,13 @@ class _Live:
     last_len: int = 0
     # lookups answered "ask again next step" to wait for a link in flight (adapter/inflight.py)
     lookup_waits: int = 0
+    # attention K/V in place: the answer the cap computed for the connector's question that
+    # follows it in the same scheduling pass, and the tokens vLLM's block pool serves in place
+    answer: tuple[int | None, bool] | None = None
+    in_place: int = 0
+    # first position whose rows this request writes off the segmentation (None: its prompt's
+    # end, where decoded rows start); their blocks get hashes no cold prompt computes
+    off_from: int | None = None
 
     @property
     def draft_route(self) -> bool:
@@ -426,6 +433,14 @@ class SchedulerSide:
                              else DRAFT_REBUILD if rebuild is not None
                              else draft_reads(vllm_config))
         self._live: dict[str, _Live] = {}
+        # attention K/V in place (docs/how-it-works.md): the attention block when the
+        # segmentation scheduler installed it (0: off), and the off-segmentation positions
+        # found since the scheduler last took them (request id, position)
+        self.in_place_block = 0
+        self._off_marks: list[tuple[str, int]] = []
+        # restored hits by the (tier, kind) of their link: tokens served from vLLM's blocks,
+        # tokens whose rows were copied, and the view bytes the in-place rows did not copy
+        self._in_place_counts: dict[tuple[str, str], dict[str, int]] = {}
         # tree links planned and not yet reported: a lookup may wait a step for one
         self._inflight = InflightLinks()
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
@@ -526,6 +541,11 @@ class SchedulerSide:
         return self.cache is not None and self.reason_inactive is None
 
     @property
+    def speculative(self) -> bool:
+        """A draft model or MTP head proposes tokens (speculative decoding)."""
+        return self._speculative
+
+    @property
     def tree(self) -> SnapshotTree | None:
         """The RAM tier's tree links (introspection: tests, stats)."""
         return None if self.cache is None else self.cache.tier(Tier.RAM, LinkKind.TREE)
@@ -561,8 +581,47 @@ class SchedulerSide:
         entry = self._track(request)
         return None if entry.unkeyed else entry.cuts
 
+    def in_place_cap(self, request) -> int:
+        """The deepest local prefix-cache hit vLLM may take for `request` (attention K/V in
+        place): the whole attention blocks strictly below the tree link the cache restores for
+        it, so the connector always loads at least one token and with it the recurrent
+        sections. 0 without such a link (an end anchor, a miss, a request that must stay cold).
+        Computes the connector's answer, kept for `get_num_new_matched_tokens`."""
+        entry = self._live.get(request.request_id)
+        if entry is not None:
+            entry.answer = None
+        answer = self._answer(request)
+        entry = self._live.get(request.request_id)
+        if entry is None:
+            return 0
+        entry.answer = answer
+        tokens, _ = answer
+        res = entry.lookup
+        if (not tokens or res is None or not res.hit or res.kind != LinkKind.TREE
+                or not self.cache.cold_exact(res) or request.num_preemptions > 0):
+            return 0
+        b = self.in_place_block
+        return (tokens - 1) // b * b
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.active or num_computed_tokens > 0 or request.prompt_token_ids is None:
+        entry = self._live.get(request.request_id) if self.in_place_block else None
+        if entry is not None and entry.answer is not None:
+            (tokens, load), entry.answer = entry.answer, None
+            entry.in_place = 0
+            if tokens is None or not tokens:
+                return tokens, False
+            if num_computed_tokens >= tokens:  # cannot happen: the cap stays below the link
+                entry.lookup = None
+                return 0, False
+            entry.in_place = num_computed_tokens
+            return tokens - num_computed_tokens, load
+        if num_computed_tokens > 0:
+            return 0, False
+        return self._answer(request)
+
+    def _answer(self, request) -> tuple[int | None, bool]:
+        """The connector's answer for a request with nothing computed locally."""
+        if not self.active or request.prompt_token_ids is None:
             return 0, False
         if request.num_tokens > request.num_prompt_tokens:
             return 0, False  # resumed after preemption with output: recompute, never guess
@@ -621,8 +680,13 @@ class SchedulerSide:
         block_ids = [list(b) for b in blocks.get_block_ids()]
         if res.hit and not self.cache.cold_exact(res):
             entry.canonical = False  # session-exact state: never publish into the shared tree
-        if res.hit and res.tokens == num_external_tokens and self.cache.begin_restore(res):
-            entry.resume_at = num_external_tokens
+            self._off_segmentation(request.request_id, entry, 0)
+        in_place = entry.in_place
+        if (res.hit and res.tokens == in_place + num_external_tokens
+                and self.cache.begin_restore(res)):
+            entry.resume_at = res.tokens
+            if self.in_place_block:
+                self._count_in_place(res, in_place)
             entry.restoring = res
             sources = self.cache.sources(res)
             fp = b""
@@ -637,7 +701,8 @@ class SchedulerSide:
                 draft = entry.anchor_rebuild(int(request.prompt_token_ids[res.tokens]))
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
-                                       sources=sources, fingerprint=fp, draft=draft))
+                                       sources=sources, fingerprint=fp, draft=draft,
+                                       in_place=in_place))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup
             # (evicted or cleared), so report a failed load and let vLLM recompute.
@@ -645,6 +710,52 @@ class SchedulerSide:
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=(), block_ids=block_ids,
                                        fail="the chain changed between lookup and allocation"))
+
+    def _count_in_place(self, res: LookupResult, in_place: int) -> None:
+        """Which source serves a restored hit's rows: vLLM's shared blocks below `in_place`,
+        the link's copy above; and the view bytes the shared blocks did not copy."""
+        c = self._in_place_counts.setdefault(
+            (str(res.tier), str(res.kind)),
+            {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0})
+        c["tokens_in_place"] += in_place
+        c["tokens_copied"] += res.tokens - in_place
+        blocks = in_place // self.parts.layout.view_block_tokens
+        c["bytes_saved"] += blocks * sum(self.parts.block_bytes.values())
+
+    def in_place_stats(self, tier: str | None = None,
+                       kind: str | None = None) -> dict[str, int]:
+        """Totals over the links' tiers and kinds (or of one), as `_count_in_place` counts."""
+        out = {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0}
+        for (t, k), c in self._in_place_counts.items():
+            if tier in (None, t) and kind in (None, k):
+                for key, v in c.items():
+                    out[key] += v
+        return out
+
+    def in_place_payload(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{tier: {kind: counts}} for the connector's stats payload."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (t, k), c in self._in_place_counts.items():
+            out.setdefault(t, {})[k] = dict(c)
+        return out
+
+    def _off_segmentation(self, req_id: str, entry: _Live, position: int) -> None:
+        """The request writes its rows off the segmentation from `position` on."""
+        if not self.in_place_block:
+            return
+        if entry.off_from is None or position < entry.off_from:
+            entry.off_from = position
+            self._off_marks.append((req_id, position))
+
+    def take_off_segmentation(self) -> list[tuple[str, int]]:
+        """Off-segmentation positions found since the last call (request id, position): the
+        scheduler marks the blocks' hashes before vLLM registers them."""
+        marks, self._off_marks = self._off_marks, []
+        return marks
+
+    def off_from(self, req_id: str) -> int | None:
+        entry = self._live.get(req_id)
+        return None if entry is None else entry.off_from
 
     # -------------------------------------------------------------- per step
     def build_plan(self, so) -> StepPlan:
@@ -670,6 +781,7 @@ class SchedulerSide:
             if req_id in cached.resumed_req_ids:
                 entry.block_ids = [list(b) for b in new] if new is not None else entry.block_ids
                 entry.canonical = False  # resumed after preemption: recomputed, not captured
+                self._off_segmentation(req_id, entry, 0)
             elif new is not None:
                 for g, ids in enumerate(new):
                     entry.block_ids[g].extend(ids)
@@ -719,14 +831,18 @@ class SchedulerSide:
         if (self.instrumentation is not None and self.instrumentation.probe_states
                 and start < prompt_len <= end):
             plan.probes.append((req_id, prompt_len, [list(b) for b in entry.block_ids]))
+        if entry.unkeyed and start < prompt_len:
+            self._off_segmentation(req_id, entry, 0)
         if start >= prompt_len or not entry.canonical or entry.unkeyed:
             return
         if start != entry.resume_at and start not in entry.cut_set:
             entry.canonical = False
+            self._off_segmentation(req_id, entry, start)
             return
         next_cut = first_cut_after(entry.cuts, start, prompt_len)
         if end < min(next_cut, prompt_len):
             entry.canonical = False  # step clipped by the token budget: off the segmentation
+            self._off_segmentation(req_id, entry, start)
             return
         if entry.wanted:
             self._plan_inner(entry, req_id, start, end, plan)

@@ -174,6 +174,20 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
                                                "locate (cluster tier)." + _BY,
                                                "locate_seconds"),
 }
+# attention K/V in place (docs/how-it-works.md): which source served restored hits' rows and
+# the bytes the shared blocks did not copy, by the tier and kind of the restoring link, from
+# the payload's `in_place` ({tier: {kind: counts}})
+IN_PLACE: dict[str, tuple[str, str]] = {
+    "vllm:hybridcache_in_place_tokens": ("Tokens of restored hits whose attention K/V was "
+                                         "shared in place from vLLM's block pool.",
+                                         "tokens_in_place"),
+    "vllm:hybridcache_copied_tokens": ("Tokens of restored hits whose attention K/V was "
+                                       "copied from a link (with attention_in_place on).",
+                                       "tokens_copied"),
+    "vllm:hybridcache_in_place_bytes_saved": ("Attention K/V bytes restored hits did not copy "
+                                              "because the blocks were shared in place.",
+                                              "bytes_saved"),
+}
 # the (tier, kind) series exported as zeros before any snapshot arrives
 SERIES: tuple[tuple[str, str], ...] = tuple(
     (t.value, k.value) for t in Tier for k in LinkKind)
@@ -199,6 +213,8 @@ class HybridCacheProm(KVConnectorPromMetrics):
         self._hists = {n: self._histogram_cls(name=n, documentation=h, labelnames=tl,
                                               buckets=list(SECONDS_BOUNDS))
                        for n, (h, _) in HISTOGRAMS.items()}
+        self._in_place = {n: self._counter_cls(name=n, documentation=h + _BY, labelnames=tl)
+                          for n, (h, _) in IN_PLACE.items()}
         for values in per_engine_labelvalues.values():  # export zeros from the start
             for tier, kind in SERIES:
                 for c in self._counters.values():
@@ -240,6 +256,14 @@ class HybridCacheProm(KVConnectorPromMetrics):
             for name, (_, key) in HISTOGRAMS.items():
                 self._observe_hist(self._hists[name].labels(*values, tier, kind),
                                    cur.get(key), prev.get(key))
+        prev_ip = prev_all.get("in_place") or {}
+        for tier, kinds in (data.get("in_place") or {}).items():
+            for kind, cur in kinds.items():
+                prev = prev_ip.get(tier, {}).get(kind, {})
+                for name, (_, key) in IN_PLACE.items():
+                    delta = cur.get(key, 0) - prev.get(key, 0)
+                    if delta > 0:
+                        self._in_place[name].labels(*values, tier, kind).inc(delta)
         self._prev[engine_idx] = data
         _remember(engine_idx, data)
 

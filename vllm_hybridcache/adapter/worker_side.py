@@ -132,9 +132,13 @@ class WorkerSide:
             dst[DRAFT_INPUT] = self._tap.scratch
             dst[DRAFT_PASS] = self._tap.pass_scratch
 
+        shared = job.in_place // self.parts.layout.view_block_tokens  # vLLM's, never written
+
         def sink(name: str, start: int, rows: torch.Tensor) -> None:
             gid, acc = self._rows[name]
-            acc.scatter(job.block_ids[gid], start, rows)
+            skip = min(max(0, shared - start), rows.shape[0])
+            if skip < rows.shape[0]:
+                acc.scatter(job.block_ids[gid], start + skip, rows[skip:])
 
         self.store.restore(job.chain, dst, sink)
         if job.draft is not None and self._tap is not None:

@@ -1,0 +1,178 @@
+"""Attention K/V in place on vLLM's real scheduler, without a model (tests/harness/engine.py).
+
+With `attention_in_place` a hit's attention blocks come from vLLM's block pool, shared and
+ref-counted, below the tree link whose recurrent state the connector restores; the connector
+copies the sections and the rows of the hit's last block. The fake model reads K rows of
+earlier blocks at every position, so a shared block holding the wrong rows shows in the state
+digests and the sampled tokens, exactly as a wrong copy does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness.engine import (
+    BLOCK,
+    HarnessEngine,
+    cache_stats,
+    in_place_stats,
+    load_jobs,
+)
+
+GRID = 64
+ON = {"attention_in_place": True}
+A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 20)]          # cuts at 64, 128, 192
+B = A[: 2 * GRID] + [50 + (i * 13) % 3000 for i in range(70)]     # shares A's first 2 cuts
+ATTN = 1  # the harness's attention group
+
+
+def cold(prompt):
+    return HarnessEngine().run(prompt)
+
+
+def same(warm, ref) -> None:
+    assert warm.finished and ref.finished
+    assert warm.tokens == ref.tokens
+    assert warm.state is not None and warm.state == ref.state
+
+
+def _attn_blocks(e: HarnessEngine, req_id: str) -> list[int]:
+    return list(e.scheduler.kv_cache_manager.get_block_ids(req_id)[ATTN])
+
+
+def test_a_hit_shares_the_blocks_below_the_link_and_equals_cold():
+    a_cold, b_cold = cold(A), cold(B)
+    e = HarnessEngine(ON)
+    assert e.scheduler.block_size == BLOCK     # hits align to the attention block
+    a = e.run(A)
+    same(a, a_cold)
+    b1, b2 = e.add(B), e.add(B, req_id="b2")
+    e.step()                                    # both admitted: loads planned, blocks held
+    shared = 2 * GRID - BLOCK                   # below the link at 128, strictly: 112
+    for r in (b1, b2):
+        (job,) = load_jobs(e, r)
+        assert job.in_place == shared
+    blocks1, blocks2 = _attn_blocks(e, b1), _attn_blocks(e, b2)
+    n = shared // BLOCK
+    assert blocks1[:n] == blocks2[:n]           # one set of blocks for both requests
+    assert set(blocks1[n:]).isdisjoint(blocks2[n:])
+    pool = e.scheduler.kv_cache_manager.block_pool.blocks
+    assert all(pool[i].ref_cnt == 2 for i in blocks1[:n])
+    e.drain()
+    for r in (b1, b2):
+        assert e.runs[r].cached == 2 * GRID
+        same(e.runs[r], b_cold)
+    st = in_place_stats(e)
+    assert st["tokens_in_place"] == 2 * shared and st["tokens_copied"] == 2 * BLOCK
+    assert st["bytes_saved"] > 0
+    assert cache_stats(e)["tokens_served"] == 2 * 2 * GRID
+
+
+def test_without_the_blocks_the_link_serves_every_row_by_copy():
+    """vLLM dropped its cached blocks (eviction; here a reset of its prefix cache): the local
+    hit is 0 and the link's host rows serve the whole hit, as without the setting."""
+    ref = cold(A)
+    e = HarnessEngine(ON)
+    e.run(A)
+    assert e.scheduler.reset_prefix_cache()
+    warm = e.run(A)
+    (job,) = load_jobs(e, warm.req_id)
+    assert job.in_place == 0 and warm.cached == 3 * GRID
+    same(warm, ref)
+    st = in_place_stats(e)
+    assert st["tokens_in_place"] == 0 and st["tokens_copied"] == 3 * GRID
+
+
+def test_a_corrupted_restore_beside_shared_blocks_is_caught():
+    """Negative control: the in-place path still depends on the copied part (the state)."""
+    ref = cold(A)
+    e = HarnessEngine(ON)
+    e.run(A)
+    e.corrupt_restores()
+    warm = e.run(A)
+    (job,) = load_jobs(e, warm.req_id)
+    assert job.in_place > 0
+    assert warm.state != ref.state
+
+
+def test_no_link_no_local_hit():
+    """vLLM's pool holds A's blocks but the cache holds no link (cleared): the cap is 0, the
+    request runs cold, and nothing is counted in place."""
+    ref = cold(A)
+    e = HarnessEngine(ON)
+    e.run(A)
+    e.clear()
+    warm = e.run(A)
+    assert warm.cached == 0 and not load_jobs(e, warm.req_id)
+    same(warm, ref)
+
+
+@pytest.mark.parametrize("marks", [True, False])
+def test_blocks_written_off_the_segmentation_are_never_taken_with_a_link(marks):
+    """Request `off` is cut short by the token budget (it shares a step with another
+    request): from its first step on it is off the segmentation and its blocks are hashed
+    apart. A cold run of the same prompt then captures links; a third run takes its in-place
+    blocks from the cold run, never from `off`, though `off` registered its blocks first. The
+    negative control (`marks=False`: the scheduler never marks) takes `off`'s blocks."""
+    e = HarnessEngine(ON, max_num_batched_tokens=100)
+    if not marks:
+        e.scheduler._side.take_off_segmentation = list
+    other = [9 + (i * 11) % 3000 for i in range(150)]
+    e.add(other, req_id="other")
+    off = e.add(A, req_id="off")
+    off_blocks: set[int] = set()
+    while e.scheduler.has_requests():           # step 1: other 64 tokens to its cut, off 36
+        e.step()
+        if off in e.scheduler.requests:
+            off_blocks |= set(_attn_blocks(e, off))
+    e.step()
+    assert e.runs[off].finished and cache_stats(e)["links"] == 2   # other's cuts only
+    # off's blocks are registered under provenance hashes only (or, unmarked, under A's)
+    assert len(_registered(e, A)) == (0 if marks else len(A) // BLOCK)
+    first = e.run(A)                            # cold: no link for A yet; captures 3
+    assert first.cached == 0
+    cold_blocks = set(_registered(e, A))
+    third = e.add(A, req_id="third")
+    e.step()
+    shared = set(_attn_blocks(e, third)[: (3 * GRID - BLOCK) // BLOCK])
+    e.drain()
+    assert e.runs[third].cached == 3 * GRID
+    if marks:
+        assert shared <= cold_blocks and not shared & off_blocks
+    else:
+        assert shared & off_blocks
+
+
+def _registered(e: HarnessEngine, prompt: list[int]) -> list[int]:
+    """Attention block ids vLLM's pool holds under `prompt`'s cold block hashes, in order."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.request import Request
+
+    from vllm_hybridcache.compat import rehash_request
+
+    probe = Request("probe", list(prompt), SamplingParams(max_tokens=1), None)
+    rehash_request(probe, e.scheduler._hasher)
+    pool = e.scheduler.kv_cache_manager.block_pool
+    out = []
+    for h in probe.block_hashes:
+        blk = pool.cached_block_hash_to_block.get_one_block(
+            make_block_hash_with_group_id(h, ATTN))
+        if blk is None:
+            break
+        out.append(blk.block_id)
+    return out
+
+
+def test_an_end_anchor_hit_is_copied_whole_and_equals_cold():
+    """An end anchor is session-exact: the cap is 0, its rows are copied as before, and the
+    next turn equals a cold run of its prompt."""
+    e = HarnessEngine(ON)
+    first = e.run(A[:100], max_tokens=4)
+    turn = A[:100] + first.tokens + [7, 8, 9, 10, 11]
+    ref = cold(turn)
+    warm = e.run(turn)
+    (job,) = load_jobs(e, warm.req_id)
+    assert warm.cached == 100 + len(first.tokens) - 1 and job.in_place == 0
+    same(warm, ref)
+    assert cache_stats(e, "anchor")["hits"] == 1
