@@ -21,9 +21,8 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 
-from benchmarks.engine_cpu import cpu_seconds, descendants
+from benchmarks.engine_cpu import descendants, emit, timed_generate
 from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 
 ARMS = ("off", "on")
@@ -54,13 +53,8 @@ def _engine(model_path, dtype: str, pinned: bool, max_len: int, step: int):
 
 def _generate(llm, ids: list[int]) -> tuple[float, float, int]:
     """(wall s, CPU s of the engine's processes, first token) of one request."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
-    c0, t0 = cpu_seconds(llm.hybridcache_pids), time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-    t1, c1 = time.perf_counter(), cpu_seconds(llm.hybridcache_pids)
-    return t1 - t0, c1 - c0, out[0].outputs[0].token_ids[0]
+    wall, cpu, out = timed_generate(llm, ids)
+    return wall, cpu, out.outputs[0].token_ids[0]
 
 
 def measure(model: str, dtype: str, tokens: int, step: int, repeat: int) -> list[str]:
@@ -133,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = measure(model, dtype, args.tokens, args.step, args.repeat)
             lines += rows
             print("\n".join(rows), flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(lines, args.out)
     return 0
 
 

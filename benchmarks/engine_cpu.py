@@ -10,6 +10,8 @@ Linux only (`/proc`).
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -47,3 +49,24 @@ def cpu_seconds(pids: set[int]) -> float:
         if st is not None:
             total += int(st[11]) + int(st[12])  # utime, stime
     return total / _TICK
+
+
+def timed_generate(llm: Any, ids: list[int]) -> tuple[float, float, Any]:
+    """(wall s, CPU s of the engine's processes, the `RequestOutput`) of one greedy one-token
+    request on `llm`, whose processes `llm.hybridcache_pids` holds (see `descendants`)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    c0, t0 = cpu_seconds(llm.hybridcache_pids), time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    t1, c1 = time.perf_counter(), cpu_seconds(llm.hybridcache_pids)
+    return t1 - t0, c1 - c0, out[0]
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print a benchmark's report and write it to `out` (when given)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)

@@ -34,6 +34,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.engine_cpu import emit
+
 
 def _prompt(n: int, seed: int = 7) -> list[int]:
     import torch
@@ -196,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                                           args.repeat)
                 print(lines[-1], flush=True)
         lines.append(f"\nload average after: {os.getloadavg()[0]:.1f}")
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        emit(lines, args.out)
         return 0
     lines = [
         f"command: `python -m benchmarks.split_invariance_bench "
@@ -216,11 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes:
             lines += measure(model, dtype, args.tokens, args.step, args.repeat, args.before)
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(lines, args.out)
     return 0
 
 

@@ -30,9 +30,8 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 
-from benchmarks.engine_cpu import cpu_seconds, descendants
+from benchmarks.engine_cpu import descendants, emit, timed_generate
 
 ARMS = ("off", "on")
 
@@ -60,13 +59,8 @@ def _engine(model_path: str, dtype: str, inner: bool, max_len: int, step: int):
 
 def _generate(llm, ids: list[int]) -> tuple[float, float, int]:
     """(wall s, CPU s of the engine's processes, cached tokens) of one request."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
-    c0, t0 = cpu_seconds(llm.hybridcache_pids), time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-    t1, c1 = time.perf_counter(), cpu_seconds(llm.hybridcache_pids)
-    return t1 - t0, c1 - c0, out[0].num_cached_tokens or 0
+    wall, cpu, out = timed_generate(llm, ids)
+    return wall, cpu, out.num_cached_tokens or 0
 
 
 def _one(llm, primer: list[int], prompt: list[int]) -> tuple[float, float]:
@@ -180,11 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.warmup, args.control)
             lines += rows
             print("\n".join(rows), flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(lines, args.out)
     return 0
 
 
