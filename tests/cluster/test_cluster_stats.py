@@ -4,9 +4,8 @@ from the cumulative snapshots the connector sends (no engine, no Ray)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from vllm_hybridcache.adapter.stats import HybridCacheProm, encode
+from tests.prom_registry import private_prom
+from vllm_hybridcache.adapter.stats import encode
 from vllm_hybridcache.cluster.front import sum_stats
 from vllm_hybridcache.core import CacheStats
 from vllm_hybridcache.core.tiers.cluster import ClusterStats
@@ -26,16 +25,7 @@ def _payload(seq: int, st: ClusterStats) -> dict:
 
 
 def test_fetch_figures_reach_prometheus_as_growth():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    reg = CollectorRegistry()
-
-    def bind(cls):
-        return lambda **kw: cls(registry=reg, **kw)
-
-    prom = HybridCacheProm(SimpleNamespace(kv_transfer_config=None),
-                           {Gauge: bind(Gauge), Counter: bind(Counter),
-                            Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    prom, reg = private_prom()
     labels = {"engine": "0", "tier": "cluster", "kind": "tree"}
     prom.observe(_payload(1, _cluster(1, 1000, [0.004])))
     prom.observe(_payload(2, _cluster(3, 5000, [0.004, 0.02, 0.3])))

@@ -171,20 +171,10 @@ def test_install_replaces_the_schedulers_manager_before_any_request():
 
 
 def test_in_place_counters_reach_prometheus_with_tier_and_kind():
-    from types import SimpleNamespace
+    from tests.prom_registry import private_prom
+    from vllm_hybridcache.adapter.stats import encode
 
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    from vllm_hybridcache.adapter.stats import HybridCacheProm, encode
-
-    reg = CollectorRegistry()
-
-    def bind(cls):
-        return lambda **kw: cls(registry=reg, **kw)
-
-    prom = HybridCacheProm(SimpleNamespace(kv_transfer_config=None),
-                           {Gauge: bind(Gauge), Counter: bind(Counter),
-                            Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    prom, reg = private_prom()
     labels = {"engine": "0", "tier": "ram", "kind": "tree"}
     for seq, (shared, copied) in enumerate(((384, 128), (768, 512)), start=1):
         data = encode({}, seq, "e")

@@ -262,18 +262,9 @@ def test_clear_without_a_utility_path_is_a_501():
 # ------------------------------------------------------------------ 7d: engine restarts
 @pytest.fixture
 def prom():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from tests.prom_registry import private_prom
 
-    from vllm_hybridcache.adapter.stats import HybridCacheProm
-
-    reg = CollectorRegistry()
-
-    def bind(cls):
-        return lambda **kw: cls(registry=reg, **kw)
-
-    types = {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)}
-    p = HybridCacheProm(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
-    return p, reg
+    return private_prom()
 
 
 def _payload(epoch: str, seq: int, hits: int, anchor_hits: int = 0):
