@@ -85,6 +85,29 @@ def dd(args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def random_parts(store: LinkStore, rows: int) -> tuple[dict[str, torch.Tensor], int]:
+    """One link's parts (sections and views) filled with random bytes (incompressible, like
+    real state), and their size; every link of a benchmark chain writes this one buffer."""
+    src = store.allocate(0, rows)
+    gen = np.random.default_rng(0)
+    for t in (*src.sections.values(), *src.views.values()):
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        flat[:] = gen.integers(0, 256, flat.shape, dtype=np.uint8)
+    parts = {**src.sections, **src.views}
+    return parts, sum(p.numel() * p.element_size() for p in parts.values())
+
+
+def write_chain(d: LinkDirectory, keys: PromptKeys, links: int, rows: int,
+                parts: dict[str, torch.Tensor], nbytes: int) -> list[Path]:
+    """Write a chain of `links` links of `rows` rows each on the prompt of `keys`; their files."""
+    for i in range(links):
+        s, e = i * rows, (i + 1) * rows
+        assert d.write(domain=DOM, digest=keys.digest(e),
+                       parent_digest=keys.digest(s) if s else b"", start=s, end=e,
+                       tokens=keys.tokens[s:e], rows=rows, parts=parts, nbytes=nbytes)
+    return [d.path_for(DOM, (i + 1) * rows, keys.digest((i + 1) * rows)) for i in range(links)]
+
+
 def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
     lay, rows = layout_for(mib)
     store = LinkStore(lay, pin_memory=False)
@@ -95,24 +118,11 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         d.open()
         toks = np.arange(rows * links, dtype=np.int64) + 1000
         keys = PromptKeys(toks)
-        # payloads: random bytes (incompressible, like real state), one buffer reused
-        src = store.allocate(0, rows)
-        gen = np.random.default_rng(0)
-        for t in (*src.sections.values(), *src.views.values()):
-            flat = t.reshape(-1).view(torch.uint8).numpy()
-            flat[:] = gen.integers(0, 256, flat.shape, dtype=np.uint8)
-        parts = {**src.sections, **src.views}
-        nbytes = sum(p.numel() * p.element_size() for p in parts.values())
+        parts, nbytes = random_parts(store, rows)
 
         t0 = time.perf_counter()
-        for i in range(links):
-            s, e = i * rows, (i + 1) * rows
-            assert d.write(domain=DOM, digest=keys.digest(e),
-                           parent_digest=keys.digest(s) if s else b"", start=s, end=e,
-                           tokens=toks[s:e], rows=rows, parts=parts, nbytes=nbytes)
+        files = write_chain(d, keys, links, rows, parts, nbytes)
         t_write = time.perf_counter() - t0
-        files = [d.path_for(DOM, (i + 1) * rows, keys.digest((i + 1) * rows))
-                 for i in range(links)]
         file_bytes = sum(p.stat().st_size for p in files)
 
         chain = [LinkRef(100 + i, i * rows, (i + 1) * rows) for i in range(links)]

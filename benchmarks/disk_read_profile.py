@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.disk_bench import DOM, FP, dd, drop_cache, layout_for
+from benchmarks.disk_bench import FP, dd, drop_cache, layout_for, random_parts, write_chain
 from vllm_hybridcache.core import LinkRef, LinkStore, PromptKeys
 from vllm_hybridcache.core.disk import LinkDirectory, linkfile
 from vllm_hybridcache.core.disk.crc import crc32
@@ -128,21 +128,9 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
         d.open()
         toks = np.arange(rows * links, dtype=np.int64) + 1000
         keys = PromptKeys(toks)
-        src = store.allocate(0, rows)
-        gen = np.random.default_rng(0)
-        for t in (*src.sections.values(), *src.views.values()):
-            flat = t.reshape(-1).view(torch.uint8).numpy()
-            flat[:] = gen.integers(0, 256, flat.shape, dtype=np.uint8)
-        parts = {**src.sections, **src.views}
-        nbytes = sum(p.numel() * p.element_size() for p in parts.values())
-        for i in range(links):
-            s, e = i * rows, (i + 1) * rows
-            assert d.write(domain=DOM, digest=keys.digest(e),
-                           parent_digest=keys.digest(s) if s else b"", start=s, end=e,
-                           tokens=toks[s:e], rows=rows, parts=parts, nbytes=nbytes)
+        parts, nbytes = random_parts(store, rows)
+        files = write_chain(d, keys, links, rows, parts, nbytes)
         store.drop([0])
-        files = [d.path_for(DOM, (i + 1) * rows, keys.digest((i + 1) * rows))
-                 for i in range(links)]
         gib = sum(p.stat().st_size for p in files) / (1 << 30)
         out["file_bytes"] = int(gib * (1 << 30))
         chain = [LinkRef(100 + i, i * rows, (i + 1) * rows) for i in range(links)]
