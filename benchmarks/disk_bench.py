@@ -85,6 +85,16 @@ def dd(args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def open_bench_dir(work: Path, links: int, rows: int
+                   ) -> tuple[LinkDirectory, np.ndarray, PromptKeys]:
+    """An opened link folder under `work` and the prompt (token ids, keys) of a chain of
+    `links` links of `rows` rows each."""
+    d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
+    d.open()
+    toks = np.arange(rows * links, dtype=np.int64) + 1000
+    return d, toks, PromptKeys(toks)
+
+
 def random_parts(store: LinkStore, rows: int) -> tuple[dict[str, torch.Tensor], int]:
     """One link's parts (sections and views) filled with random bytes (incompressible, like
     real state), and their size; every link of a benchmark chain writes this one buffer."""
@@ -114,10 +124,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
     load_start = os.getloadavg()  # a shared machine: the load the figures were taken under
     work = Path(tempfile.mkdtemp(prefix="hc-disk-bench-", dir=folder))
     try:
-        d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
-        d.open()
-        toks = np.arange(rows * links, dtype=np.int64) + 1000
-        keys = PromptKeys(toks)
+        d, _toks, keys = open_bench_dir(work, links, rows)
         parts, nbytes = random_parts(store, rows)
 
         t0 = time.perf_counter()

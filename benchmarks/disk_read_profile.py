@@ -40,9 +40,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.disk_bench import FP, dd, drop_cache, layout_for, random_parts, write_chain
-from vllm_hybridcache.core import LinkRef, LinkStore, PromptKeys
-from vllm_hybridcache.core.disk import LinkDirectory, linkfile
+from benchmarks.disk_bench import (
+    FP,
+    dd,
+    drop_cache,
+    layout_for,
+    open_bench_dir,
+    random_parts,
+    write_chain,
+)
+from vllm_hybridcache.core import LinkRef, LinkStore
+from vllm_hybridcache.core.disk import linkfile
 from vllm_hybridcache.core.disk.crc import crc32
 from vllm_hybridcache.core.disk.hugepages import advise_huge_pages
 from vllm_hybridcache.core.disk.reader import stage_chain
@@ -124,10 +132,7 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
     out: dict = {"folder": str(folder), "links": links, "mib": mib, "passes": passes,
                  "loadavg_start": os.getloadavg()}
     try:
-        d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
-        d.open()
-        toks = np.arange(rows * links, dtype=np.int64) + 1000
-        keys = PromptKeys(toks)
+        d, toks, keys = open_bench_dir(work, links, rows)
         parts, nbytes = random_parts(store, rows)
         files = write_chain(d, keys, links, rows, parts, nbytes)
         store.drop([0])
