@@ -1,4 +1,5 @@
-"""SlabArena: link buffers carved out of large host slabs.
+"""Host buffers for the link store: SlabArena (links carved out of large slabs) and PagePool
+(reused page-aligned buffers for links read from disk).
 
 Why: torch's pinned host allocator rounds every block up to a power of two and caches freed
 blocks, so a 38 MiB link would hold a 64 MiB pinned block. Allocating pinned memory in large
@@ -10,17 +11,19 @@ A range is reused as soon as it is freed: nothing may still read or write a bloc
 asynchronous device copy included) when it is freed. The tree never drops a link that an active
 restore uses, and a capture's copy completes before its step ends, before any drop can arrive.
 
-Not thread-safe: owned by one LinkStore, called from one thread.
+SlabArena is not thread-safe: owned by one LinkStore, called from one thread. PagePool (at
+the end of this module) takes a lock.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Block", "SlabArena"]
+__all__ = ["PAGE", "Block", "PageBlock", "PagePool", "SlabArena", "size_class"]
 
 
 def _align(n: int, a: int) -> int:
@@ -152,3 +155,101 @@ class SlabArena:
     @property
     def slabs(self) -> int:
         return len(self._slabs)
+
+
+PAGE = 4096  # the page size direct I/O and the link file format align to
+
+
+def size_class(n: int) -> int:
+    """The pool class of an `n`-byte request: pages, rounded up to one of eight steps per
+    power of two (at most 1/8 of a buffer wasted), so links of nearly one size share buffers."""
+    pages = max(1, -(-n // PAGE))
+    if pages <= 8:
+        return pages * PAGE
+    step = 1 << (pages.bit_length() - 4)  # 8 steps between 2^k and 2^(k+1) pages
+    return -(-pages // step) * step * PAGE
+
+
+@dataclass(eq=False)
+class PageBlock:
+    """A page-aligned buffer from a PagePool: `tensor` is a uint8 view of `size` bytes starting
+    on a page boundary; `cls` its size class (the bytes it holds)."""
+
+    tensor: torch.Tensor
+    size: int
+    cls: int
+    whole: torch.Tensor  # the page-aligned `cls` bytes `tensor` starts (what is reused)
+    fresh: bool  # allocated for this take (its pages not yet touched), not reused
+
+
+class PagePool:
+    """Reused, page-aligned host buffers for a disk hit's read, kept by size class.
+
+    Why: a disk hit reads each link file straight into the link's store buffer with one direct
+    read, which needs the buffer page-aligned; and memory already mapped is what makes that read
+    fast (a fresh buffer's pages are zeroed and faulted in during the read: on the CI VM that
+    cost more than the copy it saves; docs/benchmarks/disk.md). So the buffers of staged links
+    come from here and come back here when the store drops them. Bounded: at most `max_idle`
+    bytes wait idle (the oldest given back go first beyond that); buffers in use are the
+    store's (its byte budget counts them). Thread-safe (one lock): readers on several threads
+    may share one pool.
+    """
+
+    def __init__(self, max_idle: int, pin_memory: bool = False) -> None:
+        if max_idle < 0:
+            raise ValueError("max_idle must be >= 0")
+        self.max_idle = max_idle
+        self.pin_memory = pin_memory
+        self._lock = threading.Lock()
+        self._free: dict[int, list[PageBlock]] = {}
+        self._order: list[PageBlock] = []  # idle blocks, oldest given back first
+        self._idle = 0
+        self.taken = 0  # blocks handed out (reused or fresh): counters for stats and tests
+        self.reused = 0
+
+    def take(self, n: int) -> PageBlock:
+        """A page-aligned buffer of at least `n` bytes (`tensor` has exactly `n`): an idle one
+        of its size class if any, else a fresh allocation."""
+        cls = size_class(n)
+        with self._lock:
+            self.taken += 1
+            free = self._free.get(cls)
+            if free:
+                b = free.pop()
+                self._order.remove(b)
+                self._idle -= cls
+                self.reused += 1
+                return PageBlock(b.whole[:n], n, cls, b.whole, False)
+        # one page more than the class, so a page-aligned start lies inside it
+        backing = torch.empty(cls + PAGE, dtype=torch.uint8, pin_memory=self.pin_memory)
+        off = -backing.data_ptr() % PAGE
+        whole = backing[off:off + cls]
+        return PageBlock(whole[:n], n, cls, whole, True)
+
+    def give(self, b: PageBlock) -> None:
+        """Hand a buffer back (nothing may read or write it any more): kept idle for the next
+        take of its class, the oldest idle buffers released beyond `max_idle` bytes."""
+        if b.cls > self.max_idle:
+            return
+        with self._lock:
+            if any(x is b for x in self._order):
+                raise RuntimeError("a pool buffer given back twice")
+            self._free.setdefault(b.cls, []).append(b)
+            self._order.append(b)
+            self._idle += b.cls
+            while self._idle > self.max_idle:
+                old = self._order.pop(0)
+                self._free[old.cls].remove(old)
+                self._idle -= old.cls
+
+    def clear(self) -> None:
+        """Release every idle buffer."""
+        with self._lock:
+            self._free.clear()
+            self._order.clear()
+            self._idle = 0
+
+    @property
+    def idle_bytes(self) -> int:
+        """Host bytes held by idle buffers (what the pool keeps beyond the store's links)."""
+        return self._idle

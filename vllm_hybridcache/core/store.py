@@ -7,6 +7,12 @@ host allocation (pinned where a CUDA/ROCm device exists, so device copies can be
 carved into typed, 64-byte aligned part tensors. A sealed link keeps one typed row tensor per
 view (what restores hand out); section tensors are rebuilt on demand.
 
+A link read from disk (`allocate(..., page_aligned=True)`) is laid out as its link file lays
+out its payload instead: parts at page-aligned offsets, in a page-aligned buffer from the
+store's PagePool (slabs.py: reused buffers, bounded), so the disk reader fills the whole link
+with one direct read and no copy (core/disk/reader.py). Every other method treats both
+layouts alike; a dropped staged link's buffer goes back to the pool.
+
 Threading: a LinkStore is not thread-safe; it is called from one thread only (the model-runner
 thread of its worker process). See docs/cache-core.md.
 """
@@ -19,13 +25,16 @@ from typing import NamedTuple
 import torch
 
 from .layout import StateLayout, torch_dtype
-from .slabs import Block, SlabArena
+from .slabs import PAGE, Block, PageBlock, PagePool, SlabArena
 from .tiers.base import LinkRef, RestorePlan
 
 __all__ = ["LinkBuffers", "LinkStore", "MissingLinkError"]
 
 ALIGN = 64
 DEFAULT_SLAB_BYTES = 256 << 20  # power of two: torch's pinned allocator holds it exactly
+# idle page-aligned buffers kept for disk reads: a 16K head's chain of qwen3-next-small (68 MB)
+# several times over, or 6 links of the 38 MiB reference layout
+DEFAULT_POOL_BYTES = 256 << 20
 
 ViewSink = Callable[[str, int, torch.Tensor], None]
 # What a restore reads: a RestorePlan, or just its chain (what the worker receives).
@@ -62,11 +71,15 @@ class LinkBuffers(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("block", "buf", "rows", "sealed", "views")
+    __slots__ = ("align", "block", "buf", "nbytes", "page", "rows", "sealed", "views")
 
-    def __init__(self, buf: torch.Tensor, rows: int, block: Block | None = None) -> None:
+    def __init__(self, buf: torch.Tensor, rows: int, block: Block | None = None,
+                 page: PageBlock | None = None) -> None:
         self.buf = buf
         self.block = block  # the arena allocation to give back, when slabs are used
+        self.page = page  # the pool buffer to give back (a link staged from disk)
+        self.align = PAGE if page is not None else ALIGN  # part alignment inside `buf`
+        self.nbytes = page.cls if page is not None else buf.numel()  # host bytes it holds
         self.rows = rows
         self.sealed = False
         # typed row tensors of every view, built at seal: restore hands them out without
@@ -74,8 +87,8 @@ class _Entry:
         self.views: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
 
 
 def default_pin_memory() -> bool:
@@ -90,59 +103,78 @@ class LinkStore:
     """Worker-side payload store keyed by the tree's link ids."""
 
     def __init__(
-        self, layout: StateLayout, pin_memory: bool | None = None, slab_bytes: int | None = None
+        self, layout: StateLayout, pin_memory: bool | None = None, slab_bytes: int | None = None,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
     ) -> None:
         """pin_memory: None = pin when a CUDA/ROCm device is present. slab_bytes: carve links
         out of host slabs of this size (see slabs.py); None = DEFAULT_SLAB_BYTES when pinned
         (torch's pinned allocator would round each link up to a power of two), 0 = one exact
-        allocation per link (the default unpinned: malloc does not round)."""
+        allocation per link (the default unpinned: malloc does not round). pool_bytes: at most
+        this many bytes of idle page-aligned buffers kept for links read from disk."""
         self.layout = layout
         self.pin_memory = default_pin_memory() if pin_memory is None else bool(pin_memory)
         if slab_bytes is None:
             slab_bytes = DEFAULT_SLAB_BYTES if self.pin_memory else 0
         self._arena = SlabArena(slab_bytes, self.pin_memory, ALIGN) if slab_bytes else None
+        self.pool = PagePool(pool_bytes, self.pin_memory)
         self._entries: dict[int, _Entry] = {}
         self._bytes = 0
-        # Fixed offsets of the sections; views follow, sized by the link's row count.
-        self._sec: list[tuple[str, int, int, torch.dtype, tuple[int, ...]]] = []
-        off = 0
-        for s in layout.sections:
-            self._sec.append((s.name, off, s.nbytes, torch_dtype(s.dtype), s.shape))
-            off = _align(off + s.nbytes)
-        self._sections_end = off
+        # Fixed offsets of the sections per part alignment; views follow, sized by the link's
+        # row count.
+        self._secs: dict[int, list[tuple[str, int, int, torch.dtype, tuple[int, ...]]]] = {}
+        self._secs_end: dict[int, int] = {}
+        for a in (ALIGN, PAGE):
+            secs, off = [], 0
+            for s in layout.sections:
+                secs.append((s.name, off, s.nbytes, torch_dtype(s.dtype), s.shape))
+                off = _align(off + s.nbytes, a)
+            self._secs[a], self._secs_end[a] = secs, off
         self._views = [
             (v.name, v.bytes_per_row, torch_dtype(v.dtype), v.row_shape) for v in layout.views
         ]
 
     # ------------------------------------------------------------------ layout of one buffer
-    def _view_offsets(self, rows: int) -> tuple[list[tuple[str, int, int]], int]:
-        off = self._sections_end
+    def _view_offsets(self, rows: int, align: int = ALIGN
+                      ) -> tuple[list[tuple[str, int, int]], int]:
+        off = self._secs_end[align]
         out = []
         for name, bpr, _, _ in self._views:
             out.append((name, off, bpr * rows))
-            off = _align(off + bpr * rows)
+            off = _align(off + bpr * rows, align)
         return out, off
 
-    def _typed_views(self, buf: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
-        offs, _ = self._view_offsets(rows)
+    def _typed_views(self, buf: torch.Tensor, rows: int, align: int = ALIGN
+                     ) -> dict[str, torch.Tensor]:
+        offs, _ = self._view_offsets(rows, align)
         views = {}
         for (name, o, n), (_, _, dt, row_shape) in zip(offs, self._views, strict=True):
             views[name] = buf[o : o + n].view(dt).view(rows, *row_shape)
         return views
 
-    def _typed(self, buf: torch.Tensor, rows: int) -> LinkBuffers:
+    def _typed(self, buf: torch.Tensor, rows: int, align: int = ALIGN) -> LinkBuffers:
         secs = {
-            name: buf[o : o + n].view(dt).view(shape) for name, o, n, dt, shape in self._sec
+            name: buf[o : o + n].view(dt).view(shape)
+            for name, o, n, dt, shape in self._secs[align]
         }
-        return LinkBuffers(secs, self._typed_views(buf, rows))
+        return LinkBuffers(secs, self._typed_views(buf, rows, align))
 
     # ------------------------------------------------------------------ capture
-    def allocate(self, link_id: int, rows: int) -> LinkBuffers:
-        """Host buffers for link `link_id` holding `rows` view rows; fill them, then seal."""
+    def allocate(self, link_id: int, rows: int, page_aligned: bool = False) -> LinkBuffers:
+        """Host buffers for link `link_id` holding `rows` view rows; fill them, then seal.
+
+        page_aligned: laid out as a link file's payload (sections then views, each at a
+        page-aligned offset) in a page-aligned buffer from the pool, whole pages long (see
+        `payload`): what a disk read fills in one request."""
         if link_id in self._entries:
             raise ValueError(f"link {link_id} is already allocated")
         if rows < 0:
             raise ValueError("rows must be >= 0")
+        if page_aligned:
+            _, total = self._view_offsets(rows, PAGE)
+            page = self.pool.take(max(total, PAGE))
+            self._entries[link_id] = e = _Entry(page.tensor, rows, page=page)
+            self._bytes += e.nbytes
+            return self._typed(page.tensor, rows, PAGE)
         _, total = self._view_offsets(rows)
         if self._arena is not None:
             block = self._arena.alloc(total)
@@ -159,7 +191,15 @@ class LinkStore:
         e = self._entries.get(link_id)
         if e is None:
             raise MissingLinkError(link_id)
-        return self._typed(e.buf, e.rows)
+        return self._typed(e.buf, e.rows, e.align)
+
+    def payload(self, link_id: int) -> torch.Tensor:
+        """The whole uint8 buffer an allocated link's parts are views of (for a page-aligned
+        link: page-aligned, whole pages long, parts where its link file puts them)."""
+        e = self._entries.get(link_id)
+        if e is None:
+            raise MissingLinkError(link_id)
+        return e.buf
 
     def seal(self, link_id: int) -> None:
         """The link is filled and its copies are complete: it may now be restored."""
@@ -167,7 +207,7 @@ class LinkStore:
         if e is None:
             raise MissingLinkError(link_id)
         e.sealed = True
-        e.views = tuple(self._typed_views(e.buf, e.rows).items()) if e.rows else ()
+        e.views = tuple(self._typed_views(e.buf, e.rows, e.align).items()) if e.rows else ()
 
     def discard(self, link_id: int) -> None:
         """Forget a link whose fill failed (same as drop for one id)."""
@@ -210,7 +250,7 @@ class LinkStore:
         entries = self._check(chain)
         last = entries[-1]
         moved = 0
-        for name, o, n, dt, shape in self._sec:
+        for name, o, n, dt, shape in self._secs[last.align]:
             src = last.buf[o : o + n].view(dt).view(shape)
             section_dst[name].copy_(src, non_blocking=non_blocking)
             moved += n
@@ -245,7 +285,7 @@ class LinkStore:
             for e in entries:
                 if e.rows == 0:
                     continue
-                offs, _ = self._view_offsets(e.rows)
+                offs, _ = self._view_offsets(e.rows, e.align)
                 for name, o, n in offs:
                     srcs[name].append(e.buf[o : o + n])
                     moved += n
@@ -260,7 +300,7 @@ class LinkStore:
             if e.rows == 0:
                 continue
             lo = ref.start // self.layout.view_block_tokens  # first stored row (token/block)
-            offs, _ = self._view_offsets(e.rows)
+            offs, _ = self._view_offsets(e.rows, e.align)
             for (name, o, n), (_, bpr, dt, row_shape) in zip(offs, self._views, strict=True):
                 f = flat[name]
                 if f is not None:
@@ -278,9 +318,11 @@ class LinkStore:
         for lid in link_ids:
             e = self._entries.pop(lid, None)
             if e is not None:
-                freed += e.buf.numel()
+                freed += e.nbytes
                 if e.block is not None and self._arena is not None:
                     self._arena.free(e.block)
+                elif e.page is not None:
+                    self.pool.give(e.page)
         self._bytes -= freed
         return freed
 
@@ -289,13 +331,18 @@ class LinkStore:
         self._entries.clear()
         if self._arena is not None:
             self._arena.clear()
+        self.pool.clear()
         self._bytes = 0
         return n
 
     @property
     def bytes_reserved(self) -> int:
-        """Host bytes held for payloads: slabs plus dedicated allocations (>= bytes_held)."""
-        return self._arena.reserved_bytes if self._arena is not None else self._bytes
+        """Host bytes held for payloads: slabs plus dedicated allocations (>= bytes_held), plus
+        the pool's idle buffers."""
+        pooled = sum(e.nbytes for e in self._entries.values() if e.page is not None)
+        held = (self._arena.reserved_bytes + pooled if self._arena is not None
+                else self._bytes)
+        return held + self.pool.idle_bytes
 
     def has(self, link_id: int) -> bool:
         """Whether the link is allocated and sealed (restorable)."""

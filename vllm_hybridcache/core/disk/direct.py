@@ -34,7 +34,7 @@ import torch
 from .crc import crc32
 from .linkfile import ALIGN, LinkFileError, LinkFileHeader, LinkFileProblem
 
-__all__ = ["CHUNK", "DirectIOUnsupported", "read_parts_direct"]
+__all__ = ["CHUNK", "DirectIOUnsupported", "helper", "read_parts_direct"]
 
 CHUNK = 4 << 20  # bytes per read request (a common device maximum; a multiple of ALIGN)
 AHEAD = 2  # chunks read ahead of the one being verified and copied
@@ -80,6 +80,12 @@ class _Bounce:
 _BOUNCE = _Bounce()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_BOUNCE.reset)
+
+
+def helper() -> ThreadPoolExecutor:
+    """The disk reads' one helper thread (this process's own, also after a fork): it reads
+    ahead here, and checks one file's CRCs while the next is read (reader.py)."""
+    return _BOUNCE.pool()
 
 
 def _dest(path: Path, header: LinkFileHeader, dst: Mapping[str, torch.Tensor]

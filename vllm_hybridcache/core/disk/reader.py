@@ -1,30 +1,36 @@
 """Staging a disk hit: link files read into the worker's RAM store, verified, then restored.
 
 Why through the store: a restore from RAM is the path every exactness test covers, so a disk
-hit is made into one. The worker reads each file of the chain into freshly allocated store
-buffers under the ids the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32
-as it reads, seals them, and restores with `LinkStore.restore` as for a RAM hit. Nothing is
-restored unless every file of the chain passed. By default each part is read with one
-`readinto` straight into its store buffer and a CRC pass (linkfile.read_parts); with the
-`disk_direct_reads` setting, with direct I/O through page-aligned bounce buffers, each chunk
-copied into its store buffer and checksummed there while it is still in the CPU's cache
-(direct.py: no page-cache copy), falling back to the buffered read where the file system
-refuses direct I/O. Both check the same things; the buffered read measured faster on the
-benchmark host (docs/benchmarks/disk.md). The buffers get a huge-page hint first
-(hugepages.py: fresh pages fault in 512 times fewer).
+hit is made into one. The worker reads each file of the chain into store buffers under the ids
+the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32, seals them, and
+restores with `LinkStore.restore` as for a RAM hit. Nothing is restored unless every file of
+the chain passed.
+
+Each link is allocated page-aligned (`LinkStore.allocate(page_aligned=True)`: laid out as its
+file lays out its payload, in a reused buffer from the store's pool), and the file is read with
+one request straight into it (inplace.py), with direct I/O when the `disk_direct_reads` setting
+asks for it and the file system takes it, then every part's CRC-32 checked there (on a helper
+thread, while the next file is read). No copy
+follows: the restore reads those buffers, and promotion keeps them as the RAM links. A file
+whose parts lie elsewhere than the store's layout (another order) is read part by part
+instead: `readinto` per part (linkfile.read_parts) or, with direct reads, through bounce
+buffers (direct.py). All paths check the same things. The buffers get a huge-page hint first
+(hugepages.py: pages still to fault in take 2 MiB at a time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from ..store import LinkStore, MissingLinkError
 from ..tiers.base import LinkRef
-from .direct import DirectIOUnsupported, read_parts_direct
+from .direct import DirectIOUnsupported, helper, read_parts_direct
 from .hugepages import advise_huge_pages
+from .inplace import fits_in_place, read_payload, verify_payload
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
 __all__ = ["DiskReadError", "read_verified", "stage_chain"]
@@ -56,32 +62,62 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
                 fingerprint: bytes, direct: bool = False) -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
     read. On any problem every link staged by this call is dropped and DiskReadError raised.
-    `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`)."""
+    `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`).
+
+    A file read in place has its CRCs checked on the helper thread while the next file is
+    read (the device does not wait for the CPU); its link is sealed only once they passed,
+    and no buffer is dropped while a check still reads it."""
     if len(chain) != len(sources):
         raise ValueError(f"{len(chain)} links but {len(sources)} files")
     layout = store.layout
     staged: list[int] = []
+    checks: list[tuple[LinkRef, Future[None]]] = []  # in-place reads whose CRCs run
     n = 0
-    for ref, src in zip(chain, sources, strict=True):
-        path = Path(src)
-        try:
+    at = chain[0] if chain else None  # the link a failure is charged to
+    try:
+        for ref, src in zip(chain, sources, strict=True):
+            at, path = ref, Path(src)
             header, base = read_header(path, fingerprint)
             if (header.start, header.end) != (ref.start, ref.end):
                 raise LinkFileError(LinkFileProblem.MISMATCH,
                                     f"{path}: holds [{header.start}, {header.end}), the plan "
                                     f"wants [{ref.start}, {ref.end})")
-            bufs = store.allocate(ref.link_id, layout.view_rows(ref.start, ref.end))
+            bufs = store.allocate(ref.link_id, layout.view_rows(ref.start, ref.end),
+                                  page_aligned=True)
             staged.append(ref.link_id)
             parts = {**bufs.sections, **bufs.views}
             advise_huge_pages(parts.values())  # fresh buffers: fewer page faults (a hint)
-            n += read_verified(path, header, base, parts, direct)
+            whole = store.payload(ref.link_id)
+            if fits_in_place(header, whole, parts):  # one read, no copy
+                n += read_payload(path, header, base, whole, direct)
+                checks.append((ref, helper().submit(verify_payload, path, header, whole)))
+            else:
+                n += read_verified(path, header, base, parts, direct)
+                store.seal(ref.link_id)
+        for ref, check in checks:
+            at = ref
+            check.result()
             store.seal(ref.link_id)
-        except (LinkFileError, OSError) as e:
-            store.drop(staged)
-            problem = (e.problem.value if isinstance(e, LinkFileError)
-                       else "gone" if isinstance(e, FileNotFoundError) else "io_error")
-            raise DiskReadError(ref.link_id, problem, str(e)) from e
-        except BaseException:
-            store.drop(staged)  # nothing half staged stays behind, whatever went wrong
-            raise
+    except (LinkFileError, OSError) as e:
+        _settle(checks)
+        store.drop(staged)
+        problem = (e.problem.value if isinstance(e, LinkFileError)
+                   else "gone" if isinstance(e, FileNotFoundError) else "io_error")
+        assert at is not None
+        raise DiskReadError(at.link_id, problem, str(e)) from e
+    except BaseException:
+        _settle(checks)
+        store.drop(staged)  # nothing half staged stays behind, whatever went wrong
+        raise
     return n
+
+
+def _settle(checks: list[tuple[LinkRef, Future[None]]]) -> None:
+    """Wait until no CRC check reads a staged buffer any more (their outcome no longer
+    matters): only then may the buffers go back to the pool."""
+    for _, f in checks:
+        f.cancel()
+        try:
+            f.result()
+        except BaseException:  # the chain fails either way
+            pass

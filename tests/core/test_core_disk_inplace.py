@@ -1,0 +1,412 @@
+"""A disk hit's read into reused page-aligned buffers (slabs.PagePool, store page-aligned links,
+core/disk/inplace.py): the pool reuses, aligns and stays bounded, concurrent readers never
+share a buffer, a failed read hands its buffers back; one read per file lands every part where
+the store looks for it, bit for bit, and is verified as strictly as the per-part reads (a
+flipped byte, a file cut short, stale bytes of an earlier link in a reused buffer); direct I/O
+is used where the file system takes it and a refusal falls back to the page cache, logged."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hybridcache.core import LinkRef, LinkStore, SectionSpec, StateLayout, ViewSpec
+from vllm_hybridcache.core.disk import inplace, reader
+from vllm_hybridcache.core.disk.linkfile import (
+    LinkFileError,
+    LinkFileProblem,
+    read_header,
+    write_link_file,
+)
+from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.slabs import PAGE, PagePool, size_class
+
+FP = b"p" * 32
+# sizes that are no multiple of a page, so parts start at padded offsets and files end
+# inside a page
+LAYOUT = StateLayout(
+    sections=(SectionSpec("gdn", (3, 1001), "float32"), SectionSpec("conv", (3, 5), "bfloat16")),
+    views=(ViewSpec("k", (37,), "float32"), ViewSpec("v", (5,), "float16")),
+)
+ROWS = 96  # tokens per link
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _write_chain(folder: Path, links: int, seed: int = 0, order=None) -> tuple[
+        list[LinkRef], list[str], list[dict[str, torch.Tensor]]]:
+    """`links` link files of random bytes on one chain; their refs, paths and parts. `order`:
+    the parts' order in the files (default: the store's, sections then views)."""
+    g = torch.Generator().manual_seed(seed)
+    src = LinkStore(LAYOUT, pin_memory=False)
+    refs, paths, parts = [], [], []
+    for i in range(links):
+        s, e = i * ROWS, (i + 1) * ROWS
+        bufs = src.allocate(i, LAYOUT.view_rows(s, e))
+        p = {**bufs.sections, **bufs.views}
+        for t in p.values():
+            _u8(t)[:] = torch.randint(0, 256, (_u8(t).numel(),), generator=g, dtype=torch.uint8)
+        if order is not None:
+            p = {k: p[k] for k in order}
+        path = folder / f"{seed}-{i}.link"
+        write_link_file(path, fingerprint=FP, domain=b"d" * 32, digest=bytes([i]) * 16,
+                        parent_digest=bytes([i - 1]) * 16 if i else b"", start=s, end=e,
+                        tokens=np.arange(s, e), rows=LAYOUT.view_rows(s, e), parts=p)
+        refs.append(LinkRef(100 + i, s, e))
+        paths.append(str(path))
+        parts.append({k: v.clone() for k, v in p.items()})
+    return refs, paths, parts
+
+
+def _staged_bytes() -> int:
+    """Host bytes of one staged (page-aligned) link of ROWS rows: its pool buffer."""
+    one = LinkStore(LAYOUT, pin_memory=False)
+    one.allocate(0, ROWS, page_aligned=True)
+    return one.bytes_held
+
+
+def _held(store: LinkStore, ref: LinkRef) -> dict[str, torch.Tensor]:
+    b = store.buffers(ref.link_id)
+    return {**b.sections, **b.views}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(_u8(a[k]), _u8(b[k])) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_log(monkeypatch):
+    monkeypatch.setattr(inplace, "DIRECT_FALLBACKS", {})
+
+
+# ------------------------------------------------------------------------------ the pool
+def test_size_classes_cover_the_request_in_whole_pages_wasting_at_most_an_eighth():
+    for n in (1, PAGE - 1, PAGE, PAGE + 1, 9 * PAGE, 37 << 20, (38 << 20) + 123, 1 << 30):
+        c = size_class(n)
+        assert c >= n and c % PAGE == 0
+        assert c - n < PAGE or c <= n * 9 // 8 + PAGE
+    assert size_class(8 << 20) == size_class((8 << 20) - 5000)  # near sizes share a class
+
+
+def test_the_pool_hands_out_page_aligned_buffers_and_reuses_them():
+    pool = PagePool(64 << 20)
+    seen = []
+    for n in (1, 5000, PAGE * 3, (3 << 20) + 17):
+        b = pool.take(n)
+        assert b.tensor.data_ptr() % PAGE == 0 and b.tensor.numel() == n and b.fresh
+        assert b.whole.numel() == size_class(n)
+        seen.append(b)
+    ptrs = {b.cls: b.tensor.data_ptr() for b in seen}
+    for b in seen:
+        pool.give(b)
+    assert pool.idle_bytes == sum(b.cls for b in seen)
+    again = pool.take((3 << 20) + 1)  # another size of the same class: the same memory
+    assert not again.fresh and again.tensor.data_ptr() == ptrs[again.cls]
+    assert again.tensor.numel() == (3 << 20) + 1
+    assert pool.idle_bytes == sum(b.cls for b in seen) - again.cls
+    assert (pool.taken, pool.reused) == (5, 1)
+    with pytest.raises(RuntimeError, match="twice"):
+        pool.give(seen[0])  # still idle: a second give would hand it out twice
+
+
+def test_the_pool_keeps_at_most_its_bound_idle_oldest_released_first():
+    cls = size_class(1 << 20)
+    pool = PagePool(3 * cls)
+    blocks = [pool.take(1 << 20) for _ in range(5)]
+    for b in blocks:
+        pool.give(b)
+        assert pool.idle_bytes <= 3 * cls
+    assert pool.idle_bytes == 3 * cls
+    kept = {pool.take(1 << 20).tensor.data_ptr() for _ in range(3)}
+    assert kept == {b.tensor.data_ptr() for b in blocks[2:]}  # the newest three
+    assert pool.take(1 << 20).fresh
+    big = PagePool(cls // 2)  # a buffer larger than the bound is never kept
+    big.give(big.take(1 << 20))
+    assert big.idle_bytes == 0 and big.take(1 << 20).fresh
+
+
+def test_concurrent_takers_never_share_a_buffer():
+    pool = PagePool(8 << 20)
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def worker(k: int) -> None:
+        start.wait()
+        for i in range(200):
+            b = pool.take((1 << 16) * (1 + (i + k) % 3))
+            b.tensor.fill_(k)
+            os.sched_yield()
+            if not bool((b.tensor == k).all()):
+                errors.append(f"thread {k}: its buffer was written by another taker")
+            pool.give(b)
+
+    def guarded(k: int) -> None:
+        try:
+            worker(k)
+        except Exception as e:  # a thread's failure fails the test
+            errors.append(f"thread {k}: {e!r}")
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert pool.reused > 0 and pool.idle_bytes <= 8 << 20
+
+
+def test_concurrent_readers_each_get_their_own_files_bytes(tmp_path):
+    """Four threads stage four chains into four stores sharing one pool, over and over: every
+    staged link holds its own file's bytes."""
+    pool = PagePool(32 << 20)
+    chains = [_write_chain(tmp_path, 2, seed=s) for s in range(4)]
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        store = LinkStore(LAYOUT, pin_memory=False)
+        store.pool = pool
+        refs, paths, want = chains[k]
+        for _ in range(15):
+            stage_chain(store, refs, paths, FP)
+            for ref, w in zip(refs, want, strict=True):
+                if not _equal(_held(store, ref), w):
+                    errors.append(f"reader {k}: link {ref.link_id} holds other bytes")
+            store.drop([r.link_id for r in refs])
+
+    def guarded(k: int) -> None:
+        try:
+            worker(k)
+        except Exception as e:  # a thread's failure fails the test
+            errors.append(f"thread {k}: {e!r}")
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert pool.reused > 0
+
+
+# ------------------------------------------------------------------------------ the store
+def test_a_page_aligned_link_is_laid_out_as_its_file_and_restores_like_any_link(tmp_path):
+    refs, paths, want = _write_chain(tmp_path, 2)
+    store = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(store, refs, paths, FP)
+    header, _ = read_header(Path(paths[1]), FP)
+    whole = store.payload(refs[1].link_id)
+    assert whole.data_ptr() % PAGE == 0 and whole.numel() % PAGE == 0
+    held = _held(store, refs[1])
+    for e in header.parts:  # every part where the file puts it
+        assert held[e.name].data_ptr() - whole.data_ptr() == e.offset
+    # a chain mixing a captured (64-byte aligned) link and a staged one restores both
+    ram = LinkStore(LAYOUT, pin_memory=False)
+    bufs = ram.allocate(refs[0].link_id, ROWS)
+    for k, t in {**bufs.sections, **bufs.views}.items():
+        _u8(t)[:] = _u8(want[0][k])
+    ram.seal(refs[0].link_id)
+    staged = ram.allocate(refs[1].link_id, ROWS, page_aligned=True)
+    for k, t in {**staged.sections, **staged.views}.items():
+        _u8(t)[:] = _u8(want[1][k])
+    ram.seal(refs[1].link_id)
+    for s in (store, ram):
+        secs = {x.name: torch.zeros(x.shape, dtype=getattr(torch, x.dtype))
+                for x in LAYOUT.sections}
+        views = {v.name: torch.zeros(2 * ROWS, *v.row_shape, dtype=getattr(torch, v.dtype))
+                 for v in LAYOUT.views}
+        s.restore(refs, secs, lambda *a: None)
+        s.restore_views_into(refs, views)
+        for name in secs:
+            assert torch.equal(_u8(secs[name]), _u8(want[1][name]))
+        for name in views:
+            assert torch.equal(_u8(views[name][:ROWS]), _u8(want[0][name]))
+            assert torch.equal(_u8(views[name][ROWS:]), _u8(want[1][name]))
+    # dropped: the buffers go back to the pool, counted as reserved while idle
+    held_before = store.bytes_held
+    assert store.drop([r.link_id for r in refs]) == held_before
+    assert store.bytes_held == 0 and store.pool.idle_bytes == held_before
+    assert store.bytes_reserved == held_before
+    stage_chain(store, refs, paths, FP)
+    assert store.pool.reused == 2 and store.pool.idle_bytes == 0
+
+
+# ------------------------------------------------------------------------------ the read
+def test_one_read_per_file_lands_every_part_bit_for_bit(tmp_path, monkeypatch):
+    refs, paths, want = _write_chain(tmp_path, 3)
+    assert all(os.stat(p).st_size % PAGE for p in paths)  # files end inside a page
+    reads: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
+    store = LinkStore(LAYOUT, pin_memory=False)
+    assert stage_chain(store, refs, paths, FP) == sum(
+        sum(t.numel() * t.element_size() for t in w.values()) for w in want)
+    assert len(reads) == len(paths)  # one request per file
+    for ref, w in zip(refs, want, strict=True):
+        assert _equal(_held(store, ref), w)
+
+
+def test_a_file_with_another_part_order_is_read_part_by_part(tmp_path, monkeypatch):
+    refs, paths, want = _write_chain(tmp_path, 2, order=["v", "conv", "k", "gdn"])
+    calls = []
+    real = reader.read_verified
+    monkeypatch.setattr(reader, "read_verified", lambda *a: calls.append(1) or real(*a))
+    store = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(store, refs, paths, FP)
+    assert len(calls) == 2
+    for ref, w in zip(refs, want, strict=True):
+        assert _equal(_held(store, ref), {k: w[k] for k in _held(store, ref)})
+
+
+@pytest.mark.parametrize("part", ["gdn", "conv", "k", "v"])
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_flipped_byte_in_any_part_is_a_checksum_miss(tmp_path, part, direct):
+    """In the middle file of three: its CRCs are checked while the next file is read, and the
+    miss is charged to its link, not to the one read last."""
+    refs, paths, _ = _write_chain(tmp_path, 3)
+    path = Path(paths[1])
+    header, base = read_header(path, FP)
+    e = next(x for x in header.parts if x.name == part)
+    raw = bytearray(path.read_bytes())
+    raw[base + e.offset + e.nbytes - 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    store = LinkStore(LAYOUT, pin_memory=False)
+    with pytest.raises(DiskReadError) as ex:
+        stage_chain(store, refs, paths, FP, direct)
+    assert ex.value.problem == "checksum" and ex.value.link_id == refs[1].link_id
+    assert len(store) == 0 and store.bytes_held == 0
+    assert store.pool.idle_bytes == 3 * _staged_bytes()  # every buffer back in the pool
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("cut", [1, PAGE - 1, PAGE + 1, 9000])
+def test_a_file_cut_short_is_refused_even_over_stale_bytes_of_the_same_link(
+        tmp_path, cut, direct):
+    """The reused buffer still holds every byte an earlier read of the same file left there,
+    so every CRC would pass over it: the read of the cut file must see it came up short."""
+    refs, paths, _ = _write_chain(tmp_path, 1)
+    path = Path(paths[0])
+    header, base = read_header(path, FP)
+    store = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(store, refs, paths, FP, direct)
+    store.drop([refs[0].link_id])
+    os.truncate(path, path.stat().st_size - cut)  # cut after the lookup read its header
+    bufs = store.allocate(refs[0].link_id, ROWS, page_aligned=True)
+    assert store.pool.reused == 1  # the same buffer, the old payload in it
+    buf = store.payload(refs[0].link_id)
+    assert inplace.fits_in_place(header, buf, {**bufs.sections, **bufs.views})
+    with pytest.raises(LinkFileError) as ex:
+        inplace.read_in_place(path, header, base, buf, direct)
+    assert ex.value.problem is LinkFileProblem.TRUNCATED
+    store.drop([refs[0].link_id])
+    with pytest.raises(DiskReadError) as ex2:  # and end to end: a counted miss
+        stage_chain(store, refs, paths, FP, direct)
+    assert ex2.value.problem == "truncated" and len(store) == 0
+
+
+def test_a_fault_mid_read_fails_the_chain_and_returns_every_buffer(tmp_path, monkeypatch):
+    refs, paths, _ = _write_chain(tmp_path, 3)
+    store = LinkStore(LAYOUT, pin_memory=False)
+    calls = []
+    real = os.preadv
+
+    def failing(fd, bufs, at):
+        calls.append(at)
+        if len(calls) == 2:  # the second file's read
+            raise OSError(errno.EIO, "I/O error")
+        return real(fd, bufs, at)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(DiskReadError) as ex:
+        stage_chain(store, refs, paths, FP, direct=True)
+    assert ex.value.problem == "io_error" and ex.value.link_id == refs[1].link_id
+    assert len(store) == 0 and store.bytes_held == 0
+    assert store.pool.idle_bytes == 2 * _staged_bytes()  # the first link's and the second's
+    monkeypatch.setattr(os, "preadv", real)
+    stage_chain(store, refs, paths, FP, direct=True)  # both buffers reused
+    assert store.pool.reused == 2
+
+
+# ------------------------------------------------------------------------------ direct I/O
+def _takes_direct_io(folder: Path) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(b"x" * PAGE)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_direct_io_is_asked_for_exactly_when_the_setting_says(tmp_path, monkeypatch, direct):
+    if not _takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} does not take direct I/O")
+    refs, paths, want = _write_chain(tmp_path, 2)
+    flags: list[int] = []
+    real = os.open
+    monkeypatch.setattr(os, "open", lambda p, f, *a: flags.append(f) or real(p, f, *a))
+    store = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(store, refs, paths, FP, direct)
+    payload_opens = [f for f in flags if f & os.O_DIRECT]
+    assert len(payload_opens) == (len(paths) if direct else 0)
+    assert inplace.DIRECT_FALLBACKS == {}
+    for ref, w in zip(refs, want, strict=True):
+        assert _equal(_held(store, ref), w)
+
+
+@pytest.mark.parametrize("where", ["open", "read"])
+def test_a_refusal_of_direct_io_falls_back_to_the_page_cache_logged_once(
+        tmp_path, monkeypatch, caplog, where):
+    """EINVAL for O_DIRECT (as tmpfs answers at open; some file systems at the read) reads the
+    file through the page cache: the same bytes, verified the same, the reason logged once."""
+    refs, paths, want = _write_chain(tmp_path, 2)
+    real_open, real_read = os.open, os.preadv
+    direct_fds: set[int] = set()
+
+    def fake_open(p, f, *a):
+        if f & getattr(os, "O_DIRECT", 0) and where == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(p, f, *a)
+        if f & getattr(os, "O_DIRECT", 0):
+            direct_fds.add(fd)
+        else:
+            direct_fds.discard(fd)  # a number an earlier direct open had
+        return fd
+
+    def fake_read(fd, bufs, at):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_read(fd, bufs, at)
+
+    monkeypatch.setattr(inplace, "_O_DIRECT", inplace._O_DIRECT or 0x4000)
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "preadv", fake_read)
+    store = LinkStore(LAYOUT, pin_memory=False)
+    with caplog.at_level(logging.WARNING, logger="vllm_hybridcache"):
+        stage_chain(store, refs, paths, FP, direct=True)
+    for ref, w in zip(refs, want, strict=True):
+        assert _equal(_held(store, ref), w)
+    notes = [r for r in caplog.records if "direct I/O unavailable" in r.getMessage()]
+    assert len(notes) == 1 and f"{where} with O_DIRECT" in notes[0].getMessage()
+    assert list(inplace.DIRECT_FALLBACKS.values()) == [f"{where} with O_DIRECT: "
+                                                       f"{os.strerror(errno.EINVAL)}"]
+    # the fallback verifies as strictly: a flipped byte is still a checksum miss
+    store.drop([r.link_id for r in refs])
+    path = Path(paths[0])
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x80
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DiskReadError) as ex:
+        stage_chain(store, refs, paths, FP, direct=True)
+    assert ex.value.problem == "checksum" and len(store) == 0
