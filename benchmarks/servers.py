@@ -71,12 +71,12 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation; "
                    "models without that forward run in step mode)",
                    env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "1"}),
-        SystemSpec("ours-inplace", ["--plugin", "hybridcache"],
-                   "vllm-hybridcache with attention K/V in place "
-                   "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=1: a hit's attention blocks are shared "
-                   "from vLLM's block pool, only the recurrent sections and the hit's last "
-                   "block are copied; AR route only)",
-                   env={"VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE": "1"}),
+        SystemSpec("ours-copy", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with attention K/V copied, not shared in place "
+                   "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=0: a hit's attention rows are copied "
+                   "from the link into the request's own blocks, as before in place became "
+                   "the default)",
+                   env={"VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE": "0"}),
     )
 }
 

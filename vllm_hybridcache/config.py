@@ -122,7 +122,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_in_place: a hit's attention K/V comes from vLLM's block pool, shared in place by
         every request with the prefix, and only the recurrent sections and the rows of the
         hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
-        place). Off by default; on the AR route only (with speculative decoding it stays off).
+        place). On by default; on the AR route only (with speculative decoding a hit's rows
+        are copied, as they are with this off).
     """
 
     enabled: bool = True
@@ -148,7 +149,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
     inner_captures: bool = True
-    attention_in_place: bool = False
+    attention_in_place: bool = True
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:

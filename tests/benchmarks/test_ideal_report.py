@@ -157,7 +157,7 @@ def test_unknown_names_exit_before_starting_anything() -> None:
 
 def test_feature_ablation_systems_switch_features_through_the_environment():
     """`ours-grid` and `ours-msgend` are `ours` with features off via the plugin's env keys;
-    `ours-inplace` is `ours` with attention K/V in place on."""
+    `ours-copy` is `ours` with attention K/V in place off (copied)."""
     from benchmarks.servers import SYSTEMS, ServerSettings, server_argv, server_env
     from vllm_hybridcache.config import load_settings
 
@@ -171,6 +171,6 @@ def test_feature_ablation_systems_switch_features_through_the_environment():
     assert full.session_anchors > 0 and full.message_end_ids == ()
     assert grid.session_anchors == 0 and grid.message_end_ids == (-1,)
     assert msgend.session_anchors == 0 and msgend.message_end_ids == ()
-    in_place = load_settings(environ=server_env(settings, SYSTEMS["ours-inplace"]))
-    assert server_argv(SYSTEMS["ours-inplace"], settings, 8000)[1:] == argvs["ours"]
-    assert in_place.attention_in_place and not full.attention_in_place
+    copy = load_settings(environ=server_env(settings, SYSTEMS["ours-copy"]))
+    assert server_argv(SYSTEMS["ours-copy"], settings, 8000)[1:] == argvs["ours"]
+    assert full.attention_in_place and not copy.attention_in_place

@@ -160,7 +160,7 @@ def test_mark_off_segmentation_marks_only_the_blocks_ending_in_the_new_range(has
 def test_install_replaces_the_schedulers_manager_before_any_request():
     from tests.harness.engine import HarnessEngine
 
-    e = HarnessEngine()                          # setting off: vLLM's manager, caching off
+    e = HarnessEngine({"attention_in_place": False})  # off: vLLM's manager, caching off
     sched = e.scheduler
     assert not sched.kv_cache_manager.enable_caching and sched.block_size == MAX_LEN
     got = compat.install_attention_in_place(sched, lambda r: 0)
