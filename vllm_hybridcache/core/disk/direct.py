@@ -38,6 +38,7 @@ __all__ = ["CHUNK", "DirectIOUnsupported", "helper", "read_parts_direct"]
 
 CHUNK = 4 << 20  # bytes per read request (a common device maximum; a multiple of ALIGN)
 AHEAD = 2  # chunks read ahead of the one being verified and copied
+HELPERS = 2  # helper threads: two files read at once keep the device busy between files
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 off Linux: never used there
 
 
@@ -47,7 +48,7 @@ class DirectIOUnsupported(OSError):
 
 class _Bounce:
     """Page-aligned buffers for direct reads, reused across reads (a fresh mapping per read
-    would fault its pages in again), and the read-ahead thread. Lock-protected: any thread may
+    would fault its pages in again), and the helper threads. Lock-protected: any thread may
     read a chain. A forked child starts afresh (`reset`): it inherits neither the parent's
     thread (a pool without it would never run a read) nor a lock another thread held."""
 
@@ -73,7 +74,8 @@ class _Bounce:
     def pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridcache-disk-read")
+                self._pool = ThreadPoolExecutor(HELPERS,
+                                                thread_name_prefix="hybridcache-disk-read")
             return self._pool
 
 
@@ -83,8 +85,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def helper() -> ThreadPoolExecutor:
-    """The disk reads' one helper thread (this process's own, also after a fork): it reads
-    ahead here, and checks one file's CRCs while the next is read (reader.py)."""
+    """The disk reads' helper threads (this process's own, also after a fork): they read
+    ahead here (each chunk into its own bounce buffer), and read and check two link files at
+    once for reader.py."""
     return _BOUNCE.pool()
 
 

@@ -9,8 +9,8 @@ the chain passed.
 Each link is allocated page-aligned (`LinkStore.allocate(page_aligned=True)`: laid out as its
 file lays out its payload, in a reused buffer from the store's pool), and the file is read with
 one request straight into it (inplace.py), with direct I/O when the `disk_direct_reads` setting
-asks for it and the file system takes it, then every part's CRC-32 checked there (on a helper
-thread, while the next file is read). No copy
+asks for it and the file system takes it, then every part's CRC-32 checked there (on helper
+threads, two files at a time). No copy
 follows: the restore reads those buffers, and promotion keeps them as the RAM links. A file
 whose parts lie elsewhere than the store's layout (another order) is read part by part
 instead: `readinto` per part (linkfile.read_parts) or, with direct reads, through bounce
@@ -30,7 +30,7 @@ from ..store import LinkStore, MissingLinkError
 from ..tiers.base import LinkRef
 from .direct import DirectIOUnsupported, helper, read_parts_direct
 from .hugepages import advise_huge_pages
-from .inplace import fits_in_place, read_payload, verify_payload
+from .inplace import fits_in_place, read_in_place
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
 __all__ = ["DiskReadError", "read_verified", "stage_chain"]
@@ -61,17 +61,19 @@ def read_verified(path: Path, header: LinkFileHeader, base: int,
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
                 fingerprint: bytes, direct: bool = False) -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
-    read. On any problem every link staged by this call is dropped and DiskReadError raised.
+    read. On any problem every link staged by this call is dropped and DiskReadError raised,
+    charged to the first file of the chain found at fault.
     `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`).
 
-    A file read in place has its CRCs checked on the helper thread while the next file is
-    read (the device does not wait for the CPU); its link is sealed only once they passed,
-    and no buffer is dropped while a check still reads it."""
+    Files read in place are read and checked on the helper threads, two at a time, while this
+    thread prepares the next (header, buffers): the device gets the next file's request while
+    the CPU checks the last one's CRCs. A link is sealed only once its checks passed, and no
+    buffer is dropped while a helper still writes or reads it."""
     if len(chain) != len(sources):
         raise ValueError(f"{len(chain)} links but {len(sources)} files")
     layout = store.layout
     staged: list[int] = []
-    checks: list[tuple[LinkRef, Future[None]]] = []  # in-place reads whose CRCs run
+    reads: list[tuple[LinkRef, Future[int]]] = []  # in-place reads in flight, in chain order
     n = 0
     at = chain[0] if chain else None  # the link a failure is charged to
     try:
@@ -89,35 +91,45 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
             advise_huge_pages(parts.values())  # fresh buffers: fewer page faults (a hint)
             whole = store.payload(ref.link_id)
             if fits_in_place(header, whole, parts):  # one read, no copy
-                n += read_payload(path, header, base, whole, direct)
-                checks.append((ref, helper().submit(verify_payload, path, header, whole)))
+                reads.append((ref, helper().submit(read_in_place, path, header, base, whole,
+                                                   direct)))
             else:
                 n += read_verified(path, header, base, parts, direct)
                 store.seal(ref.link_id)
-        for ref, check in checks:
+        for ref, read in reads:
             at = ref
-            check.result()
+            n += read.result()
             store.seal(ref.link_id)
     except (LinkFileError, OSError) as e:
-        _settle(checks)
+        err: LinkFileError | OSError = e
+        first = _settle(reads, at)
+        if first is not None:  # an earlier file of the chain failed too: charge that one
+            at, err = first
         store.drop(staged)
-        problem = (e.problem.value if isinstance(e, LinkFileError)
-                   else "gone" if isinstance(e, FileNotFoundError) else "io_error")
+        problem = (err.problem.value if isinstance(err, LinkFileError)
+                   else "gone" if isinstance(err, FileNotFoundError) else "io_error")
         assert at is not None
-        raise DiskReadError(at.link_id, problem, str(e)) from e
+        raise DiskReadError(at.link_id, problem, str(err)) from err
     except BaseException:
-        _settle(checks)
+        _settle(reads, at)
         store.drop(staged)  # nothing half staged stays behind, whatever went wrong
         raise
     return n
 
 
-def _settle(checks: list[tuple[LinkRef, Future[None]]]) -> None:
-    """Wait until no CRC check reads a staged buffer any more (their outcome no longer
-    matters): only then may the buffers go back to the pool."""
-    for _, f in checks:
+def _settle(reads: list[tuple[LinkRef, Future[int]]], at: LinkRef | None
+            ) -> tuple[LinkRef, LinkFileError | OSError] | None:
+    """Wait until no helper writes or reads a staged buffer any more: only then may the
+    buffers go back to the pool. Returns the first read before `at` in chain order that
+    failed with a file problem (and its error), if any."""
+    first = None
+    for ref, f in reads:
         f.cancel()
         try:
             f.result()
+        except (LinkFileError, OSError) as e:
+            if first is None and at is not None and ref.start < at.start:
+                first = (ref, e)
         except BaseException:  # the chain fails either way
             pass
+    return first
