@@ -408,3 +408,23 @@ def test_a_refusal_of_direct_io_falls_back_to_the_page_cache_logged_once(
     with pytest.raises(DiskReadError) as ex:
         stage_chain(store, refs, paths, FP, direct=True)
     assert ex.value.problem == "checksum" and len(store) == 0
+
+
+def test_a_chain_failing_in_two_files_is_charged_to_the_first(tmp_path):
+    """The second file's CRCs are still being checked on a helper thread when the fourth
+    file's header is refused on the caller's: the miss names the second (the scheduler then
+    deletes it and every longer link), and every buffer is back in the pool."""
+    refs, paths, _ = _write_chain(tmp_path, 4)
+    p1 = Path(paths[1])
+    raw = bytearray(p1.read_bytes())
+    raw[-1] ^= 0x01  # the last byte of its last part
+    p1.write_bytes(bytes(raw))
+    p3 = Path(paths[3])
+    raw = bytearray(p3.read_bytes())
+    raw[20] ^= 0x01  # inside its header
+    p3.write_bytes(bytes(raw))
+    store = LinkStore(LAYOUT, pin_memory=False)
+    with pytest.raises(DiskReadError) as ex:
+        stage_chain(store, refs, paths, FP, direct=True)
+    assert ex.value.link_id == refs[1].link_id and ex.value.problem == "checksum"
+    assert len(store) == 0 and store.pool.idle_bytes == 3 * _staged_bytes()
