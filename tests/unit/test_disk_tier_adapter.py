@@ -302,7 +302,7 @@ def test_prefill_steps_feed_the_cost_check(tmp_path):
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, direct):
     """`disk_direct_reads` travels with the disk target to the worker, whose staging of a disk
-    hit reads with direct I/O exactly when it is set (buffered by default)."""
+    hit reads with direct I/O exactly when it is set (the default: on)."""
     import vllm_hybridcache.adapter.worker_side as worker_side
 
     side, worker = _side(tmp_path, disk_direct_reads=direct), _worker()

@@ -194,8 +194,9 @@ def test_disk_settings_from_environment_and_validation():
                                "VLLM_HYBRIDCACHE_DISK_BUDGET_BYTES": "1e9",
                                "VLLM_HYBRIDCACHE_DISK_TTL_S": "0"})
     assert (s.disk_dir, s.disk_budget_bytes, s.disk_ttl_s) == ("/var/cache/hc", 10**9, 0)
-    assert not s.disk_direct_reads      # buffered reads unless asked for
-    assert load_settings(environ={"VLLM_HYBRIDCACHE_DISK_DIRECT_READS": "on"}).disk_direct_reads
+    assert s.disk_direct_reads          # direct I/O unless turned off
+    assert not load_settings(
+        environ={"VLLM_HYBRIDCACHE_DISK_DIRECT_READS": "off"}).disk_direct_reads
     with pytest.raises(SettingsError, match="DISK_DIRECT_READS must be a boolean"):
         load_settings(environ={"VLLM_HYBRIDCACHE_DISK_DIRECT_READS": "2"})
     for extra, message in (({"disk_budget_bytes": 0}, "disk_budget_bytes must be > 0"),

@@ -59,7 +59,7 @@ class DiskTarget(msgspec.Struct, frozen=True):
     ttl_s: float
     spill: bool = False  # session spill: end anchors are written at shutdown and eviction
     drain_s: float = 10.0  # time limit of the shutdown drain
-    direct_reads: bool = False  # a disk hit reads with direct I/O (core/disk/direct.py)
+    direct_reads: bool = True  # a disk hit reads with direct I/O (core/disk/inplace.py)
 
 
 class WriteJob(msgspec.Struct, frozen=True):
