@@ -428,3 +428,26 @@ def test_a_chain_failing_in_two_files_is_charged_to_the_first(tmp_path):
         stage_chain(store, refs, paths, FP, direct=True)
     assert ex.value.link_id == refs[1].link_id and ex.value.problem == "checksum"
     assert len(store) == 0 and store.pool.idle_bytes == 3 * _staged_bytes()
+
+
+def test_a_slab_store_carves_staged_links_out_of_its_slabs_and_gets_them_back(tmp_path):
+    """A pinned store (here the same code unpinned) takes staged links' buffers from its slabs
+    (torch's pinned allocator would round each up to a power of two); the pool's bound hands
+    them back to the arena, and a clear leaves nothing behind."""
+    refs, paths, want = _write_chain(tmp_path, 3)
+    one = _staged_bytes()
+    store = LinkStore(LAYOUT, pin_memory=False, slab_bytes=1 << 20, pool_bytes=2 * one)
+    arena = store._arena
+    stage_chain(store, refs, paths, FP)
+    assert arena.slabs == 1 and arena.used_bytes == 3 * (one + PAGE)
+    for ref, w in zip(refs, want, strict=True):
+        whole = store.payload(ref.link_id)
+        assert whole.data_ptr() % PAGE == 0 and _equal(_held(store, ref), w)
+    assert store.bytes_reserved == 1 << 20
+    store.drop([r.link_id for r in refs])  # two kept idle (the bound), one back to the arena
+    assert store.pool.idle_bytes == 2 * one and arena.used_bytes == 2 * (one + PAGE)
+    stage_chain(store, refs, paths, FP)
+    assert store.pool.reused == 2 and arena.used_bytes == 3 * (one + PAGE)
+    store.drop([r.link_id for r in refs])
+    store.clear()
+    assert store.pool.idle_bytes == 0 and arena.slabs == 0 and store.bytes_reserved == 0

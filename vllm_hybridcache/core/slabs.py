@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,7 @@ class PageBlock:
     cls: int
     whole: torch.Tensor  # the page-aligned `cls` bytes `tensor` starts (what is reused)
     fresh: bool  # allocated for this take (its pages not yet touched), not reused
+    release: Callable[[], None] | None = None  # hands the memory back to where it came from
 
 
 class PagePool:
@@ -193,13 +195,21 @@ class PagePool:
     bytes wait idle (the oldest given back go first beyond that); buffers in use are the
     store's (its byte budget counts them). Thread-safe (one lock): readers on several threads
     may share one pool.
+
+    Where fresh buffers come from: `arena` (a pinned store's SlabArena: torch's pinned
+    allocator would round each buffer up to a power of two) when given, else one host
+    allocation each; either way one page more than the class, so a page boundary lies inside.
+    A buffer released beyond the bound goes back to the arena (which is then called from the
+    pool's callers' thread: the store's).
     """
 
-    def __init__(self, max_idle: int, pin_memory: bool = False) -> None:
+    def __init__(self, max_idle: int, pin_memory: bool = False,
+                 arena: SlabArena | None = None) -> None:
         if max_idle < 0:
             raise ValueError("max_idle must be >= 0")
         self.max_idle = max_idle
         self.pin_memory = pin_memory
+        self.arena = arena
         self._lock = threading.Lock()
         self._free: dict[int, list[PageBlock]] = {}
         self._order: list[PageBlock] = []  # idle blocks, oldest given back first
@@ -219,17 +229,27 @@ class PagePool:
                 self._order.remove(b)
                 self._idle -= cls
                 self.reused += 1
-                return PageBlock(b.whole[:n], n, cls, b.whole, False)
-        # one page more than the class, so a page-aligned start lies inside it
-        backing = torch.empty(cls + PAGE, dtype=torch.uint8, pin_memory=self.pin_memory)
+                return PageBlock(b.whole[:n], n, cls, b.whole, False, b.release)
+        release = None
+        if self.arena is not None:
+            block = self.arena.alloc(cls + PAGE)
+            backing = block.tensor
+            release = lambda a=self.arena, blk=block: a.free(blk)  # noqa: E731
+        else:
+            backing = torch.empty(cls + PAGE, dtype=torch.uint8, pin_memory=self.pin_memory)
         off = -backing.data_ptr() % PAGE
         whole = backing[off:off + cls]
-        return PageBlock(whole[:n], n, cls, whole, True)
+        return PageBlock(whole[:n], n, cls, whole, True, release)
+
+    def _release(self, b: PageBlock) -> None:
+        if b.release is not None:
+            b.release()
 
     def give(self, b: PageBlock) -> None:
         """Hand a buffer back (nothing may read or write it any more): kept idle for the next
         take of its class, the oldest idle buffers released beyond `max_idle` bytes."""
         if b.cls > self.max_idle:
+            self._release(b)
             return
         with self._lock:
             if any(x is b for x in self._order):
@@ -241,10 +261,13 @@ class PagePool:
                 old = self._order.pop(0)
                 self._free[old.cls].remove(old)
                 self._idle -= old.cls
+                self._release(old)
 
     def clear(self) -> None:
         """Release every idle buffer."""
         with self._lock:
+            for b in self._order:
+                self._release(b)
             self._free.clear()
             self._order.clear()
             self._idle = 0

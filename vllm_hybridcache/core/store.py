@@ -116,7 +116,8 @@ class LinkStore:
         if slab_bytes is None:
             slab_bytes = DEFAULT_SLAB_BYTES if self.pin_memory else 0
         self._arena = SlabArena(slab_bytes, self.pin_memory, ALIGN) if slab_bytes else None
-        self.pool = PagePool(pool_bytes, self.pin_memory)
+        # a pinned store's staged links come out of its slabs too (page-aligned within them)
+        self.pool = PagePool(pool_bytes, self.pin_memory, self._arena)
         self._entries: dict[int, _Entry] = {}
         self._bytes = 0
         # Fixed offsets of the sections per part alignment; views follow, sized by the link's
@@ -329,9 +330,9 @@ class LinkStore:
     def clear(self) -> int:
         n = len(self._entries)
         self._entries.clear()
+        self.pool.clear()  # before the arena forgets the slabs its idle buffers lie in
         if self._arena is not None:
             self._arena.clear()
-        self.pool.clear()
         self._bytes = 0
         return n
 
@@ -339,10 +340,9 @@ class LinkStore:
     def bytes_reserved(self) -> int:
         """Host bytes held for payloads: slabs plus dedicated allocations (>= bytes_held), plus
         the pool's idle buffers."""
-        pooled = sum(e.nbytes for e in self._entries.values() if e.page is not None)
-        held = (self._arena.reserved_bytes + pooled if self._arena is not None
-                else self._bytes)
-        return held + self.pool.idle_bytes
+        if self._arena is not None:  # staged links and idle pool buffers lie in its slabs
+            return self._arena.reserved_bytes
+        return self._bytes + self.pool.idle_bytes
 
     def has(self, link_id: int) -> bool:
         """Whether the link is allocated and sealed (restorable)."""
