@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -410,10 +411,19 @@ def test_a_refusal_of_direct_io_falls_back_to_the_page_cache_logged_once(
     assert ex.value.problem == "checksum" and len(store) == 0
 
 
-def test_a_chain_failing_in_two_files_is_charged_to_the_first(tmp_path):
-    """The second file's CRCs are still being checked on a helper thread when the fourth
-    file's header is refused on the caller's: the miss names the second (the scheduler then
-    deletes it and every longer link), and every buffer is back in the pool."""
+@pytest.mark.parametrize("helpers", ["running", "busy"])
+def test_a_chain_failing_in_two_files_is_charged_to_the_first(tmp_path, monkeypatch, helpers):
+    """The second file is still being read and checked on a helper thread (`busy`: its read
+    has not even started) when the fourth file's header is refused on the caller's: the miss
+    names the second (the scheduler then deletes it and every longer link), and every buffer
+    is back in the pool."""
+    if helpers == "busy":
+        gate = threading.Event()
+        pool = ThreadPoolExecutor(1)
+        pool.submit(gate.wait)  # the helper is busy until the chain has failed on the caller
+        monkeypatch.setattr(reader, "helper", lambda: pool)
+        settle = reader._settle
+        monkeypatch.setattr(reader, "_settle", lambda *a: gate.set() or settle(*a))
     refs, paths, _ = _write_chain(tmp_path, 4)
     p1 = Path(paths[1])
     raw = bytearray(p1.read_bytes())

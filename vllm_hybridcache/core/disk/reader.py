@@ -120,11 +120,13 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
 def _settle(reads: list[tuple[LinkRef, Future[int]]], at: LinkRef | None
             ) -> tuple[LinkRef, LinkFileError | OSError] | None:
     """Wait until no helper writes or reads a staged buffer any more: only then may the
-    buffers go back to the pool. Returns the first read before `at` in chain order that
-    failed with a file problem (and its error), if any."""
+    buffers go back to the pool. Reads of files after `at` are cancelled where not started;
+    those before it run to their end, so that the first file at fault is known: returns the
+    first of them that failed with a file problem (and its error), if any."""
     first = None
     for ref, f in reads:
-        f.cancel()
+        if at is None or ref.start > at.start:
+            f.cancel()
         try:
             f.result()
         except (LinkFileError, OSError) as e:
