@@ -93,9 +93,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_direct_reads: a disk hit reads each file with direct I/O, one request straight into
         its page-aligned store buffer (no page-cache copy; a file system without direct I/O
         falls back to the page cache, logged once). On by default: on the 2-core benchmark
-        host it read 1.3-1.5x faster than the same request through the page cache with a
-        third to a half of the CPU (docs/benchmarks/disk.md). Off: the same request, buffered
-        (a file still in the page cache, as in the life that wrote it, is not read again).
+        host it read up to 1.5x faster than the same request through the page cache (1.45x on
+        38 MiB files, the same on 8 MiB files) with a third to a half of the CPU
+        (docs/benchmarks/disk.md). Off: the same request, buffered (a file still in the page
+        cache, as in the life that wrote it, is not read again).
     disk_write_first_tokens: which tree links the disk tier writes: a prefix seen in two
         prompts (a repeat, a branch point) and every line of a session's first prompt at least
         this long (an agent's system prompt and tools); 0 = every committed link.
