@@ -4,23 +4,27 @@ What it measures, in one run on one folder (so the device and its load are the s
 - **write**: `LinkDirectory.write` of N links of the reference size (one link file each:
   header, parts with a CRC-32 each, fsync, rename, directory fsync), against
   `dd if=/dev/zero of=F bs=1M count=S oflag=direct conv=fsync` over the same bytes;
-- **read**: `stage_chain` of those files into a RAM `LinkStore` (header, every part read into
-  store buffers and its CRC-32 checked) with direct I/O (core/disk/direct.py: the tier's read)
-  and, in alternating passes, with the buffered read it had before (`direct=False`:
-  linkfile.read_parts), each against `dd if=F of=/dev/null iflag=direct` with 1 MiB and with
-  4 MiB requests (the direct read's request size). Both read rates and the CPU seconds each
-  spends per GiB (every thread of the process) are reported.
-  The same reads with the reader's huge-page hint off (core/disk/hugepages.py), and into a
-  store that carves links out of reused slabs (the worker's pinned store
-  on a GPU host) show what fresh pages cost: an unpinned store (this CPU build) allocates each
-  link anew. Before every read pass the files' pages are dropped from the page cache
-  (`posix_fadvise(DONTNEED)` per file, which touches no other process's cache), so both read
-  the device;
-- the CPU side alone: the buffered staging from the page cache, and the CRC-32 rate of the tier
+- **read**: `stage_chain` of those files into a RAM `LinkStore`, the way a disk hit reads them:
+  each file's header read and verified first, untimed (the scheduler's lookup does that right
+  before the hit, so the staging finds the headers in the page cache), then one request per
+  file straight into a reused page-aligned store buffer (core/disk/inplace.py, the store's
+  PagePool) with direct I/O (`direct`; `buffered`: the same request through the page cache)
+  and every part's CRC-32 checked. Side by side in the same rounds (every arm once per round,
+  in turn; the files' pages dropped from the page cache before each, `posix_fadvise(DONTNEED)`
+  per file, which touches no other process's cache): the direct read with the headers from the
+  device too (`headers_cold`), into fresh buffers (a pool with nothing to give yet: the first
+  hit of a new process), the reads before the pool (fresh buffers, part by part: `readinto`,
+  or bounce buffers), and `dd if=F of=/dev/null iflag=direct` with 1, 4 and 16 MiB requests
+  over a file holding the link files' own bytes (random; a file of zeros, also timed, can read
+  faster on a virtual disk that stores zeros sparsely). Medians and best passes, the CPU
+  seconds per GiB of each read (every thread of the process), and the ratios against the
+  fastest `dd` (median against median, best against best) are reported;
+- the CPU side alone: the staging from the page cache, and the CRC-32 rate of the tier
   (core/disk/crc.py: ISA-L's when installed) and of zlib, which bound the tier's read rate
   whatever the device; and the tier's read with zlib's CRC-32 (what it was before ISA-L's).
 
 Usage: python -m benchmarks.run --micro disk --dir /path/on/the/disk [--links 16] [--mib 38]
+[--passes 5]
 (or python -m benchmarks.disk_bench ...)
 Prints one JSON line; docs/benchmarks/disk.md records the results and the machine.
 """
@@ -49,10 +53,9 @@ from vllm_hybridcache.core import (
     StateLayout,
     ViewSpec,
 )
-from vllm_hybridcache.core.disk import LinkDirectory, crc, direct, linkfile, reader
+from vllm_hybridcache.core.disk import LinkDirectory, crc, inplace, linkfile, reader
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
-from vllm_hybridcache.core.store import DEFAULT_SLAB_BYTES
 
 FP = b"B" * 32
 DOM = make_domain(bench="disk")
@@ -118,6 +121,15 @@ def write_chain(d: LinkDirectory, keys: PromptKeys, links: int, rows: int,
     return [d.path_for(DOM, (i + 1) * rows, keys.digest((i + 1) * rows)) for i in range(links)]
 
 
+def timed(arms: dict, passes: int) -> dict[str, list[tuple[float, float]]]:
+    """`passes` rounds, each running every arm once in turn: {arm: [(wall s, CPU s)]}."""
+    out: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
+    for _ in range(passes):
+        for a, fn in arms.items():
+            out[a].append(fn())
+    return out
+
+
 def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
     lay, rows = layout_for(mib)
     store = LinkStore(lay, pin_memory=False)
@@ -135,13 +147,20 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         chain = [LinkRef(100 + i, i * rows, (i + 1) * rows) for i in range(links)]
         paths = [str(p) for p in files]
 
-        def timed_read(into: LinkStore, cold: bool = True, direct_io: bool = True
-                       ) -> tuple[float, float]:
+        def timed_read(into: LinkStore, cold: bool = True, direct_io: bool = True,
+                       lookup: bool = True) -> tuple[float, float]:
             """One staged read of the chain into `into`: (wall seconds, CPU seconds of the
             whole process), from the device (page cache dropped first) or, `cold=False`, from
-            a page cache just warmed by a buffered read."""
+            a page cache just warmed by a buffered read. `lookup`: each file's header read and
+            verified first, untimed, as the scheduler's lookup does right before a disk hit
+            (the staging then finds the headers in the page cache). The chain is dropped after
+            it (its buffers go back to the store's pool, as after a restore that promotes
+            nothing)."""
             if cold:
                 drop_cache(files)
+                if lookup:
+                    for p in files:
+                        linkfile.read_header(p, FP)
             else:
                 stage_chain(into, chain, paths, FP, direct=False)
                 into.drop([r.link_id for r in chain])
@@ -155,33 +174,58 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
                         ) -> list[float]:
             return [timed_read(into, cold, direct_io)[0] for _ in range(3)]
 
+        def per_part_read(direct_io: bool) -> tuple[float, float]:
+            """The read before this session's change: fresh store buffers every time (a pool
+            that keeps nothing), each part read on its own (`readinto`, or bounce buffers)."""
+            with mock.patch.object(reader, "fits_in_place", lambda *a: False):
+                return timed_read(fresh_store, direct_io=direct_io)
+
+        def dd_read(bs: str, src: Path) -> tuple[float, float]:
+            drop_cache([src])
+            return dd([f"if={src}", "of=/dev/null", f"bs={bs}", "iflag=direct"]), 0.0
+
+        raw = work / "dd.bin"
+        mib_total = file_bytes >> 20
+        t_dd_write = dd(["if=/dev/zero", f"of={raw}", "bs=1M", f"count={mib_total}",
+                         "oflag=direct", "conv=fsync"])
+        # what dd reads: the link files' own bytes (random, like real state) in one file of
+        # the same age as they are; a file of zeros (what dd wrote) can read faster than
+        # its size on a virtual disk whose host stores zeros sparsely
+        same = work / "dd-same-bytes.bin"
+        with open(same, "wb") as f:
+            for p in files:
+                f.write(p.read_bytes())
+            f.flush()
+            os.fsync(f.fileno())
         # does this folder take direct I/O (else the tier reads buffered, and so does "direct")
-        h0, b0 = linkfile.read_header(files[0], FP)
-        probe = store.allocate(99, rows)
         try:
-            direct.read_parts_direct(files[0], h0, b0, {**probe.sections, **probe.views})
-            direct_io = True
-        except direct.DirectIOUnsupported:
+            os.close(os.open(files[0], os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+            direct_io = hasattr(os, "O_DIRECT")
+        except OSError:
             direct_io = False
-        store.drop([99])
-        # the tier's read (direct I/O) and the buffered read, alternating pass by pass
-        pairs = {"direct": [], "buffered": []}
-        for _ in range(passes):
-            for name in pairs:
-                pairs[name].append(timed_read(store, direct_io=name == "direct"))
-        reads = [w for w, _ in pairs["direct"]]
-        buffered = [w for w, _ in pairs["buffered"]]
-        # the same reads without the reader's huge-page hint (core/disk/hugepages.py)
-        with mock.patch.object(reader, "advise_huge_pages", lambda parts: False):
-            no_hint = timed_reads(store)
-        # the same reads into a store carving links out of reused slabs (how the worker's
-        # pinned store works on a GPU host): no fresh pages to fault in per read
-        slab_reads = timed_reads(LinkStore(lay, pin_memory=False, slab_bytes=DEFAULT_SLAB_BYTES))
-        # the CPU side alone: the buffered staging from the page cache (copy + CRC + buffers)
+        # a store whose pool keeps no buffer: every staged link in fresh memory (the first
+        # disk hit of a new process, before any staged link was dropped)
+        fresh_store = LinkStore(lay, pin_memory=False, pool_bytes=0)
+        # every arm once per round, in turn, so each sees the same device and load; the
+        # tier's arms read into `store`, whose pool the first round fills
+        arms = {
+            "direct": lambda: timed_read(store, direct_io=True),
+            "direct_headers_cold": lambda: timed_read(store, direct_io=True, lookup=False),
+            "buffered": lambda: timed_read(store, direct_io=False),
+            "fresh": lambda: timed_read(fresh_store, direct_io=True),
+            "per_part_buffered": lambda: per_part_read(False),
+            "per_part_direct": lambda: per_part_read(True),
+            "dd_1m": lambda: dd_read("1M", same),
+            "dd_4m": lambda: dd_read("4M", same),
+            "dd_16m": lambda: dd_read("16M", same),
+            "dd_1m_zeros": lambda: dd_read("1M", raw),
+        }
+        timed({"direct": arms["direct"]}, 1)  # fills the pool: the arms measure reuse
+        pairs = timed(arms, passes)
+        # the CPU side alone: the buffered staging from the page cache (copy + CRC)
         cached = timed_reads(store, cold=False, direct_io=False)
         # the same reads verified with zlib's CRC-32 instead of the tier's (same values)
-        with mock.patch.object(linkfile, "crc32", zlib.crc32), \
-                mock.patch.object(direct, "crc32", zlib.crc32):
+        with mock.patch.object(inplace, "crc32", zlib.crc32):
             zlib_reads = timed_reads(store)
         big = os.urandom(64 << 20)
 
@@ -193,49 +237,71 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
                 best = min(best, time.perf_counter() - t0)
             return 64 / 1024 / best
 
-        raw = work / "dd.bin"
-        mib_total = file_bytes >> 20
-        t_dd_write = dd(["if=/dev/zero", f"of={raw}", "bs=1M", f"count={mib_total}",
-                         "oflag=direct", "conv=fsync"])
-        dd_reads, dd_reads_4m = [], []
-        for _ in range(3):
-            for bs, out_list in (("1M", dd_reads), ("4M", dd_reads_4m)):
-                drop_cache([raw])
-                out_list.append(dd([f"if={raw}", "of=/dev/null", f"bs={bs}", "iflag=direct"]))
         gib = 1 << 30
+        dd_bytes = same.stat().st_size
+
+        def med(arm: str, nbytes: int = file_bytes) -> float:
+            return nbytes / gib / float(np.median([w for w, _ in pairs[arm]]))
+
+        def best(arm: str, nbytes: int = file_bytes) -> float:
+            return nbytes / gib / min(w for w, _ in pairs[arm])
+
+        def cpu(arm: str) -> float:
+            return float(np.median([c for _, c in pairs[arm]])) / gibs
         gibs = file_bytes / gib
+        dds = ("dd_1m", "dd_4m", "dd_16m")
         out = {
             "folder": str(folder), "links": links, "link_bytes": nbytes,
             "direct_io": direct_io,
             "file_bytes": file_bytes,
             "tier_write_gib_s": file_bytes / t_write / gib,
             "dd_write_gib_s": (mib_total << 20) / t_dd_write / gib,
-            "tier_read_gib_s": file_bytes / min(reads) / gib,
-            "dd_read_gib_s": (mib_total << 20) / min(dd_reads) / gib,
-            "dd_read_4m_gib_s": (mib_total << 20) / min(dd_reads_4m) / gib,
             "read_passes": passes,
-            "tier_read_median_gib_s": gibs / float(np.median(reads)),
-            "tier_read_cpu_s_per_gib": float(np.median([c for _, c in pairs["direct"]])) / gibs,
-            "buffered_read_gib_s": gibs / min(buffered),
-            "buffered_read_median_gib_s": gibs / float(np.median(buffered)),
-            "buffered_read_cpu_s_per_gib": float(
-                np.median([c for _, c in pairs["buffered"]])) / gibs,
-            "tier_read_no_hint_gib_s": file_bytes / min(no_hint) / gib,
-            "tier_read_slab_gib_s": file_bytes / min(slab_reads) / gib,
+            # the tier's read: one direct request per file into reused page-aligned buffers
+            "tier_read_gib_s": best("direct"),
+            "tier_read_median_gib_s": med("direct"),
+            "tier_read_cpu_s_per_gib": cpu("direct"),
+            # the same with the headers read from the device too (no lookup just before)
+            "headers_cold_read_median_gib_s": med("direct_headers_cold"),
+            # the same one request per file through the page cache (disk_direct_reads off)
+            "buffered_read_gib_s": best("buffered"),
+            "buffered_read_median_gib_s": med("buffered"),
+            "buffered_read_cpu_s_per_gib": cpu("buffered"),
+            # the direct request into fresh buffers (a pool that has none to give yet)
+            "fresh_read_median_gib_s": med("fresh"),
+            "fresh_read_cpu_s_per_gib": cpu("fresh"),
+            # the reads before: fresh buffers, part by part
+            "per_part_buffered_median_gib_s": med("per_part_buffered"),
+            "per_part_buffered_cpu_s_per_gib": cpu("per_part_buffered"),
+            "per_part_direct_median_gib_s": med("per_part_direct"),
+            "per_part_direct_cpu_s_per_gib": cpu("per_part_direct"),
+            "dd_read_gib_s": best("dd_1m", dd_bytes),
+            "dd_read_4m_gib_s": best("dd_4m", dd_bytes),
+            "dd_read_16m_gib_s": best("dd_16m", dd_bytes),
+            **{f"{a}_median_gib_s": med(a, dd_bytes) for a in dds},
+            "dd_1m_zeros_median_gib_s": med("dd_1m_zeros", mib_total << 20),
             "tier_read_page_cache_gib_s": file_bytes / min(cached) / gib,
+            "pool_reused": store.pool.reused, "pool_taken": store.pool.taken,
             "crc32_backend": crc.BACKEND,
             "crc32_gib_s": crc_rate(crc.crc32),
             "zlib_crc32_gib_s": crc_rate(zlib.crc32),
             "tier_read_zlib_crc_gib_s": file_bytes / min(zlib_reads) / gib,
         }
         out["read_ratio"] = out["tier_read_gib_s"] / out["dd_read_gib_s"]
-        # against the faster of the two dd runs: the device's best in this run
-        dd_best = max(out["dd_read_gib_s"], out["dd_read_4m_gib_s"])
+        # against the fastest dd (the device's best in this run): best passes, and medians
+        dd_best = max(out[k] for k in ("dd_read_gib_s", "dd_read_4m_gib_s", "dd_read_16m_gib_s"))
+        dd_med = max(out[f"{a}_median_gib_s"] for a in dds)
+        out["dd_best_median_gib_s"] = dd_med
         out["read_ratio_best_dd"] = out["tier_read_gib_s"] / dd_best
+        out["read_ratio_median"] = out["tier_read_median_gib_s"] / dd_med
         out["buffered_read_ratio"] = out["buffered_read_gib_s"] / out["dd_read_gib_s"]
         out["buffered_read_ratio_best_dd"] = out["buffered_read_gib_s"] / dd_best
+        out["buffered_read_ratio_median"] = out["buffered_read_median_gib_s"] / dd_med
+        out["headers_cold_ratio_median"] = out["headers_cold_read_median_gib_s"] / dd_med
+        out["fresh_read_ratio_median"] = out["fresh_read_median_gib_s"] / dd_med
+        out["per_part_buffered_ratio_median"] = out["per_part_buffered_median_gib_s"] / dd_med
+        out["per_part_direct_ratio_median"] = out["per_part_direct_median_gib_s"] / dd_med
         out["direct_over_buffered"] = out["tier_read_gib_s"] / out["buffered_read_gib_s"]
-        out["read_slab_ratio"] = out["tier_read_slab_gib_s"] / out["dd_read_gib_s"]
         out["read_zlib_crc_ratio"] = out["tier_read_zlib_crc_gib_s"] / out["dd_read_gib_s"]
         out["write_ratio"] = out["tier_write_gib_s"] / out["dd_write_gib_s"]
         out["loadavg_start"], out["loadavg_end"] = load_start, os.getloadavg()

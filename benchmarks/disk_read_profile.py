@@ -3,20 +3,22 @@
 A chain of link files of one size is written once (`LinkDirectory.write`, random bytes), then
 read back over several alternating passes, every pass from the device (the files' pages
 dropped from the page cache first) unless said otherwise:
-- **phases** of the tier's buffered read, timed with `time.perf_counter` around each step as
-  `reader.stage_chain` takes it (read and verify the header, compare the stored token ids with
-  the prompt's as the lookup does, allocate the store buffers, the huge-page hint, the `readinto`
-  of each part, the CRC-32 of each part over the bytes in the store, seal), and the same pass
-  through `stage_chain` itself (the phases must add up to it); from the device and from the
-  page cache (no device: the CPU's part alone);
+- **phases** of the per-part buffered read (the tier's read before its reads went in place, and
+  still its read of a file whose parts lie elsewhere than the store's layout), timed with
+  `time.perf_counter` around each step (read and verify the header, compare the stored token
+  ids with the prompt's as the lookup does, allocate fresh store buffers, the huge-page hint,
+  the `readinto` of each part, the CRC-32 of each part over the bytes in the store, seal), and
+  the same pass through `stage_chain` forced onto that path into a store whose pool keeps
+  nothing (the phases must add up to it); from the device and from the page cache (no device:
+  the CPU's part alone);
 - **paths side by side**, wall and CPU seconds (every thread of the process) per GiB: the
-  tier's buffered read and its direct-I/O read (`disk_direct_reads`: bounce buffers, one copy
-  into the store), and, as a bound, direct I/O straight into page-aligned buffers followed by
-  the same CRC-32 pass, into fresh buffers (what reading into the store's buffers without a copy
-  would cost: the store's buffers are not page-aligned, so the tier cannot do this today) and
-  into reused ones (no fresh pages to fault in); `dd` with direct I/O, 1 and 4 MiB requests, in
-  the same run;
-- a `cProfile` of one cold `stage_chain` pass (the functions that hold the time).
+  tier's read (`stage_chain`: one request per file into reused page-aligned store buffers, the
+  CRCs checked on a helper thread while the next file is read) with direct I/O
+  (`disk_direct_reads`) and through the page cache; and, as bounds, direct I/O straight into
+  page-aligned buffers followed by the same CRC-32 pass on the calling thread, into fresh
+  buffers and into reused ones; `dd` with direct I/O, 1 and 4 MiB requests, in the same run
+  (over a file of zeros: `disk_bench` also reads the links' own bytes);
+- a `cProfile` of one cold per-part `stage_chain` pass (the functions that hold the time).
 
 Usage: python -m benchmarks.disk_read_profile [--dir /tmp] [--links 8] [--mib 8] [--passes 5]
 (8 links of 8 MiB: about the chain of a 16K head of `qwen3-next-small`, 8.5 MB per link file).
@@ -36,6 +38,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -50,7 +53,7 @@ from benchmarks.disk_bench import (
     write_chain,
 )
 from vllm_hybridcache.core import LinkRef, LinkStore
-from vllm_hybridcache.core.disk import linkfile
+from vllm_hybridcache.core.disk import linkfile, reader
 from vllm_hybridcache.core.disk.crc import crc32
 from vllm_hybridcache.core.disk.hugepages import advise_huge_pages
 from vllm_hybridcache.core.disk.reader import stage_chain
@@ -64,8 +67,9 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 def phased_read(store: LinkStore, chain: list[LinkRef], paths: list[Path], toks: np.ndarray
                 ) -> dict[str, float]:
-    """One buffered staging of the chain, step by step as stage_chain and read_parts take it
-    (every check kept), with the seconds of each step summed over the files."""
+    """One per-part buffered staging of the chain into fresh buffers, step by step as
+    stage_chain and read_parts take it on that path (every check kept), with the seconds of
+    each step summed over the files."""
     t = dict.fromkeys(PHASES, 0.0)
     for ref, path in zip(chain, paths, strict=True):
         c = time.perf_counter()
@@ -156,9 +160,18 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
             return wall, cpu
 
         reused = [mmap.mmap(-1, linkfile._round_up(f.stat().st_size)) for f in files]
+        # the per-part path into fresh buffers, through stage_chain (what the phases time)
+        poolless = LinkStore(lay, pin_memory=False, pool_bytes=0)
+
+        def per_part() -> None:
+            with mock.patch.object(reader, "fits_in_place", lambda *a: False):
+                stage_chain(poolless, chain, paths, FP, direct=False)
+            poolless.drop(ids)
+
         paths_fns = {
-            "buffered": lambda: stage_chain(store, chain, paths, FP, direct=False),
-            "direct_bounce": lambda: stage_chain(store, chain, paths, FP, direct=True),
+            "tier_direct": lambda: stage_chain(store, chain, paths, FP, direct=True),
+            "tier_buffered": lambda: stage_chain(store, chain, paths, FP, direct=False),
+            "per_part_buffered": per_part,
             "direct_aligned_fresh": lambda: aligned_direct_read(files, None),
             "direct_aligned_reused": lambda: aligned_direct_read(files, reused),
         }
@@ -178,7 +191,7 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
                     "t", phased_read(store, chain, files, toks)), cold)
                 box["t"]["total"] = wall
                 phases[where].append(box["t"])
-                stage_walls[where].append(timed(paths_fns["buffered"], cold)[0])
+                stage_walls[where].append(timed(per_part, cold)[0])
         dd1, dd4 = [], []
         raw = work / "dd.bin"
         subprocess_mib = max(1, int(gib * 1024))
@@ -205,9 +218,8 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
         prof = cProfile.Profile()
         drop_cache(files)
         prof.enable()
-        stage_chain(store, chain, paths, FP, direct=False)
+        per_part()
         prof.disable()
-        store.drop(ids)
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(8)
         out["cprofile_top"] = [ln.strip() for ln in s.getvalue().splitlines()
