@@ -71,6 +71,11 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation; "
                    "models without that forward run in step mode)",
                    env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "1"}),
+        SystemSpec("ours-pinned", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with vLLM's CPU attention pinned split-invariant "
+                   "(VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1: fine segmentation for "
+                   "Qwen3-Next on vLLM's CPU backend, bf16)",
+                   env={"VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT": "1"}),
         SystemSpec("ours-copy", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with attention K/V copied, not shared in place "
                    "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=0: a hit's attention rows are copied "

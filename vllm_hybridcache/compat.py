@@ -539,6 +539,135 @@ def pin_cpu_attention_split(builder_cls: Any = None) -> bool:
     return True
 
 
+# --------------------------------------------------------------------- CPU GDN inner states
+
+CPU_GDN_INNER_MODELS: tuple[str, ...] = ("Qwen3NextForCausalLM",)
+"""vLLM model classes whose whole bf16 forward on vLLM 0.32.0's CPU backend was checked to be
+split-invariant at 64-aligned positions with the attention pin on, and whose recurrent layers
+run `_cpu_gdn_attention_nonspec` (docs/split-invariance.md): fine segmentation may be claimed
+for them once `install_cpu_gdn_inner_states` is in place."""
+
+
+def _gdn_sub_metadata(md: Any, *, decodes: int, decode_tokens: int, qsl: Any, slots: Any,
+                      has_initial: Any) -> Any:
+    """`md` (a `GDNAttentionMetadata`) for a sub-batch: `decodes` decode requests first, then
+    prefills; `qsl`, `slots`, `has_initial` cover the sub-batch's non-spec requests."""
+    import dataclasses
+
+    n = int(qsl[-1])
+    prefills = len(slots) - decodes
+    return dataclasses.replace(
+        md, num_decodes=decodes, num_decode_tokens=decode_tokens, num_prefills=prefills,
+        num_prefill_tokens=n - decode_tokens, num_actual_tokens=n,
+        non_spec_query_start_loc=qsl, non_spec_state_indices_tensor=slots,
+        has_initial_state=has_initial)
+
+
+@checked("0.32.0")
+def install_cpu_gdn_inner_states() -> bool:
+    """Let vLLM's CPU Gated-DeltaNet layers hand their states at offsets inside a step.
+
+    Why: fine segmentation (docs/split-invariance.md) captures links at 64-aligned positions
+    inside a prefill step, from states the recurrent layers hand to the worker's hook (the
+    `InnerCapture` protocol of flash_next/gdn.py, set as `layer.inner_capture`). vLLM 0.32.0's
+    CPU GDN op (`cpu_gdn_attention_core`, a registered custom op) runs the private module
+    function `_cpu_gdn_attention_nonspec` (looked up by name at each call), whose conv and
+    `chunk_gated_delta_rule_cpu` kernels write only the final state into the request's slot.
+    We replace that module function: a prefilling request whose slot has wanted offsets runs
+    through vLLM's original function once per piece (a one-request batch ending at the next
+    offset, the state flowing through its slot, has_initial_state true after the first
+    piece), which is exactly the op a step ending there runs; after each inner piece the slot's
+    conv state (the last width-1 conv inputs, in the cache's layout) and SSM state go to the
+    hook as state indices 0 and 1, cloned. Every other request (decodes, prefills without
+    wanted offsets) runs through the original function as one batch; with no hook or no
+    wanted offset in the step the original is called unchanged. The pieces give the same
+    outputs as one call because the kernels' 64-token chunks count from the sequence start
+    and step starts are 64-aligned (tests/unit/test_cpu_gdn_inner_states.py). Returns False
+    when already installed.
+    """
+    import torch
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as gdn
+
+    from vllm_hybridcache.flash_next.gdn import capture_pieces
+
+    original = gdn._cpu_gdn_attention_nonspec
+    if getattr(original, "_hybridcache_inner", False):
+        return False
+
+    def nonspec(layer: Any, md: Any, mixed_qkv: Any, b: Any, a: Any,
+                core_attn_out: Any) -> None:
+        hook = getattr(layer, "inner_capture", None)
+        if hook is None or md.num_prefills == 0:
+            return original(layer, md, mixed_qkv, b, a, core_attn_out)
+        nd = md.num_decodes
+        qsl = md.non_spec_query_start_loc
+        slots = md.non_spec_state_indices_tensor
+        bounds = qsl.tolist()
+        pieces = {i: capture_pieces(hook, int(slots[i]), bounds[i + 1] - bounds[i])
+                  for i in range(nd, nd + md.num_prefills)}
+        pieces = {i: p for i, p in pieces.items() if len(p) > 1}
+        if not pieces:
+            return original(layer, md, mixed_qkv, b, a, core_attn_out)
+        rest = [i for i in range(nd + md.num_prefills) if i not in pieces]
+        if rest:
+            idx = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in rest])
+            lens = torch.tensor([bounds[i + 1] - bounds[i] for i in rest])
+            sub_qsl = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(qsl.dtype)
+            out = core_attn_out.new_zeros((len(idx), *core_attn_out.shape[1:]))
+            sub = _gdn_sub_metadata(md, decodes=nd, decode_tokens=bounds[nd] - bounds[0],
+                                    qsl=sub_qsl, slots=slots[rest],
+                                    has_initial=md.has_initial_state[rest])
+            original(layer, sub, mixed_qkv[idx], b[idx], a[idx], out)
+            core_attn_out.index_copy_(0, idx, out)
+        for i, ends in pieces.items():
+            slot, start, prev = int(slots[i]), bounds[i], 0
+            has_initial = md.has_initial_state[i:i + 1]
+            for end in ends:
+                lo, hi = start + prev, start + end
+                sub = _gdn_sub_metadata(md, decodes=0, decode_tokens=0,
+                                        qsl=qsl.new_tensor([0, hi - lo]), slots=slots[i:i + 1],
+                                        has_initial=has_initial)
+                original(layer, sub, mixed_qkv[lo:hi], b[lo:hi], a[lo:hi],
+                         core_attn_out[lo:hi])
+                if end < ends[-1]:
+                    hook.put(layer.prefix, slot, end, 0, layer.kv_cache[0][slot])
+                    hook.put(layer.prefix, slot, end, 1, layer.kv_cache[1][slot])
+                has_initial = torch.ones_like(has_initial)
+                prev = end
+        return None
+
+    nonspec._hybridcache_inner = True  # type: ignore[attr-defined]
+    nonspec._hybridcache_original = original  # type: ignore[attr-defined]
+    gdn._cpu_gdn_attention_nonspec = nonspec
+    return True
+
+
+@checked("0.32.0")
+def takes_cpu_gdn_inner_capture(layer: Any) -> bool:
+    """Whether `layer` (from the static forward context) is one of vLLM's Qwen GDN layers whose
+    CPU op hands states inside a step through `layer.inner_capture` (the bend is in place)."""
+    if not cpu_gdn_inner_states_installed():
+        return False
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    return isinstance(layer, QwenGatedDeltaNetAttention)
+
+
+@checked("0.32.0")
+def cpu_gdn_inner_states_installed() -> bool:
+    """Whether this process runs vLLM's CPU GDN op with `install_cpu_gdn_inner_states` in
+    place (on the CPU platform; False where vLLM's module is missing or another platform)."""
+    try:
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as gdn
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu()
+                and getattr(gdn._cpu_gdn_attention_nonspec, "_hybridcache_inner", False))
+
+
 # --------------------------------------------------------------------- in-process engine
 
 

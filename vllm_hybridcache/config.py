@@ -49,7 +49,8 @@ PROCESS_ENV: dict[str, str] = {
     FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
     FLASH_NEXT_SPLIT_INVARIANT_ENV: "1 = Flash-Next's split-invariant forward (default 0)",
     CPU_ATTN_SPLIT_INVARIANT_ENV: "1 = vLLM's CPU attention computes a query the same way "
-                                  "whatever its prefill step (default 0)",
+                                  "whatever its prefill step, and its GDN op hands states "
+                                  "inside a step: fine segmentation for Qwen3-Next (default 0)",
     COPY_BACKEND_ENV: "snapshot copy kernels: auto, csrc, triton or torch",
     CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
     CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",
@@ -116,9 +117,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         takes them; a fetch that would exceed it is a counted miss (`budget`).
     cluster_timeout_s: a remote lookup (directory, then payloads) not answered in this time is
         a counted miss (`timeout`); the request waits at most this long before prefilling cold.
-    inner_captures: where the model's forward is split-invariant (Flash-Next with its switch),
-        also capture links inside a prefill step (fine segmentation: the prompt's last
-        64-aligned position, junctions; docs/split-invariance.md). Off = step mode on every
+    inner_captures: where the model's forward is split-invariant (Flash-Next with its switch;
+        vLLM's Qwen3-Next on CPU with the attention pin), also capture links inside a prefill
+        step (fine segmentation: the prompt's last 64-aligned position, junctions;
+        docs/split-invariance.md). Off = step mode on every
         engine (links only where a step ends), the same forward. On by default (fine mode's
         purpose); their cost on a cold prefill: docs/benchmarks/split-invariance-captures.md.
     attention_in_place: a hit's attention K/V comes from vLLM's block pool, shared in place by

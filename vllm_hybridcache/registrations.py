@@ -28,6 +28,8 @@ def register_all() -> None:
 
         pin_cpu_attention_split()
         _note("cpu-attention-split-invariant")
+        if _install_cpu_gdn_inner_states():
+            _note("cpu-gdn-inner-states")
     logger.debug("vllm_hybridcache registered: %s", ", ".join(REGISTERED))
 
 
@@ -40,6 +42,20 @@ def cpu_attention_pinned() -> bool:
     from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 
     return os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "0").strip() == "1"
+
+
+def _install_cpu_gdn_inner_states() -> bool:
+    """With the pin, on the CPU platform: vLLM's CPU GDN op hands states inside a step to the
+    worker's hook (compat.install_cpu_gdn_inner_states), so Qwen3-Next can take fine
+    segmentation. False on other platforms (their GDN kernels are not the CPU op)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm_hybridcache.compat import cpu_gdn_inner_states_installed, install_cpu_gdn_inner_states
+
+    install_cpu_gdn_inner_states()
+    return cpu_gdn_inner_states_installed()
 
 
 def _note(what: str) -> None:

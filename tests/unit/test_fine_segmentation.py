@@ -100,7 +100,33 @@ def test_mode_is_fine_only_where_the_model_says_its_forward_is_split_invariant(
     monkeypatch.setenv(ENV_VAR, "1")
     assert segmentation_mode(config("flash-next-tiny"))[0] == "fine"
     assert segmentation_mode(config("flash-next-tiny", speculative=object()))[0] == "step"
-    qwen = segmentation_mode(config("qwen3-next-tiny"))
-    assert qwen[0] == "step" and "not known to be split-invariant" in qwen[1]
     monkeypatch.setenv(ENV_VAR, "0")
     assert segmentation_mode(config("flash-next-tiny"))[0] == "step"
+
+
+def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
+        monkeypatch, embedded_model):
+    """vLLM's Qwen3-Next on CPU: fine needs the attention pin on and vLLM's CPU GDN op handing
+    over inner states (compat.install_cpu_gdn_inner_states) in this process; step otherwise,
+    with a why that names what is missing."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from vllm_hybridcache.adapter import scheduler_side
+    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
+
+    mc = ModelConfig(model=str(embedded_model("qwen3-next-tiny")), max_model_len=512)
+    config = SimpleNamespace(model_config=mc, speculative_config=None)
+    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
+    monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: True)
+    mode, why = scheduler_side.segmentation_mode(config)
+    assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
+    assert scheduler_side.segmentation_mode(config)[0] == "fine"
+    assert scheduler_side.segmentation_mode(config, inner_captures=False)[0] == "step"
+    assert scheduler_side.segmentation_mode(
+        SimpleNamespace(model_config=mc, speculative_config=object()))[0] == "step"
+    monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: False)
+    mode, why = scheduler_side.segmentation_mode(config)
+    assert mode == "step" and "inside a step" in why

@@ -31,7 +31,8 @@ from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
 from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.config import CacheSettings
+from vllm_hybridcache.compat import CPU_GDN_INNER_MODELS, cpu_gdn_inner_states_installed
+from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, CacheSettings
 from vllm_hybridcache.core import (
     CacheTier,
     DiskTier,
@@ -53,6 +54,7 @@ from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
+from vllm_hybridcache.registrations import cpu_attention_pinned
 from vllm_hybridcache.segmentation import (
     FINE,
     STEP,
@@ -302,9 +304,10 @@ def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
 def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, str]:
     """(mode, why) of this engine's segmentation: `fine` (links also at 64-aligned positions
     inside a step) only where the model says its forward is split-invariant there
-    (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch),
-    and not on a speculative route (the draft rows' tags are step-shaped) nor with the
-    `inner_captures` setting off; `step` otherwise.
+    (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch;
+    Qwen3-Next on vLLM's CPU backend with the attention pin and the GDN inner-state bend,
+    `_cpu_gdn_mode`), and not on a speculative route (the draft rows' tags are step-shaped)
+    nor with the `inner_captures` setting off; `step` otherwise.
     """
     if not inner_captures:
         return STEP, "inner_captures off"
@@ -318,11 +321,25 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
     except Exception as e:  # an unknown architecture: no claim about its forward
         return STEP, f"model class not resolved ({type(e).__name__})"
     align = getattr(cls, "inner_capture_align", None)
+    if align is None and cls.__name__ in CPU_GDN_INNER_MODELS:
+        return _cpu_gdn_mode(cls.__name__)
     if align is None:
         return STEP, f"{cls.__name__} is not known to be split-invariant"
     if align() != 64:
         return STEP, f"{cls.__name__} runs a forward that is not split-invariant"
     return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions"
+
+
+def _cpu_gdn_mode(name: str) -> tuple[str, str]:
+    """A vLLM GDN model on vLLM's CPU backend: `fine` only with the attention pin on and the
+    CPU GDN op handing over inner states in this process (docs/split-invariance.md)."""
+    if not cpu_attention_pinned():
+        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with "
+                      f"{CPU_ATTN_SPLIT_INVARIANT_ENV}=1")
+    if not cpu_gdn_inner_states_installed():
+        return STEP, (f"{name}: vLLM's GDN op does not hand over states inside a step here "
+                      "(not the CPU platform, or this vLLM is not the checked one)")
+    return FINE, f"{name} with the CPU attention pin: split-invariant at 64-aligned positions"
 
 
 def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:

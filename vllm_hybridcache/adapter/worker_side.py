@@ -104,10 +104,15 @@ class WorkerSide:
 
     def _inject_inner_hooks(self, ctx) -> None:
         """Give every state layer that can hand over states inside a step (an `inner_capture`
-        attribute: flash_next/gdn.py) a hook; only when all of them can, so an inner capture
-        never lacks a section. The scheduler side plans inner captures only in fine mode."""
+        attribute: flash_next/gdn.py; vLLM's Qwen GDN layers on CPU with the bend in place,
+        compat.takes_cpu_gdn_inner_capture) a hook; only when all of them can, so an inner
+        capture never lacks a section. The scheduler side plans inner captures only in fine
+        mode."""
+        from vllm_hybridcache.compat import takes_cpu_gdn_inner_capture
+
         layers = {layer for _, _, layer, _ in self.parts.sections}
-        if not layers or not all(hasattr(ctx[layer], "inner_capture") for layer in layers):
+        if not layers or not all(hasattr(ctx[layer], "inner_capture")
+                                 or takes_cpu_gdn_inner_capture(ctx[layer]) for layer in layers):
             return
         self._inner = InnerStates({name: (gid, layer, idx)
                                    for name, gid, layer, idx in self.parts.sections})
