@@ -41,6 +41,14 @@ def same(warm, cold) -> None:
 
 
 def test_fine_mode_hits_inside_steps_equal_cold(llm):
+    check_hits_inside_steps(llm)
+
+
+def check_hits_inside_steps(llm) -> None:
+    """On an engine in fine mode (grid 2048): an identical resend hits A's last 64-aligned
+    position and C a junction, both inside A's one step, each equal to its cold prefill; a
+    corrupted junction link is caught (the negative control). Shared with the Qwen3-Next
+    engine of test_fine_cuts_qwen3_next.py."""
     sched, worker = engine_parts(llm)
     assert sched.segmentation_mode == "fine" and sched.segmentation.grid == 2048
     clear(llm)

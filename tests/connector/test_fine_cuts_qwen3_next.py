@@ -9,23 +9,15 @@ bit for bit: every state part at the prompt's end, the logprobs and the greedy t
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
 
-from tests.connector.conftest import connector_engine, engine_parts
-from tests.connector.test_exactness import clear, run
-from tests.connector.test_fine_cuts import same
+from tests.connector.conftest import connector_engine
+from tests.connector.test_fine_cuts import check_hits_inside_steps
 from vllm_hybridcache import compat
-from vllm_hybridcache.adapter.domain import request_domain
 from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
-
-A = [100 + (i * 7) % 3000 for i in range(200)]                  # last 64-aligned: 192
-C = A[:150] + [9 + (i * 17) % 3000 for i in range(40)]           # parts from A at 150: 128
 
 
 @pytest.fixture(scope="module")
@@ -50,32 +42,4 @@ def llm(inproc, monkeypatch_module, embedded_model):
 
 
 def test_qwen3_next_fine_hits_inside_steps_equal_cold(llm):
-    sched, worker = engine_parts(llm)
-    assert sched.segmentation_mode == "fine" and sched.segmentation.grid == 2048
-    clear(llm)
-    a_cold = run(llm, A)
-    clear(llm)
-    c_cold = run(llm, C)             # parts from A (seen before) at 150: a junction at 128
-    assert (a_cold["cached"], c_cold["cached"]) == (0, 0)
-
-    clear(llm)
-    run(llm, A)                      # one step; links at 128 (junction) and 192 inside it
-    a_warm = run(llm, A)             # an identical resend: 8 tokens prefilled
-    assert a_warm["cached"] == 192
-    same(a_warm, a_cold)
-    c_warm = run(llm, C)
-    assert c_warm["cached"] == 128
-    same(c_warm, c_cold)
-
-    # negative control: the junction link's state sections, corrupted, are caught
-    tree = sched.tree
-    domain = request_domain(sched.base_domain, SimpleNamespace(cache_salt=None,
-                                                                lora_request=None))
-    res = tree.lookup(tree.keys(C), domain, len(C) - 1)
-    assert res.tokens == 128
-    for t in worker.store.buffers(res.plan.chain[-1].link_id).sections.values():
-        if t.is_floating_point():
-            t.add_(torch.ones_like(t))
-    bad = run(llm, C)
-    assert bad["cached"] == 128
-    assert bad["logprobs"] != c_cold["logprobs"] or bad["state"] != c_cold["state"]
+    check_hits_inside_steps(llm)

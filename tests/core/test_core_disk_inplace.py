@@ -135,6 +135,22 @@ def test_the_pool_keeps_at_most_its_bound_idle_oldest_released_first():
     assert big.idle_bytes == 0 and big.take(1 << 20).fresh
 
 
+
+def _run_threads(worker, n: int, errors: list[str]) -> None:
+    """Runs worker(0..n-1) on n threads and waits; a thread's exception becomes an entry of
+    `errors` (so it fails the test instead of vanishing with its thread)."""
+    def guarded(k: int) -> None:
+        try:
+            worker(k)
+        except Exception as e:
+            errors.append(f"thread {k}: {e!r}")
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
 def test_concurrent_takers_never_share_a_buffer():
     pool = PagePool(8 << 20)
     errors: list[str] = []
@@ -150,17 +166,7 @@ def test_concurrent_takers_never_share_a_buffer():
                 errors.append(f"thread {k}: its buffer was written by another taker")
             pool.give(b)
 
-    def guarded(k: int) -> None:
-        try:
-            worker(k)
-        except Exception as e:  # a thread's failure fails the test
-            errors.append(f"thread {k}: {e!r}")
-
-    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(worker, 4, errors)
     assert not errors
     assert pool.reused > 0 and pool.idle_bytes <= 8 << 20
 
@@ -183,17 +189,7 @@ def test_concurrent_readers_each_get_their_own_files_bytes(tmp_path):
                     errors.append(f"reader {k}: link {ref.link_id} holds other bytes")
             store.drop([r.link_id for r in refs])
 
-    def guarded(k: int) -> None:
-        try:
-            worker(k)
-        except Exception as e:  # a thread's failure fails the test
-            errors.append(f"thread {k}: {e!r}")
-
-    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(worker, 4, errors)
     assert not errors
     assert pool.reused > 0
 
