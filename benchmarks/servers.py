@@ -177,6 +177,32 @@ def free_port(host: str, first: int, span: int = 100) -> int:
     raise ServerError(f"no free port in {first}..{first + span - 1}")
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` or one of its descendants listens on TCP `port`.
+
+    Why: two runners on one machine can pick the same free port at the same moment (the check
+    and the server's bind are not one step). The second server then fails to bind, but its
+    runner's /health poll is answered by the first one, and it would replay against another
+    system's server. So a start counts only once the listener is the process it started.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in conns):
+            return True
+    return False
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -274,10 +300,11 @@ def running_server(spec: SystemSpec, settings: ServerSettings,
                                   f"{settings.startup_timeout_s:.0f} s; log {log_path}:\n"
                                   f"{_tail(log_path)}")
             try:
-                if requests.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
+                healthy = requests.get(base_url + "/health", timeout=2).status_code == 200
             except requests.RequestException:
-                pass
+                healthy = False
+            if healthy and listens_on(proc.pid, port):  # not another runner's server
+                break
             time.sleep(1.0)
         yield RunningServer(name=spec.name, base_url=base_url, argv=argv,
                             log_path=str(log_path), startup_s=time.monotonic() - start,
