@@ -345,7 +345,9 @@ def _takes_direct_io(folder: Path) -> bool:
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_direct_io_is_asked_for_exactly_when_the_setting_says(tmp_path, monkeypatch, direct):
-    if not _takes_direct_io(tmp_path):
+    if direct and not _takes_direct_io(tmp_path):
+        # e.g. tmpfs: O_DIRECT is refused at open, so the direct arm cannot be observed here;
+        # the refusal itself (fallback to the page cache) is the next test's subject
         pytest.skip(f"{tmp_path} does not take direct I/O")
     refs, paths, want = _write_chain(tmp_path, 2)
     flags: list[int] = []
