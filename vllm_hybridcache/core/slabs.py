@@ -253,9 +253,10 @@ class PagePool:
     pages are advised, so it never holds more memory than its class: a tail shorter than 2
     MiB is advised to keep 4 KiB pages (with THP `always` the kernel could otherwise back it
     with a huge page reaching into the slack). `huge_pages` (injected; default this host's
-    `HUGE_PAGES`, None where THP is `never` or absent) raising, or the mapping failing, sends
-    this and every later buffer of the pool to torch's allocation: a hint, the bytes read are
-    the same either way.
+    `HUGE_PAGES`, None where THP is `never` or absent) raising, or the mapping failing (say,
+    at the process's limit of mappings: each such buffer takes up to four), sends this and
+    every later buffer of the pool to torch's allocation: a hint, the bytes read are the same
+    either way.
     """
 
     def __init__(self, max_idle: int, pin_memory: bool = False,
