@@ -14,11 +14,14 @@ head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
    then, like life 1's RAM-warm turn, not the process's first over a long context), for each
    head: the head with a third tail measures the **disk** latency (the head is read from
    link files, verified, restored, promoted) and the worker's part of it (`restore_seconds`:
-   reading, verifying and restoring the files); the head with a fifth tail is then served
-   from the links the disk hit promoted (`ram_promoted_s`: a RAM hit in the same process, the
-   disk read taken out); the same head with a unique `cache_salt` measures **cold** (same
-   engine, nothing to reuse). The scheduler side's part (the folder's scan and the chain
-   lookup) is timed in this process on the same files between the lives.
+   reading, verifying and restoring the files); the same head with a unique `cache_salt`
+   measures **cold** (same engine, nothing to reuse); then the disk turn is measured again
+   with new tails (`disk_after_cold_s`, RAM cleared and files dropped first): like life 1's
+   RAM-warm turn it now follows a long prefill in its process, so what differs from `disk_s`
+   is the new process's state, not the tier's work; last, the head with a fifth tail is
+   served from the links that disk hit promoted (`ram_promoted_s`: a RAM hit in the same
+   process, the disk read taken out). The scheduler side's part (the folder's scan and the
+   chain lookup) is timed in this process on the same files between the lives.
 
 Every RAM-warm and disk turn is measured with the tier's writer idle (no write in flight and no
 new file for 3 s: the links of the head's first prefill in life 1, of the previous head's cold
@@ -142,6 +145,7 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
     # would hit its own deeper links)
     warm_tails = [tails[1]] + [random_prompt(rng, tail, vocab) for _ in range(repeats - 1)]
     disk_tails = [tails[2]] + [random_prompt(rng, tail, vocab) for _ in range(repeats - 1)]
+    after_tails = [random_prompt(rng, tail, vocab) for _ in range(repeats)]
     # one more independent head of the first size, served from disk first in life 2, so the
     # measured disk turn is not the new process's first over a long context (life 1's
     # RAM-warm turn came after long prefills): any one-time cost of that shape falls on it
@@ -206,42 +210,60 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                                                                       "disk")
             for h in heads:
                 by[h]["disk_writer_wait_s"] = wait_writes_done(workdir / "disk")
-                disk, restores = [], []
-                for r, t in enumerate(disk_tails):
-                    if r:  # the last disk hit was promoted: RAM out, files off the cache
-                        requests.post(srv.base_url + "/v1/cache/clear",
-                                      params={"tier": "ram"}).raise_for_status()
-                        if drop_page_cache:
-                            drop_cache(files)
-                    before = _restore_sum(srv.base_url, "disk")
-                    dt, body = complete(srv.base_url, head_ids[h] + t)
-                    disk.append(dt)
-                    restores.append(_wait_restore(srv.base_url, before, "disk"))
-                    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, body
-                by[h]["disk_runs_s"] = disk
-                by[h]["disk_s"] = float(np.median(disk))
-                by[h]["disk_cached_tokens"] = body["usage"]["prompt_tokens_details"][
-                    "cached_tokens"]
-                by[h]["disk_restore_runs_seconds"] = restores
-                by[h]["disk_restore_seconds"] = float(np.median(restores))
+                _disk_turns(srv.base_url, by[h], "disk", head_ids[h], disk_tails, files,
+                            drop_page_cache, first_clears=False)
+                by[h]["disk_cached_tokens"] = by[h].pop("disk_cached_tokens_last")
+                # cold: the same head with a unique salt (same engine, nothing to reuse)
+                by[h]["cold_s"], body = complete(srv.base_url, head_ids[h] + tails[3],
+                                                 cache_salt=f"cold-{uuid.uuid4().hex}")
+                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
+                # the disk turn again, now after a long prefill in this process, as life 1's
+                # RAM-warm turns came right after the head's first prefill: what is left
+                # between this and `disk_s` is the new process's state, not the tier's work
+                by[h]["disk_after_cold_writer_wait_s"] = wait_writes_done(workdir / "disk")
+                _disk_turns(srv.base_url, by[h], "disk_after_cold", head_ids[h], after_tails,
+                            files, drop_page_cache, first_clears=True)
+                by[h].pop("disk_after_cold_cached_tokens_last")
                 # the promoted links, from RAM in this life: the same turn without the disk
                 # read, in the same process (tells the disk tier's part from this process's
-                # first request of that shape)
+                # state)
                 before = _restore_sum(srv.base_url, "ram")
                 by[h]["ram_promoted_s"], body = complete(srv.base_url, head_ids[h] + tails[4])
                 by[h]["ram_promoted_cached_tokens"] = body["usage"]["prompt_tokens_details"][
                     "cached_tokens"]
                 by[h]["ram_promoted_restore_seconds"] = _wait_restore(srv.base_url, before,
                                                                       "ram")
-                by[h]["cold_s"], body = complete(srv.base_url, head_ids[h] + tails[3],
-                                                 cache_salt=f"cold-{uuid.uuid4().hex}")
-                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, None)
             out["loadavg"]["life2_end"] = os.getloadavg()
     for b in by.values():
         b["disk_over_ram"] = b["disk_s"] / b["ram_warm_s"]
         b["disk_over_cold"] = b["disk_s"] / b["cold_s"]
         b["disk_over_ram_promoted"] = b["disk_s"] / b["ram_promoted_s"]
+        b["disk_after_cold_over_ram"] = b["disk_after_cold_s"] / b["ram_warm_s"]
     return out
+
+
+def _disk_turns(base: str, rec: dict, name: str, head: list[int], tails: list[list[int]],
+                files: list[Path], drop_page_cache: bool, first_clears: bool) -> None:
+    """Serve `head` + each tail as a disk hit and record `<name>_s` (the median), its runs,
+    and the worker's read + verify + restore seconds. Before each turn (but the first unless
+    `first_clears`) the RAM tier is cleared (the last disk hit was promoted) and the files are
+    dropped from the page cache, so every turn reads the chain from the device."""
+    runs, restores = [], []
+    for r, t in enumerate(tails):
+        if r or first_clears:
+            requests.post(base + "/v1/cache/clear", params={"tier": "ram"}).raise_for_status()
+            if drop_page_cache:
+                drop_cache(files)
+        before = _restore_sum(base, "disk")
+        dt, body = complete(base, head + t)
+        runs.append(dt)
+        restores.append(_wait_restore(base, before, "disk"))
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, body
+    rec[f"{name}_runs_s"] = runs
+    rec[f"{name}_s"] = float(np.median(runs))
+    rec[f"{name}_cached_tokens_last"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    rec[f"{name}_restore_runs_seconds"] = restores
+    rec[f"{name}_restore_seconds"] = float(np.median(restores))
 
 
 def _wait_restore(base: str, before: float, tier: str) -> float:
