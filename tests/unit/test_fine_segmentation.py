@@ -118,11 +118,13 @@ def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
 
     mc = ModelConfig(model=str(embedded_model("qwen3-next-tiny")), max_model_len=512)
     config = SimpleNamespace(model_config=mc, speculative_config=None)
-    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
     monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: True)
     mode, why = scheduler_side.segmentation_mode(config)
     assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
+    assert scheduler_side.segmentation_mode(config)[0] == "fine"
+    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default on CPU: pinned
     assert scheduler_side.segmentation_mode(config)[0] == "fine"
     assert scheduler_side.segmentation_mode(config, inner_captures=False)[0] == "step"
     assert scheduler_side.segmentation_mode(
