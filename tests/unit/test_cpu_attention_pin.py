@@ -18,14 +18,24 @@ N = 6144                          # long enough for several KV tiles of the unpi
 
 
 def _builder_classes():
+    """(vLLM's builder, the pinned one), both on vLLM's own `build`: the plugin, loaded by an
+    earlier engine of this process, pins vLLM's class by default on CPU (the wrapper keeps
+    the build it wrapped)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
+    raw = getattr(CPUAttentionMetadataBuilder.build, "_hybridcache_original",
+                  CPUAttentionMetadataBuilder.build)
+    assert not getattr(raw, "_hybridcache_pinned", False)
+
+    class Vllm(CPUAttentionMetadataBuilder):
+        build = raw
+
     class Pinned(CPUAttentionMetadataBuilder):
-        pass
+        build = raw
 
     assert compat.pin_cpu_attention_split(Pinned)
     assert not compat.pin_cpu_attention_split(Pinned)       # idempotent
-    return CPUAttentionMetadataBuilder, Pinned
+    return Vllm, Pinned
 
 
 class _Request:
