@@ -535,6 +535,7 @@ def pin_cpu_attention_split(builder_cls: Any = None) -> bool:
         return md
 
     build._hybridcache_pinned = True  # type: ignore[attr-defined]
+    build._hybridcache_original = original  # type: ignore[attr-defined]  # vLLM's, for tests
     cls.build = build
     return True
 

@@ -34,14 +34,29 @@ def register_all() -> None:
 
 
 def cpu_attention_pinned() -> bool:
-    """`VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1`: vLLM's CPU attention pinned so that a
-    query's arithmetic does not follow its prefill step (compat.pin_cpu_attention_split;
-    docs/split-invariance.md). Opt-in: it changes the attention's bits and costs time."""
+    """Whether vLLM's CPU attention is pinned so that a query's arithmetic does not follow its
+    prefill step (compat.pin_cpu_attention_split; docs/split-invariance.md), which with the CPU
+    GDN op's inner states gives vLLM's Qwen3-Next fine segmentation on CPU.
+
+    `VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT`: unset = on on the CPU platform (the default:
+    fine segmentation caches more than step mode and vLLM's native prefix caching, for +11% on
+    a cold prefill of the tiny model and noise on the small one, docs/benchmarks/
+    bench-serve-prefix.md), off elsewhere (the pin wraps only vLLM's CPU attention); `1` = on,
+    `0` = off. Any other value raises `SettingsError`, so a typo never silently picks a mode.
+    """
     import os
 
-    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
+    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, SettingsError
 
-    return os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "0").strip() == "1"
+    value = os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise SettingsError(f"{CPU_ATTN_SPLIT_INVARIANT_ENV} must be 0 or 1 (unset = on on "
+                            f"the CPU platform), got {value!r}")
+    if value:
+        return value == "1"
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _install_cpu_gdn_inner_states() -> bool:

@@ -186,9 +186,11 @@ def cluster_tier(cluster, name: str) -> dict:
 
 
 def directory_entries(owner: str, prompt: list[int]) -> list:
-    """The directory's entries of `owner` on the grid cuts of `prompt` (default domain)."""
+    """The directory's entries of `owner` on the 64-aligned positions of `prompt` (default
+    domain): its grid cuts and, in the default fine segmentation on CPU, its links inside a
+    step (the prompt's last 64-aligned position), which the owner publishes too."""
     keys = PromptKeys(prompt)
-    digests = {keys.digest(c) for c in range(GRID, len(prompt) + 1, GRID)}
+    digests = {keys.digest(c) for c in range(64, len(prompt) + 1, 64)}
     return [(k, e) for k, e in ray.get(directory_handle().entries_of.remote(owner))
             if k[2] in digests]
 

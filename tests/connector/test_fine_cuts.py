@@ -23,7 +23,9 @@ from vllm_hybridcache.instrumentation import instrument
 pytestmark = pytest.mark.slow
 
 A = [100 + (i * 7) % 3000 for i in range(200)]                  # last 64-aligned: 192
-C = A[:150] + [9 + (i * 17) % 3000 for i in range(40)]           # parts from A at 150: 128
+# parts from A at 150: a junction at 128, C's own link near its end too (192 tokens: the
+# resume from 128 holds 64, the floor on vLLM's Qwen3-Next)
+C = A[:150] + [9 + (i * 17) % 3000 for i in range(42)]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +46,12 @@ def test_fine_mode_hits_inside_steps_equal_cold(llm):
     check_hits_inside_steps(llm)
 
 
-def check_hits_inside_steps(llm) -> None:
-    """On an engine in fine mode (grid 2048): an identical resend hits A's last 64-aligned
-    position and C a junction, both inside A's one step, each equal to its cold prefill; a
-    corrupted junction link is caught (the negative control). Shared with the Qwen3-Next
-    engine of test_fine_cuts_qwen3_next.py."""
+def check_hits_inside_steps(llm, near_end: int = 192) -> None:
+    """On an engine in fine mode (grid 2048): an identical resend hits A's link near its end
+    (`near_end`: its last 64-aligned position, 192, here; on vLLM's Qwen3-Next the last one
+    leaving a 64-token resume, 128) and C a junction, both inside A's one step, each equal to
+    its cold prefill; a corrupted junction link is caught (the negative control). Shared with
+    the Qwen3-Next engine of test_fine_cuts_qwen3_next.py."""
     sched, worker = engine_parts(llm)
     assert sched.segmentation_mode == "fine" and sched.segmentation.grid == 2048
     clear(llm)
@@ -58,9 +61,9 @@ def check_hits_inside_steps(llm) -> None:
     assert (a_cold["cached"], c_cold["cached"]) == (0, 0)
 
     clear(llm)
-    run(llm, A)                      # one step; links at 128 (junction) and 192 inside it
-    a_warm = run(llm, A)             # an identical resend: 8 tokens prefilled
-    assert a_warm["cached"] == 192
+    run(llm, A)                      # one step; links at 128 (junction) and near_end in it
+    a_warm = run(llm, A)             # an identical resend: len(A) - near_end tokens prefilled
+    assert a_warm["cached"] == near_end
     same(a_warm, a_cold)
     c_warm = run(llm, C)
     assert c_warm["cached"] == 128

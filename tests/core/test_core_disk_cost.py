@@ -73,3 +73,14 @@ def test_what_ram_serves_is_not_counted_as_saved(on_disk, layout):
     e = _restart(on_disk, layout, cost, ram_depth=192)
     assert not e.disk.lookup(e.cache.keys(PROMPT), DOM).hit  # saves 0.64 s only
     assert np.isclose(cost.prefill_seconds(64), 0.64)
+
+
+def test_a_chain_ram_serves_as_deep_is_not_read_nor_counted_as_slower(on_disk, layout):
+    """RAM's hit as deep as the disk chain (256 tokens): nothing to save, so no read, and no
+    `slower_than_prefill` either (however fast the disk: no cost was weighed)."""
+    cost = ReadCost(read_bytes_per_s=1e15, prefill_tokens_per_s=1.0)
+    e = _restart(on_disk, layout, cost, ram_depth=256)
+    assert not e.disk.lookup(e.cache.keys(PROMPT), DOM).hit
+    assert "slower_than_prefill" not in e.cache.stats()[("disk", "tree")].misses
+    e = _restart(on_disk, layout, cost, ram_depth=192)          # the control: 64 to save
+    assert e.disk.lookup(e.cache.keys(PROMPT), DOM).hit

@@ -129,8 +129,11 @@ def _all_links_verify(disk: Path) -> int:
 def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
     disk = tmp_path / "disk"
     mp = pytest.MonkeyPatch()
+    # step mode on purpose (INNER_CAPTURES 0): the expected hits are the grid and message-end
+    # cuts (`expected_hit`), as in the folder's shared server (tests/serving/conftest.py)
     for k, v in (("GRID", GRID), ("MESSAGE_END_MIN", MESSAGE_END_MIN), ("DISK_DIR", disk),
-                 ("SESSION_ANCHORS", 0), ("DISK_WRITE_FIRST_TOKENS", 0)):
+                 ("SESSION_ANCHORS", 0), ("DISK_WRITE_FIRST_TOKENS", 0),
+                 ("INNER_CAPTURES", 0)):
         mp.setenv(f"VLLM_HYBRIDCACHE_{k}", str(v))
     settings = ServerSettings(model_path=str(embedded_model("qwen3-next-tiny")),
                               served_name="tiny", max_model_len=8192, port=8340,

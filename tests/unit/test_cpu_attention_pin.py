@@ -18,14 +18,24 @@ N = 6144                          # long enough for several KV tiles of the unpi
 
 
 def _builder_classes():
+    """(vLLM's builder, the pinned one), both on vLLM's own `build`: the plugin, loaded by an
+    earlier engine of this process, pins vLLM's class by default on CPU (the wrapper keeps
+    the build it wrapped)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
+    raw = getattr(CPUAttentionMetadataBuilder.build, "_hybridcache_original",
+                  CPUAttentionMetadataBuilder.build)
+    assert not getattr(raw, "_hybridcache_pinned", False)
+
+    class Vllm(CPUAttentionMetadataBuilder):
+        build = raw
+
     class Pinned(CPUAttentionMetadataBuilder):
-        pass
+        build = raw
 
     assert compat.pin_cpu_attention_split(Pinned)
     assert not compat.pin_cpu_attention_split(Pinned)       # idempotent
-    return CPUAttentionMetadataBuilder, Pinned
+    return Vllm, Pinned
 
 
 class _Request:
@@ -120,15 +130,36 @@ def test_piece_size_is_one_register_iteration_of_query_heads():
 
 def test_the_pin_is_part_of_the_engine_fingerprint_only_when_on(monkeypatch):
     """Links captured with the pin hold other attention bits: engines that differ in it must
-    never read each other's link files; engines without it keep their fingerprint."""
+    never read each other's link files; engines with it off keep their former fingerprint."""
     from vllm_hybridcache.adapter.fingerprint import kernel_backend
     from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
     from vllm_hybridcache.registrations import cpu_attention_pinned
 
     cfg = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
-    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
     off = kernel_backend(cfg)
     assert not cpu_attention_pinned() and "cpu_attention" not in off
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
     assert cpu_attention_pinned()
     assert kernel_backend(cfg) == off + ";cpu_attention_split_invariant=1"
+
+
+def test_the_pin_is_on_by_default_on_the_cpu_platform_only(monkeypatch):
+    """Unset = on where vLLM's platform is the CPU (the pin wraps only vLLM's CPU attention),
+    off on any other platform; a value other than 0/1 is refused, never read as a mode."""
+    from vllm.platforms import current_platform
+
+    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, SettingsError
+    from vllm_hybridcache.registrations import cpu_attention_pinned
+
+    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    assert cpu_attention_pinned()
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert not cpu_attention_pinned()
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
+    assert cpu_attention_pinned()
+    for bad in ("yes", "2", "true"):
+        monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, bad)
+        with pytest.raises(SettingsError, match=CPU_ATTN_SPLIT_INVARIANT_ENV):
+            cpu_attention_pinned()

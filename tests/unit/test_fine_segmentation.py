@@ -118,11 +118,13 @@ def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
 
     mc = ModelConfig(model=str(embedded_model("qwen3-next-tiny")), max_model_len=512)
     config = SimpleNamespace(model_config=mc, speculative_config=None)
-    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
     monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: True)
     mode, why = scheduler_side.segmentation_mode(config)
     assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
+    assert scheduler_side.segmentation_mode(config)[0] == "fine"
+    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default on CPU: pinned
     assert scheduler_side.segmentation_mode(config)[0] == "fine"
     assert scheduler_side.segmentation_mode(config, inner_captures=False)[0] == "step"
     assert scheduler_side.segmentation_mode(
@@ -130,3 +132,26 @@ def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
     monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: False)
     mode, why = scheduler_side.segmentation_mode(config)
     assert mode == "step" and "inside a step" in why
+
+
+def test_a_resume_floor_only_for_vllm_gdn_models_in_fine_mode(embedded_model):
+    """vLLM's Qwen3-Next in fine mode: a tree hit inside a step must leave its resumed step
+    MIN_INNER_RESUME tokens (vLLM's GEMMs pick kernels by the step's rows); Flash-Next's
+    split-invariant forward computes fixed row tiles, so no floor; step mode never needs one."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from vllm_hybridcache.adapter.scheduler_side import MIN_INNER_RESUME, inner_resume_floor
+    from vllm_hybridcache.flash_next import registration
+
+    registration.register()
+
+    def config(name: str):
+        mc = ModelConfig(model=str(embedded_model(name)), max_model_len=512)
+        return SimpleNamespace(model_config=mc, speculative_config=None)
+
+    assert MIN_INNER_RESUME == 64
+    assert inner_resume_floor(config("qwen3-next-tiny"), "fine") == MIN_INNER_RESUME
+    assert inner_resume_floor(config("qwen3-next-tiny"), "step") == 0
+    assert inner_resume_floor(config("flash-next-tiny"), "fine") == 0

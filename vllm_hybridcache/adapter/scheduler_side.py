@@ -334,12 +334,38 @@ def _cpu_gdn_mode(name: str) -> tuple[str, str]:
     """A vLLM GDN model on vLLM's CPU backend: `fine` only with the attention pin on and the
     CPU GDN op handing over inner states in this process (docs/split-invariance.md)."""
     if not cpu_attention_pinned():
-        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with "
-                      f"{CPU_ATTN_SPLIT_INVARIANT_ENV}=1")
+        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with its pin "
+                      f"(off: {CPU_ATTN_SPLIT_INVARIANT_ENV}=0, or not the CPU platform)")
     if not cpu_gdn_inner_states_installed():
         return STEP, (f"{name}: vLLM's GDN op does not hand over states inside a step here "
                       "(not the CPU platform, or this vLLM is not the checked one)")
     return FINE, f"{name} with the CPU attention pin: split-invariant at 64-aligned positions"
+
+
+MIN_INNER_RESUME = 64
+"""On vLLM's Qwen3-Next in fine mode (CPU): the fewest tokens the step resuming from a tree
+link that is not a cut may hold. vLLM's GEMMs pick their kernels by the step's row count, so
+rows computed in a very short step can differ in bits from the same rows inside a longer one:
+a resume 4 tokens before the prompt's end left layer 0's conv state unlike the cold run's
+(tests/connector/test_attention_in_place.py). Steps of 64 tokens were measured equal to steps
+of 256 and 2048 (docs/split-invariance.md); a cut needs no floor (the cold run's step starts
+there too)."""
+
+
+def inner_resume_floor(vllm_config, mode: str) -> int:
+    """MIN_INNER_RESUME for a vLLM GDN model in fine mode (its forward is vLLM's, pinned), else
+    0: Flash-Next's split-invariant forward computes fixed row tiles whatever the step's
+    length."""
+    if mode != FINE:
+        return 0
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        mc = vllm_config.model_config
+        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    except Exception:
+        return MIN_INNER_RESUME
+    return MIN_INNER_RESUME if cls.__name__ in CPU_GDN_INNER_MODELS else 0
 
 
 def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:
@@ -384,6 +410,7 @@ class SchedulerSide:
         self.segmentation_mode, self._mode_why = segmentation_mode(vllm_config,
                                                                    settings.inner_captures)
         self._recent = RecentPrompts() if self.segmentation_mode == FINE else None
+        self._resume_floor = inner_resume_floor(vllm_config, self.segmentation_mode)
         anchors = settings.session_anchors
         self._speculative = vllm_config.speculative_config is not None
         if (self._speculative and anchors
@@ -651,6 +678,11 @@ class SchedulerSide:
             return 0, False
         res = self.cache.lookup(entry.keys, entry.domain, limit,
                                 entry.fits if entry.draft_route else None)
+        while (res.hit and self._short_resume(entry, res, request.num_prompt_tokens)
+               and not res.pending):
+            limit = res.tokens - 1          # a shallower link: its resumed step is longer
+            res = self.cache.lookup(entry.keys, entry.domain, limit,
+                                    entry.fits if entry.draft_route else None)
         if res.pending:
             entry.lookup = None
             return None, False  # its copy lands with the next step: ask again then
@@ -667,6 +699,14 @@ class SchedulerSide:
             entry.disk_seen = True
             self._admit_for_disk(entry, res)
         return (res.tokens, True) if res.hit else (0, False)
+
+    def _short_resume(self, entry: _Live, res: LookupResult, prompt_len: int) -> bool:
+        """A tree hit at a position that is not a cut whose resumed step would hold fewer than
+        the floor's tokens (MIN_INNER_RESUME; 0 = no floor): not exact on this engine."""
+        q = res.tokens
+        if not self._resume_floor or res.kind != LinkKind.TREE or q in entry.cut_set:
+            return False
+        return first_cut_after(entry.cuts, q, prompt_len) - q < self._resume_floor
 
     def _tree_pending(self, addr: LinkAddr) -> bool:
         """Whether a RAM tree link is still reserved (neither committed nor dropped)."""
@@ -884,12 +924,14 @@ class SchedulerSide:
 
     def _fine_positions(self, entry: _Live) -> tuple[int, ...]:
         """Fine mode: the last 64-aligned position before the prompt's end (an identical
-        resend prefills at most 64 tokens) and the last one at or before the point where the
+        resend prefills at most 64 tokens; on vLLM's GDN models the last one leaving
+        MIN_INNER_RESUME tokens, so at most 127) and the last one at or before the point where the
         prompt parts from a recent prompt of its domain (a junction: the next prompt on that
         prefix resumes there). Any 64-aligned position is exact in this mode."""
         tokens = entry.keys.tokens
         n = len(entry.keys)
-        wanted = {floor_aligned(n - 1)}
+        # the last one that leaves the resumed step the floor's tokens (vLLM's GDN models)
+        wanted = {floor_aligned(n - max(1, self._resume_floor))}
         junction = self._recent.junction(entry.domain, tokens)
         if junction:
             wanted.add(floor_aligned(junction))

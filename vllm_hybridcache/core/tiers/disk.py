@@ -210,14 +210,18 @@ class DiskTier(CacheTier):
     def _worth(self, keys: PromptKeys, domain: bytes, limit: int, nbytes: int,
                depth: int, fits: Fits | None = None) -> bool:
         """The cost check: reading `nbytes` must cost less than prefilling the tokens beyond
-        what RAM serves to this prompt (its draft-row predicate applied; counted when it does
-        not)."""
+        what RAM serves to this prompt (its draft-row predicate applied; counted as
+        `slower_than_prefill` when it does not). A chain no deeper than RAM's hit saves nothing
+        and is not read, but it is not counted: the prompt is served from RAM, not prefilled,
+        and counting it made the tier report reads refused as slow that no cost decided."""
         if self.cost is None:
             return True
         ram = 0
         if self._baseline is not None:
             ram = (self._baseline(keys, domain, limit) if fits is None
                    else self._baseline(keys, domain, limit, fits))
+        if depth <= ram:
+            return False
         if self.cost.worth(nbytes, depth - ram):
             return True
         self._slow += 1
