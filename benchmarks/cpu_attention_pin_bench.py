@@ -8,6 +8,12 @@ the plugin's connector is not installed, so the arms differ only in the pin. The
 request by request (the order flips every round); each request is a fresh prompt prefilled
 cold for one token. Prints medians, the ratio and the machine's load average.
 
+With `--context C` each request is instead a fresh `--tokens`-token turn after one fixed
+C-token context that vLLM's own prefix caching holds in both arms (sent once per engine before
+the rounds): what a resumed agent turn costs, where every query of the turn attends over the
+whole context (the pin cuts the turn's queries into pieces, each reading the context's keys
+and values again).
+
     python -m benchmarks.cpu_attention_pin_bench --models qwen3-next-tiny \
         --dtypes bfloat16 float32 --out docs/benchmarks/split-invariance-cpu-attention.md
 """
@@ -35,7 +41,8 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-def _engine(model_path, dtype: str, pinned: bool, max_len: int, step: int):
+def _engine(model_path, dtype: str, pinned: bool, max_len: int, step: int,
+            prefix_caching: bool = False):
     from vllm import LLM
 
     os.environ[CPU_ATTN_SPLIT_INVARIANT_ENV] = "1" if pinned else "0"
@@ -44,7 +51,7 @@ def _engine(model_path, dtype: str, pinned: bool, max_len: int, step: int):
         # compiled like `vllm serve` (no enforce_eager): step costs as a server pays them
         llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_len,
                   max_num_batched_tokens=step, max_num_seqs=1, seed=0,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=prefix_caching)
     finally:
         os.environ.pop(CPU_ATTN_SPLIT_INVARIANT_ENV, None)
     llm.hybridcache_pids = descendants() - before  # this engine's processes
@@ -57,20 +64,23 @@ def _generate(llm, ids: list[int]) -> tuple[float, float, int]:
     return wall, cpu, out.outputs[0].token_ids[0]
 
 
-def measure(model: str, dtype: str, tokens: int, step: int, repeat: int) -> list[str]:
+def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
+            context: int = 0) -> list[str]:
     from vllm_hybridcache.models import ensure_model
 
     path = ensure_model(model)
-    engines = {arm: _engine(path, dtype, arm == "on", tokens + 64, step) for arm in ARMS}
+    ctx = _prompt(context, 7) if context else []
+    engines = {arm: _engine(path, dtype, arm == "on", context + tokens + 64, step,
+                            prefix_caching=bool(context)) for arm in ARMS}
     for llm in engines.values():  # warm-up: the first calls of each shape, allocator growth
-        for k in range(2):
-            _generate(llm, _prompt(tokens, 900 + k))
+        for k in range(2):  # (with a context: its first prefill puts it in the prefix cache)
+            _generate(llm, ctx + _prompt(tokens, 900 + k))
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     cpu: dict[str, list[float]] = {a: [] for a in ARMS}
     first: dict[str, list[int]] = {a: [] for a in ARMS}
     loads = [os.getloadavg()[0]]
     for r in range(repeat):
-        ids = _prompt(tokens, r)
+        ids = ctx + _prompt(tokens, r)
         for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
             t, c, tok = _generate(engines[arm], ids)
             times[arm].append(t)
@@ -90,7 +100,8 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int) -> list
     # each round's two requests ran back to back on the same prompt: their ratio cancels the
     # load that moves between rounds
     paired = statistics.median(on / off for off, on in zip(cpu["off"], cpu["on"], strict=True))
-    return [f"| {model} | {dtype} | {tokens} | {step} | {med['off']:.3f} | {med['on']:.3f} "
+    return [f"| {model} | {dtype} | {context} | {tokens} | {step} "
+            f"| {med['off']:.3f} | {med['on']:.3f} "
             f"| {med['on'] / med['off']:.3f} | {cmed['off']:.2f} | {cmed['on']:.2f} "
             f"| {cmed['on'] / cmed['off']:.3f} | {paired:.3f} | {same}/{repeat} "
             f"| {min(loads):.1f}-{max(loads):.1f} |",
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["qwen3-next-tiny"])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--tokens", type=int, default=3200)
+    ap.add_argument("--context", type=int, default=0,
+                    help="a cached context of this many tokens before each request's tokens")
     ap.add_argument("--step", type=int, default=2048, help="vLLM's max_num_batched_tokens")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--out", default=None)
@@ -117,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         "cold request (prompt + 1 token): wall time, and CPU time of the engine's processes "
         "(`benchmarks/engine_cpu.py`); first token: rounds where both arms chose the same",
         "",
-        "| model | dtype | tokens | step | off s | on s | on/off | off CPU s | on CPU s "
+        "| model | dtype | cached context | tokens | step | off s | on s | on/off | off CPU s "
+        "| on CPU s "
         "| CPU on/off | CPU on/off, median of the rounds' ratios | same first token "
         "| load average (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in args.models:
         for dtype in args.dtypes:
-            rows = measure(model, dtype, args.tokens, args.step, args.repeat)
+            rows = measure(model, dtype, args.tokens, args.step, args.repeat, args.context)
             lines += rows
             print("\n".join(rows), flush=True)
     emit(lines, args.out)
