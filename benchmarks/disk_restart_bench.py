@@ -4,8 +4,8 @@ One server with the disk tier (`VLLM_HYBRIDCACHE_DISK_DIR`) on a fresh folder, o
 head per `--head` size (4096,16384,32768: each its own chain, no shared prefix):
 1. life 1: for each head, a prompt of the head plus a tail is prefilled (captures every grid
    cut, the writer writes them); a second prompt with the same head and another tail measures
-   the **RAM-warm** latency; the server waits until every committed link is on disk and stops
-   (SIGTERM);
+   the **RAM-warm** latency; the server waits until the writer is idle (every admitted link
+   on disk) and stops (SIGTERM);
 2. the files are dropped from the page cache (`posix_fadvise(DONTNEED)` per file; a restart
    after a reboot reads them from the device; `--keep-page-cache` to skip);
 3. life 2 on the same folder: after a short unrelated warm-up request (a new process's first
@@ -180,13 +180,14 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 by[h]["ram_cached_tokens"] = body["usage"]["prompt_tokens_details"][
                     "cached_tokens"]
                 by[h]["ram_restore_seconds"] = float(np.median(restores))
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:  # every committed link on disk
-                ram = requests.get(srv.base_url + "/v1/cache/stats").json()["tiers"]["ram"]
-                st = _disk_stats(srv.base_url)
-                if st.get("links", 0) >= ram["kinds"]["tree"]["captures"] > 0:
-                    break
-                time.sleep(1)
+            # the writer idle before the stop (SIGTERM): the write admission need not write
+            # every committed link (vllm_hybridcache/core/disk/admission.py), so the count of
+            # files is recorded, not waited for; the measured heads' chains are checked by the
+            # disk turns' hits below
+            out["life1_writer_wait_s"] = wait_writes_done(workdir / "disk", still_s=10.0)
+            ram = requests.get(srv.base_url + "/v1/cache/stats").json()["tiers"]["ram"]
+            st = _disk_stats(srv.base_url)
+            out["ram_captures"] = ram["kinds"]["tree"]["captures"]
             out["loadavg"]["life1_end"] = os.getloadavg()
             out["disk_files"] = st.get("links", 0)
             out["disk_bytes"] = st.get("bytes_held", 0)
