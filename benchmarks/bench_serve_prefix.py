@@ -14,10 +14,9 @@ cache too).
 The fraction of prompt tokens served from a cache comes from the server's own counters
 (`vllm:prompt_tokens_cached_total` over `vllm:prompt_tokens_total`, read before and after each
 run); TTFT medians come from `vllm bench serve`'s result file. Systems: `native` (vLLM's prefix
-caching, where vLLM can run it), `nocache`, `ours` (`--plugin hybridcache`; on CPU with
-vLLM's CPU attention pinned by default, hence fine segmentation for Qwen3-Next), `ours-step`
-(the same with the pin off: step mode) and `ours-fine` (the same with Flash-Next's
-split-invariant forward, hence fine segmentation for Flash-Next).
+caching, where vLLM can run it), `nocache`, `ours` (`--plugin hybridcache`, step mode),
+`ours-fine` (the same with Flash-Next's split-invariant forward, hence fine segmentation) and
+`ours-pinned` (the same with vLLM's CPU attention pinned: fine segmentation for Qwen3-Next).
 
     python -m benchmarks.bench_serve_prefix --model flash-next-tiny --systems ours-fine ours \\
         nocache --out docs/benchmarks/bench-serve-prefix.md

@@ -57,9 +57,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("nocache", ["--no-enable-prefix-caching"],
                    "vLLM 0.32, prefix caching off"),
         SystemSpec("ours", ["--plugin", "hybridcache"],
-                   "vLLM 0.32 + vllm-hybridcache (`--plugin hybridcache`; on CPU with vLLM's "
-                   "CPU attention pinned split-invariant, the default: fine segmentation for "
-                   "Qwen3-Next)"),
+                   "vLLM 0.32 + vllm-hybridcache (`--plugin hybridcache`)"),
         SystemSpec("ours-grid", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with grid links only (no message-end cuts, no end "
                    "anchors: " + " ".join(f"{k}={v}" for k, v in _GRID_ONLY.items()) + ")",
@@ -73,13 +71,11 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation; "
                    "models without that forward run in step mode)",
                    env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "1"}),
-        SystemSpec("ours-step", ["--plugin", "hybridcache"],
-                   "vllm-hybridcache with vLLM's CPU attention pin off "
-                   "(VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=0: Qwen3-Next on vLLM's CPU "
-                   "backend in step mode, as `ours` ran before the pin became the default; "
-                   "called `ours` in reports made before then, when `ours-pinned` was the "
-                   "pinned system)",
-                   env={"VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT": "0"}),
+        SystemSpec("ours-pinned", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with vLLM's CPU attention pinned split-invariant "
+                   "(VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1: fine segmentation for "
+                   "Qwen3-Next on vLLM's CPU backend, bf16)",
+                   env={"VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT": "1"}),
         SystemSpec("ours-copy", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with attention K/V copied, not shared in place "
                    "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=0: a hit's attention rows are copied "

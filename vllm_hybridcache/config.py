@@ -50,8 +50,8 @@ PROCESS_ENV: dict[str, str] = {
     FLASH_NEXT_SPLIT_INVARIANT_ENV: "1 = Flash-Next's split-invariant forward (default 0)",
     CPU_ATTN_SPLIT_INVARIANT_ENV: "1 = vLLM's CPU attention computes a query the same way "
                                   "whatever its prefill step, and its GDN op hands states "
-                                  "inside a step: fine segmentation for Qwen3-Next; 0 = off "
-                                  "(step mode); default: on on the CPU platform",
+                                  "inside a step: fine segmentation for Qwen3-Next on the CPU "
+                                  "platform (default 0: step mode)",
     COPY_BACKEND_ENV: "snapshot copy kernels: auto, csrc, triton or torch",
     CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
     CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",

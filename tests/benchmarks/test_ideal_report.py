@@ -157,9 +157,8 @@ def test_unknown_names_exit_before_starting_anything() -> None:
 
 def test_feature_ablation_systems_switch_features_through_the_environment():
     """`ours-grid` and `ours-msgend` are `ours` with features off via the plugin's env keys;
-    `ours-copy` is `ours` with attention K/V in place off (copied), `ours-step` with the CPU
-    attention pin off, which `ours` has by default on CPU (process environment only, the
-    settings unchanged)."""
+    `ours-copy` is `ours` with attention K/V in place off (copied), `ours-pinned` with the CPU
+    attention pin (process environment only, the settings unchanged)."""
     from benchmarks.servers import SYSTEMS, ServerSettings, server_argv, server_env
     from vllm_hybridcache.config import load_settings
 
@@ -176,8 +175,7 @@ def test_feature_ablation_systems_switch_features_through_the_environment():
     copy = load_settings(environ=server_env(settings, SYSTEMS["ours-copy"]))
     assert server_argv(SYSTEMS["ours-copy"], settings, 8000)[1:] == argvs["ours"]
     assert full.attention_in_place and not copy.attention_in_place
-    step = server_env(settings, SYSTEMS["ours-step"])      # step mode for Qwen3-Next on CPU
-    assert server_argv(SYSTEMS["ours-step"], settings, 8000)[1:] == argvs["ours"]
-    assert step["VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT"] == "0"
-    assert "VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT" not in SYSTEMS["ours"].env  # default
-    assert load_settings(environ=step) == full
+    pinned = server_env(settings, SYSTEMS["ours-pinned"])     # fine mode for Qwen3-Next on CPU
+    assert server_argv(SYSTEMS["ours-pinned"], settings, 8000)[1:] == argvs["ours"]
+    assert pinned["VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT"] == "1"
+    assert load_settings(environ=pinned) == full

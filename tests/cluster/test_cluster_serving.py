@@ -187,7 +187,7 @@ def cluster_tier(cluster, name: str) -> dict:
 
 def directory_entries(owner: str, prompt: list[int]) -> list:
     """The directory's entries of `owner` on the 64-aligned positions of `prompt` (default
-    domain): its grid cuts and, in the default fine segmentation on CPU, its links inside a
+    domain): its grid cuts and, in fine segmentation (the CPU attention pin on), its links inside a
     step (the prompt's last 64-aligned position), which the owner publishes too."""
     keys = PromptKeys(prompt)
     digests = {keys.digest(c) for c in range(64, len(prompt) + 1, 64)}

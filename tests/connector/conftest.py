@@ -15,6 +15,30 @@ __all__ = ["connector_engine", "engine_parts"]
 
 
 @contextmanager
+def cpu_attention_pinned(monkeypatch):
+    """The CPU attention pin (opt-in: VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1) and the
+    GDN bend put in place for the engines made inside, so vLLM's Qwen3-Next runs in fine mode.
+    vLLM loads the plugin once per process, possibly earlier without the pin, so both are
+    installed here, and the process's previous state is put back afterwards: no later engine
+    of this process runs pinned unasked."""
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as gdn
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_hybridcache import compat
+    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
+
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
+    build, nonspec = cpu_attn.CPUAttentionMetadataBuilder.build, gdn._cpu_gdn_attention_nonspec
+    compat.pin_cpu_attention_split()
+    compat.install_cpu_gdn_inner_states()
+    try:
+        yield
+    finally:
+        cpu_attn.CPUAttentionMetadataBuilder.build = build
+        gdn._cpu_gdn_attention_nonspec = nonspec
+
+
+@contextmanager
 def connector_engine(model_path, extra: dict | None = None, plugin: bool = True, **kw):
     """An engine with the plugin's settings (`extra`), built and shut down by `vllm_engine`."""
     args = dict(max_model_len=8192, max_num_batched_tokens=2048, enforce_eager=True, seed=0)

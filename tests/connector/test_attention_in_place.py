@@ -1,8 +1,9 @@
 """Attention K/V in place on qwen3-next-tiny: warm runs equal cold runs, bit for bit.
 
-The engine runs as a user gets it on CPU: the CPU attention pin on, so fine segmentation
-(links at the grid cuts and also inside a step: near the prompt's end, and where it parts from
-a recent prompt). A link inside a step is served only when the step resuming from it holds at
+The engine runs with the CPU attention pin on (opt-in), so in fine segmentation (links at
+the grid cuts and also inside a step: near the prompt's end, and where it parts from a recent
+prompt): in place and inner links together; every other engine test runs in place in step
+mode (the default). A link inside a step is served only when the step resuming from it holds at
 least 64 tokens (vLLM's GEMMs compute a very short step's rows with other bits: a 4-token
 resume was seen to leave another conv state than the cold run's).
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.connector.conftest import connector_engine, engine_parts
+from tests.connector.conftest import connector_engine, cpu_attention_pinned, engine_parts
 from vllm_hybridcache.instrumentation import instrument, instrumentation_of
 
 pytestmark = pytest.mark.slow
@@ -40,13 +41,14 @@ def near_end(prompt) -> int:
 
 
 @pytest.fixture(scope="module")
-def llm(inproc, embedded_model):
-    with connector_engine(embedded_model("qwen3-next-tiny"),
-                          extra={"grid": GRID, "message_end_min": 64,
-                                 "attention_in_place": True,
-                                 # no end anchors: a finished request then holds no blocks,
-                                 # so vLLM's prefix cache can be reset between runs
-                                 "session_anchors": 0}) as engine:
+def llm(inproc, monkeypatch_module, embedded_model):
+    with cpu_attention_pinned(monkeypatch_module), connector_engine(
+            embedded_model("qwen3-next-tiny"),
+            extra={"grid": GRID, "message_end_min": 64,
+                   "attention_in_place": True,
+                   # no end anchors: a finished request then holds no blocks,
+                   # so vLLM's prefix cache can be reset between runs
+                   "session_anchors": 0}) as engine:
         instrument(engine)
         yield engine
 
@@ -71,7 +73,7 @@ def in_place(llm) -> dict[str, int]:
 
 def test_warm_from_in_place_blocks_and_from_the_host_copy_equal_cold(llm):
     sched, _ = engine_parts(llm)
-    assert sched.segmentation_mode == "fine"       # the default on CPU (the pin)
+    assert sched.segmentation_mode == "fine"       # the pin (the fixture's)
     block = sched.in_place_block
     assert block > 0                               # the scheduler installed it
     sched.clear()

@@ -28,11 +28,11 @@ C = [7 + (i * 11) % 3000 for i in range(GRID + 40)]                # unrelated
 
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model):
-    # Step mode on purpose (`inner_captures` off; the CPU attention pin stays on, as by
-    # default): these tests count hits at grid and message-end cuts, the segmentation every
-    # model without a split-invariant forward runs. The default fine mode of this model (links
-    # also at the prompt's last 64-aligned position and at junctions) is checked bit for bit in
-    # test_fine_cuts_qwen3_next.py and test_attention_in_place.py.
+    # Step mode on purpose (`inner_captures` off), also where the suite runs with the CPU
+    # attention pin turned on (VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1, which puts this
+    # model in fine mode): these tests count hits at grid and message-end cuts. Fine mode
+    # (links also at the prompt's last 64-aligned position and at junctions) is checked bit for
+    # bit in test_fine_cuts_qwen3_next.py and test_attention_in_place.py.
     with connector_engine(embedded_model("qwen3-next-tiny"),
                           extra={"grid": GRID, "message_end_min": 64,
                                  "inner_captures": False}) as engine:

@@ -1,5 +1,5 @@
 """Fine segmentation on vLLM's own Qwen3-Next (CPU backend, bf16) with the CPU attention pin
-(on by default on the CPU platform; VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=0 turns it off):
+(opt-in, VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1; put in place here for this engine):
 vLLM's GDN op hands its states at 64-aligned offsets inside a step
 (compat.install_cpu_gdn_inner_states), so links are captured there (docs/split-invariance.md).
 With the default grid (2048) each prompt is one prefill step: the identical resend hits the
@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.connector.conftest import connector_engine
+from tests.connector.conftest import connector_engine, cpu_attention_pinned
 from tests.connector.test_fine_cuts import check_hits_inside_steps
-from vllm_hybridcache import compat
-from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 from vllm_hybridcache.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -23,25 +21,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(inproc, monkeypatch_module, embedded_model):
-    """The pin and the GDN bend are put in place here (vLLM loads the plugin once per process,
-    possibly earlier with the pin turned off) and the process's previous state is put back
-    afterwards (pinned where the plugin's default already pinned it), so no later engine of
-    this process runs with them unasked."""
-    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as gdn
-    from vllm.v1.attention.backends import cpu_attn
-
-    monkeypatch_module.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
-    build, nonspec = cpu_attn.CPUAttentionMetadataBuilder.build, gdn._cpu_gdn_attention_nonspec
-    compat.pin_cpu_attention_split()
-    compat.install_cpu_gdn_inner_states()
-    try:
-        with connector_engine(embedded_model("qwen3-next-tiny"), dtype="bfloat16") as engine:
-            instrument(engine)      # state probes at each prefill's end: the "state" of run()
-            yield engine
-    finally:
-        cpu_attn.CPUAttentionMetadataBuilder.build = build
-        gdn._cpu_gdn_attention_nonspec = nonspec
-
+    with cpu_attention_pinned(monkeypatch_module), connector_engine(
+            embedded_model("qwen3-next-tiny"), dtype="bfloat16") as engine:
+        instrument(engine)      # state probes at each prefill's end: the "state" of run()
+        yield engine
 
 def test_qwen3_next_fine_hits_inside_steps_equal_cold(llm):
     # near A's end: the last 64-aligned position leaving a 64-token resume (the floor of

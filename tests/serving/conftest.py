@@ -22,7 +22,7 @@ def server(embedded_model, tmp_path_factory):
     mp.setenv("VLLM_HYBRIDCACHE_GRID", str(GRID))
     mp.setenv("VLLM_HYBRIDCACHE_MESSAGE_END_MIN", str(MESSAGE_END_MIN))
     # Step mode on purpose: the tests here count hits at the grid and message-end cuts
-    # (`expected_hit`); the default fine mode on CPU adds links at each prompt's last
+    # (`expected_hit`); fine mode (the CPU attention pin on) adds links at each prompt's last
     # 64-aligned position and at junctions with remembered prompts, which depend on every
     # prompt this shared server saw. Fine mode is checked bit for bit in
     # tests/connector/test_fine_cuts_qwen3_next.py and test_attention_in_place.py.

@@ -144,18 +144,15 @@ def test_the_pin_is_part_of_the_engine_fingerprint_only_when_on(monkeypatch):
     assert kernel_backend(cfg) == off + ";cpu_attention_split_invariant=1"
 
 
-def test_the_pin_is_on_by_default_on_the_cpu_platform_only(monkeypatch):
-    """Unset = on where vLLM's platform is the CPU (the pin wraps only vLLM's CPU attention),
-    off on any other platform; a value other than 0/1 is refused, never read as a mode."""
-    from vllm.platforms import current_platform
-
+def test_the_pin_is_opt_in_and_refuses_other_values(monkeypatch):
+    """Unset or 0 = off (it costs a turn after a long context, docs/split-invariance.md), 1 =
+    on; a value other than 0/1 is refused, never read as a mode."""
     from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, SettingsError
     from vllm_hybridcache.registrations import cpu_attention_pinned
 
     monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
-    assert cpu_attention_pinned()
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert not cpu_attention_pinned()
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
     assert not cpu_attention_pinned()
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
     assert cpu_attention_pinned()

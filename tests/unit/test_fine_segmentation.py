@@ -124,8 +124,9 @@ def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
     assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
     assert scheduler_side.segmentation_mode(config)[0] == "fine"
-    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default on CPU: pinned
-    assert scheduler_side.segmentation_mode(config)[0] == "fine"
+    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default: not pinned
+    assert scheduler_side.segmentation_mode(config)[0] == "step"
+    monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
     assert scheduler_side.segmentation_mode(config, inner_captures=False)[0] == "step"
     assert scheduler_side.segmentation_mode(
         SimpleNamespace(model_config=mc, speculative_config=object()))[0] == "step"

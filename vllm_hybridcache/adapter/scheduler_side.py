@@ -334,8 +334,8 @@ def _cpu_gdn_mode(name: str) -> tuple[str, str]:
     """A vLLM GDN model on vLLM's CPU backend: `fine` only with the attention pin on and the
     CPU GDN op handing over inner states in this process (docs/split-invariance.md)."""
     if not cpu_attention_pinned():
-        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with its pin "
-                      f"(off: {CPU_ATTN_SPLIT_INVARIANT_ENV}=0, or not the CPU platform)")
+        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with "
+                      f"{CPU_ATTN_SPLIT_INVARIANT_ENV}=1")
     if not cpu_gdn_inner_states_installed():
         return STEP, (f"{name}: vLLM's GDN op does not hand over states inside a step here "
                       "(not the CPU platform, or this vLLM is not the checked one)")
