@@ -15,12 +15,12 @@ import sys
 import weakref
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from vllm_hybridcache.core import LinkRef, LinkStore, SectionSpec, StateLayout, ViewSpec
-from vllm_hybridcache.core.disk.linkfile import write_link_file
+from tests.core.test_core_disk_inplace import _u8
+from tests.core.test_core_disk_inplace import _write_chain as write_chain
+from vllm_hybridcache.core import LinkStore, SectionSpec, StateLayout, ViewSpec
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.slabs import (
     HUGE,
@@ -208,29 +208,8 @@ BIG = StateLayout(  # ~2.6 MiB per link: staged links take huge-page buffers
 ROWS = 64
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _write_chain(folder: Path, links: int) -> tuple[list[LinkRef], list[str],
-                                                    list[dict[str, torch.Tensor]]]:
-    g = torch.Generator().manual_seed(3)
-    src = LinkStore(BIG, pin_memory=False)
-    refs, paths, parts = [], [], []
-    for i in range(links):
-        s, e = i * ROWS, (i + 1) * ROWS
-        bufs = src.allocate(i, BIG.view_rows(s, e))
-        p = {**bufs.sections, **bufs.views}
-        for t in p.values():
-            _u8(t)[:] = torch.randint(0, 256, (_u8(t).numel(),), generator=g, dtype=torch.uint8)
-        path = folder / f"{i}.link"
-        write_link_file(path, fingerprint=FP, domain=b"d" * 32, digest=bytes([i]) * 16,
-                        parent_digest=bytes([i - 1]) * 16 if i else b"", start=s, end=e,
-                        tokens=np.arange(s, e), rows=BIG.view_rows(s, e), parts=p)
-        refs.append(LinkRef(100 + i, s, e))
-        paths.append(str(path))
-        parts.append({k: v.clone() for k, v in p.items()})
-    return refs, paths, parts
+def _write_chain(folder: Path, links: int):
+    return write_chain(folder, links, seed=3, layout=BIG, rows=ROWS, fp=FP)
 
 
 def _store(huge_pages) -> LinkStore:
