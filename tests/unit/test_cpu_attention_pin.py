@@ -18,9 +18,9 @@ N = 6144                          # long enough for several KV tiles of the unpi
 
 
 def _builder_classes():
-    """(vLLM's builder, the pinned one), both on vLLM's own `build`: the plugin, loaded by an
-    earlier engine of this process, pins vLLM's class by default on CPU (the wrapper keeps
-    the build it wrapped)."""
+    """(vLLM's builder, the pinned one), both on vLLM's own `build`: an earlier engine of
+    this process may have pinned vLLM's class (the pin on for it; the wrapper keeps the build
+    it wrapped)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     raw = getattr(CPUAttentionMetadataBuilder.build, "_hybridcache_original",
