@@ -18,21 +18,6 @@ dropped from the page cache first) unless said otherwise:
   page-aligned buffers followed by the same CRC-32 pass on the calling thread, into fresh
   buffers and into reused ones; `dd` with direct I/O, 1 and 4 MiB requests, in the same run
   (over a file of zeros: `disk_bench` also reads the links' own bytes);
-- **fresh vs warm memory**: the tier's read (`stage_chain`: direct I/O; through the page cache;
-  and through it with the files still cached: the CPU's part alone) into FRESH buffers, a new
-  `PagePool` per pass (what a restarted engine's first hits read into), beside the same read
-  into a pool that already holds the buffers (every later hit), for each way the pool
-  allocates: `huge` (this host's default: a 2 MiB-aligned anonymous mapping per buffer advised
-  `MADV_HUGEPAGE`), `torch` (the allocation before it, `PagePool(huge_pages=None)`:
-  `torch.empty`, glibc's malloc), and `huge` with every buffer pre-faulted
-  (`MADV_POPULATE_WRITE`) on the reader thread right before its read. For the `torch` arm to
-  read into fresh memory on every pass, glibc's mmap threshold is pinned at its default (128
-  KiB; `mallopt`) for the whole run: otherwise glibc raises it after the first large free and
-  later passes would get heap memory an earlier pass touched (an engine's malloc may do
-  either). Ratios fresh / warm of the median passes, what fresh memory adds to the median pass
-  (ms), and the minor page faults per pass (every thread; the direct read's faults included).
-  The reader's own huge-page hint (core/disk/hugepages.py, on the 2 MiB-aligned interior of a
-  buffer when that spans at least 8 MiB) applies in every arm, as in the tier;
 - a `cProfile` of one cold per-part `stage_chain` pass (the functions that hold the time).
 
 Usage: python -m benchmarks.disk_read_profile [--dir /tmp] [--links 8] [--mib 8] [--passes 5]
@@ -44,14 +29,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import ctypes
-import ctypes.util
 import io
 import json
 import mmap
 import os
 import pstats
-import resource
 import shutil
 import tempfile
 import time
@@ -75,7 +57,6 @@ from vllm_hybridcache.core.disk import linkfile, reader
 from vllm_hybridcache.core.disk.crc import crc32
 from vllm_hybridcache.core.disk.hugepages import advise_huge_pages
 from vllm_hybridcache.core.disk.reader import stage_chain
-from vllm_hybridcache.core.slabs import HUGE_PAGES, PagePool
 
 PHASES = ("header", "tokens", "allocate", "hint", "read", "crc", "seal")
 
@@ -148,54 +129,12 @@ def aligned_direct_read(paths: list[Path], bufs: list[mmap.mmap] | None) -> int:
     return n
 
 
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-M_MMAP_THRESHOLD = -3  # glibc mallopt
-# the fresh/warm arms' reads: (name, direct I/O, files dropped from the page cache first);
-# `cached` is the buffered read from the page cache: no device, the CPU's part alone (what
-# a device faster than this VM's would leave)
-MEMORY_MODES = (("direct", True, True), ("buffered", False, True), ("cached", False, False))
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-def pin_malloc_threshold() -> bool:
-    """glibc's mmap threshold fixed at its default, 128 KiB (no more dynamic raising): every
-    large torch.empty is a fresh mapping. False where that cannot be done (not glibc)."""
-    libc = _libc()
-    fn = getattr(libc, "mallopt", None)
-    return bool(fn is not None and fn(M_MMAP_THRESHOLD, 128 << 10) == 1)
-
-
-def populating(read):
-    """`read` (reader.read_in_place) preceded by MADV_POPULATE_WRITE over its buffer, on the
-    reader thread that runs it: the buffer's pages faulted in before the read."""
-    libc = _libc()
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-
-    def wrapped(path, header, base, buf, direct):
-        if madvise(buf.data_ptr(), buf.numel(), MADV_POPULATE_WRITE) != 0:
-            raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE refused")
-        return read(path, header, base, buf, direct)
-    return wrapped
-
-
 def run(folder: Path, links: int, mib: int, passes: int) -> dict:
     lay, rows = layout_for(mib)
     store = LinkStore(lay, pin_memory=False)
     work = Path(tempfile.mkdtemp(prefix="hc-disk-profile-", dir=folder))
     out: dict = {"folder": str(folder), "links": links, "mib": mib, "passes": passes,
-                 "loadavg_start": os.getloadavg(),
-                 "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
-                 if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None,
-                 "huge_pages_default": HUGE_PAGES is not None,
-                 "malloc_threshold_pinned": pin_malloc_threshold()}
+                 "loadavg_start": os.getloadavg()}
     try:
         d, toks, keys = open_bench_dir(work, links, rows)
         parts, nbytes = random_parts(store, rows)
@@ -207,27 +146,17 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
         ids = [r.link_id for r in chain]
         paths = [str(p) for p in files]
 
-        faults: dict[str, list[int]] = {}
-
-        def timed(fn, cold: bool = True, into: LinkStore | None = None,
-                  name: str | None = None, after=None) -> tuple[float, float]:
-            into = store if into is None else into
+        def timed(fn, cold: bool = True) -> tuple[float, float]:
             if cold:
                 drop_cache(files)
             else:
                 for p in files:
                     p.read_bytes()
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if name is not None:
-                faults.setdefault(name, []).append(
-                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-            if into.has(ids[0]):
-                into.drop(ids)
-            if after is not None:
-                after()
+            if store.has(ids[0]):
+                store.drop(ids)
             return wall, cpu
 
         reused = [mmap.mmap(-1, linkfile._round_up(f.stat().st_size)) for f in files]
@@ -246,46 +175,6 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
             "direct_aligned_fresh": lambda: aligned_direct_read(files, None),
             "direct_aligned_reused": lambda: aligned_direct_read(files, reused),
         }
-        # fresh vs warm memory, per allocation: a store whose pool is replaced by a new, empty
-        # one after each pass (untimed: the pass's buffers freed with the old pool), and a
-        # store whose pool keeps its buffers (filled before the first timed pass)
-        allocs = {"huge": HUGE_PAGES, "torch": None}
-        fresh_stores = {a: LinkStore(lay, pin_memory=False) for a in allocs}
-        warm_stores = {a: LinkStore(lay, pin_memory=False) for a in allocs}
-        for a, st in warm_stores.items():
-            st.pool = PagePool(st.pool.max_idle, huge_pages=allocs[a])
-            stage_chain(st, chain, paths, FP, direct=True)
-            st.drop(ids)
-
-        def renew(a: str) -> None:
-            st = fresh_stores[a]
-            st.pool = PagePool(st.pool.max_idle, huge_pages=allocs[a])
-
-        for a in allocs:
-            renew(a)
-
-        def fresh_read(a: str, direct: bool, populate: bool = False) -> None:
-            st = fresh_stores[a]
-            if populate:
-                with mock.patch.object(reader, "read_in_place",
-                                       populating(reader.read_in_place)):
-                    stage_chain(st, chain, paths, FP, direct=direct)
-            else:
-                stage_chain(st, chain, paths, FP, direct=direct)
-
-        mem_arms: dict = {}
-        for mode, direct, cold in MEMORY_MODES:
-            for a in allocs:
-                mem_arms[f"{mode}_{a}_fresh"] = (
-                    fresh_stores[a], lambda a=a, d=direct: fresh_read(a, d), a, cold)
-                mem_arms[f"{mode}_{a}_warm"] = (
-                    warm_stores[a],
-                    lambda a=a, d=direct: stage_chain(warm_stores[a], chain, paths, FP,
-                                                      direct=d), None, cold)
-            mem_arms[f"{mode}_huge_populate_fresh"] = (
-                fresh_stores["huge"], lambda d=direct: fresh_read("huge", d, populate=True),
-                "huge", cold)
-        mem_res: dict[str, list[tuple[float, float]]] = {k: [] for k in mem_arms}
         try:  # the bounds need direct I/O (tmpfs and some file systems refuse it)
             os.close(os.open(files[0], os.O_RDONLY | os.O_DIRECT))
         except OSError:
@@ -296,9 +185,6 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
         for _ in range(passes):
             for k, fn in paths_fns.items():
                 res[k].append(timed(fn))
-            for k, (st, fn, fresh, cold) in mem_arms.items():
-                mem_res[k].append(timed(fn, cold, into=st, name=k, after=None if fresh is None
-                                        else lambda a=fresh: renew(a)))
             for where, cold in (("device", True), ("page_cache", False)):
                 box: dict[str, dict[str, float]] = {}
                 wall, _ = timed(lambda b=box: b.setdefault(
@@ -325,33 +211,6 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
         dd_med = max(out["dd_1m_gib_s"]["median"], out["dd_4m_gib_s"]["median"])
         for v in out["paths"].values():
             v["median_over_faster_dd_median"] = v["median_gib_s"] / dd_med
-        mem = {k: {"median_s": float(np.median([w for w, _ in v])),
-                   "best_s": min(w for w, _ in v),
-                   "median_gib_s": gib / float(np.median([w for w, _ in v])),
-                   "cpu_s_per_gib": float(np.median([c for _, c in v])) / gib,
-                   "minor_faults": int(np.median(faults[k]))}
-               for k, v in mem_res.items()}
-        out["memory"] = mem
-        out["fresh_over_warm"] = {
-            f"{mode}_{a}": (mem[f"{mode}_{a}_fresh"]["median_s"]
-                            / mem[f"{mode}_{a}_warm"]["median_s"])
-            for mode, *_ in MEMORY_MODES for a in allocs}
-        out["fresh_extra_ms"] = {  # what fresh memory adds to the median pass
-            f"{mode}_{a}": 1000 * (mem[f"{mode}_{a}_fresh"]["median_s"]
-                                   - mem[f"{mode}_{a}_warm"]["median_s"])
-            for mode, *_ in MEMORY_MODES for a in allocs}
-        for mode, *_ in MEMORY_MODES:
-            warm = mem[f"{mode}_huge_warm"]["median_s"]
-            out["fresh_over_warm"][f"{mode}_huge_populate"] = (
-                mem[f"{mode}_huge_populate_fresh"]["median_s"] / warm)
-            out["fresh_over_warm"][f"{mode}_torch_fresh_over_huge_fresh"] = (
-                mem[f"{mode}_torch_fresh"]["median_s"] / mem[f"{mode}_huge_fresh"]["median_s"])
-        # huge buffers per fresh pass (0: huge pages unavailable here): one pass's own count
-        renew("huge")
-        stage_chain(fresh_stores["huge"], chain, paths, FP, direct=True)
-        fresh_stores["huge"].drop(ids)
-        out["huge_buffers_per_fresh_pass"] = fresh_stores["huge"].pool.huge
-        out["warm_pools_huge_buffers"] = {a: st.pool.huge for a, st in warm_stores.items()}
         out["phases_ms"] = {
             where: {k: 1000 * float(np.median([p[k] for p in v])) for k in (*PHASES, "total")}
             for where, v in phases.items()}

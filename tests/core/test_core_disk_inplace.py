@@ -43,27 +43,25 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _write_chain(folder: Path, links: int, seed: int = 0, order=None,
-                 layout: StateLayout = LAYOUT, rows: int = ROWS, fp: bytes = FP) -> tuple[
+def _write_chain(folder: Path, links: int, seed: int = 0, order=None) -> tuple[
         list[LinkRef], list[str], list[dict[str, torch.Tensor]]]:
-    """`links` link files of random bytes on one chain of `rows` tokens per link, in
-    `layout`, fingerprint `fp`; their refs, paths and parts. `order`: the parts' order in the
-    files (default: the store's, sections then views)."""
+    """`links` link files of random bytes on one chain; their refs, paths and parts. `order`:
+    the parts' order in the files (default: the store's, sections then views)."""
     g = torch.Generator().manual_seed(seed)
-    src = LinkStore(layout, pin_memory=False)
+    src = LinkStore(LAYOUT, pin_memory=False)
     refs, paths, parts = [], [], []
     for i in range(links):
-        s, e = i * rows, (i + 1) * rows
-        bufs = src.allocate(i, layout.view_rows(s, e))
+        s, e = i * ROWS, (i + 1) * ROWS
+        bufs = src.allocate(i, LAYOUT.view_rows(s, e))
         p = {**bufs.sections, **bufs.views}
         for t in p.values():
             _u8(t)[:] = torch.randint(0, 256, (_u8(t).numel(),), generator=g, dtype=torch.uint8)
         if order is not None:
             p = {k: p[k] for k in order}
         path = folder / f"{seed}-{i}.link"
-        write_link_file(path, fingerprint=fp, domain=b"d" * 32, digest=bytes([i]) * 16,
+        write_link_file(path, fingerprint=FP, domain=b"d" * 32, digest=bytes([i]) * 16,
                         parent_digest=bytes([i - 1]) * 16 if i else b"", start=s, end=e,
-                        tokens=np.arange(s, e), rows=layout.view_rows(s, e), parts=p)
+                        tokens=np.arange(s, e), rows=LAYOUT.view_rows(s, e), parts=p)
         refs.append(LinkRef(100 + i, s, e))
         paths.append(str(path))
         parts.append({k: v.clone() for k, v in p.items()})

@@ -18,16 +18,13 @@ the end of this module) takes a lock.
 from __future__ import annotations
 
 import bisect
-import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE", "HUGE_PAGES", "PAGE", "Block", "HugeAdvice", "PageBlock", "PagePool",
-           "SlabArena", "default_huge_advice", "size_class", "thp_mode"]
+__all__ = ["PAGE", "Block", "PageBlock", "PagePool", "SlabArena", "size_class"]
 
 
 def _align(n: int, a: int) -> int:
@@ -174,44 +171,6 @@ def size_class(n: int) -> int:
     return -(-pages // step) * step * PAGE
 
 
-HUGE = 2 << 20  # one transparent huge page (the PMD size with 4 KiB base pages: x86-64, arm64)
-THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-HugeAdvice = Callable[[mmap.mmap, int, int, bool], None]
-"""(mapping, offset, length, huge): asks for huge pages (`huge`) under `length` bytes at
-`offset` of an anonymous private mapping, or for none (not `huge`); offsets and lengths are
-whole pages. Raises OSError or ValueError where that is refused."""
-
-
-def thp_mode(path: Path = THP_ENABLED) -> str | None:
-    """The kernel's transparent huge page mode (`always`, `madvise`, `never`), None where the
-    kernel has none (or it cannot be read)."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
-
-
-def _madvise_huge(mm: mmap.mmap, offset: int, length: int, huge: bool) -> None:
-    mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, offset, length)
-
-
-def default_huge_advice(mode: str | None = None) -> HugeAdvice | None:
-    """`madvise(MADV_HUGEPAGE)` where it can take effect: Python exposes it (Linux) and the
-    kernel's THP mode (`thp_mode()` unless `mode` is given) is `madvise` or `always`. None
-    elsewhere (THP `never` or absent, no MADV_HUGEPAGE): the pool then allocates as torch does."""
-    if not all(hasattr(mmap, n) for n in ("MADV_HUGEPAGE", "MADV_NOHUGEPAGE", "MAP_PRIVATE")):
-        return None
-    if (mode if mode is not None else thp_mode()) not in ("always", "madvise"):
-        return None
-    return _madvise_huge
-
-
-HUGE_PAGES: HugeAdvice | None = default_huge_advice()  # this host's; PagePool's default
-
-
 @dataclass(eq=False)
 class PageBlock:
     """A page-aligned buffer from a PagePool: `tensor` is a uint8 view of `size` bytes starting
@@ -238,43 +197,25 @@ class PagePool:
     may share one pool.
 
     Where fresh buffers come from: `arena` (a pinned store's SlabArena: torch's pinned
-    allocator would round each buffer up to a power of two) when given; else, unpinned and at
-    least HUGE bytes with `huge_pages` advice at hand, an anonymous mapping of its own whose
-    whole 2 MiB pages are advised as huge (below); else one host allocation each (torch's),
-    one page more than the class, so a page boundary lies inside. A buffer released beyond the
-    bound goes back to the arena (which is then called from the pool's callers' thread: the
-    store's); the others are freed when their last view goes (a mapping: unmapped).
-
-    Huge pages, why: the first read into a fresh buffer faults in every page of it (the kernel
-    zeroes each), and a restarted engine's first disk hits all read into fresh buffers; with 4
-    KiB pages that is 512 faults per 2 MiB, with a huge page one (docs/benchmarks/disk.md:
-    the CPU a fresh read costs). The buffer starts on a 2 MiB boundary (the mapping has
-    HUGE - PAGE bytes of slack, never touched: address space only) and only its whole 2 MiB
-    pages are advised, so it never holds more memory than its class: a tail shorter than 2
-    MiB is advised to keep 4 KiB pages (with THP `always` the kernel could otherwise back it
-    with a huge page reaching into the slack). `huge_pages` (injected; default this host's
-    `HUGE_PAGES`, None where THP is `never` or absent) raising, or the mapping failing (say,
-    at the process's limit of mappings: each such buffer takes up to four), sends this and
-    every later buffer of the pool to torch's allocation: a hint, the bytes read are the same
-    either way.
+    allocator would round each buffer up to a power of two) when given, else one host
+    allocation each; either way one page more than the class, so a page boundary lies inside.
+    A buffer released beyond the bound goes back to the arena (which is then called from the
+    pool's callers' thread: the store's).
     """
 
     def __init__(self, max_idle: int, pin_memory: bool = False,
-                 arena: SlabArena | None = None,
-                 huge_pages: HugeAdvice | None = HUGE_PAGES) -> None:
+                 arena: SlabArena | None = None) -> None:
         if max_idle < 0:
             raise ValueError("max_idle must be >= 0")
         self.max_idle = max_idle
         self.pin_memory = pin_memory
         self.arena = arena
-        self.huge_pages = huge_pages if arena is None and not pin_memory else None
         self._lock = threading.Lock()
         self._free: dict[int, list[PageBlock]] = {}
         self._order: list[PageBlock] = []  # idle blocks, oldest given back first
         self._idle = 0
         self.taken = 0  # blocks handed out (reused or fresh): counters for stats and tests
         self.reused = 0
-        self.huge = 0  # fresh blocks advised as huge pages
 
     def take(self, n: int) -> PageBlock:
         """A page-aligned buffer of at least `n` bytes (`tensor` has exactly `n`): an idle one
@@ -290,45 +231,15 @@ class PagePool:
                 self.reused += 1
                 return PageBlock(b.whole[:n], n, cls, b.whole, False, b.release)
         release = None
-        whole = self._huge(cls) if self.huge_pages is not None and cls >= HUGE else None
-        if whole is None:
-            if self.arena is not None:
-                block = self.arena.alloc(cls + PAGE)
-                backing = block.tensor
-                release = lambda a=self.arena, blk=block: a.free(blk)  # noqa: E731
-            else:
-                backing = torch.empty(cls + PAGE, dtype=torch.uint8,
-                                      pin_memory=self.pin_memory)
-            off = -backing.data_ptr() % PAGE
-            whole = backing[off:off + cls]
+        if self.arena is not None:
+            block = self.arena.alloc(cls + PAGE)
+            backing = block.tensor
+            release = lambda a=self.arena, blk=block: a.free(blk)  # noqa: E731
+        else:
+            backing = torch.empty(cls + PAGE, dtype=torch.uint8, pin_memory=self.pin_memory)
+        off = -backing.data_ptr() % PAGE
+        whole = backing[off:off + cls]
         return PageBlock(whole[:n], n, cls, whole, True, release)
-
-    def _huge(self, cls: int) -> torch.Tensor | None:
-        """`cls` bytes starting on a 2 MiB boundary in an anonymous private mapping of their
-        own, whole 2 MiB pages advised as huge; None (and no more tries) where refused. The
-        tensor holds the mapping: it is unmapped when the last view of it goes."""
-        advise = self.huge_pages
-        try:
-            mm = mmap.mmap(-1, cls + HUGE - PAGE, flags=mmap.MAP_PRIVATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError):
-            self.huge_pages = None
-            return None
-        backing = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
-        off = -backing.data_ptr() % HUGE
-        try:
-            if advise is None:
-                raise ValueError("no huge page advice")
-            body = cls // HUGE * HUGE
-            advise(mm, off, body, True)
-            if cls > body:
-                advise(mm, off + body, cls - body, False)
-        except (OSError, ValueError):
-            self.huge_pages = None
-            return None  # `mm` is unmapped with `backing`
-        with self._lock:
-            self.huge += 1
-        return backing[off:off + cls]
 
     def _release(self, b: PageBlock) -> None:
         if b.release is not None:
