@@ -211,9 +211,9 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                                                                       "disk")
             for h in heads:
                 by[h]["disk_writer_wait_s"] = wait_writes_done(workdir / "disk")
-                _disk_turns(srv.base_url, by[h], "disk", head_ids[h], disk_tails, files,
-                            drop_page_cache, first_clears=False)
-                by[h]["disk_cached_tokens"] = by[h].pop("disk_cached_tokens_last")
+                by[h]["disk_cached_tokens"] = _disk_turns(
+                    srv.base_url, by[h], "disk", head_ids[h], disk_tails, files,
+                    drop_page_cache, first_clears=False)
                 # cold: the same head with a unique salt (same engine, nothing to reuse)
                 by[h]["cold_s"], body = complete(srv.base_url, head_ids[h] + tails[3],
                                                  cache_salt=f"cold-{uuid.uuid4().hex}")
@@ -224,7 +224,6 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                 by[h]["disk_after_cold_writer_wait_s"] = wait_writes_done(workdir / "disk")
                 _disk_turns(srv.base_url, by[h], "disk_after_cold", head_ids[h], after_tails,
                             files, drop_page_cache, first_clears=True)
-                by[h].pop("disk_after_cold_cached_tokens_last")
                 # the promoted links, from RAM in this life: the same turn without the disk
                 # read, in the same process (tells the disk tier's part from this process's
                 # state)
@@ -244,11 +243,12 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
 
 
 def _disk_turns(base: str, rec: dict, name: str, head: list[int], tails: list[list[int]],
-                files: list[Path], drop_page_cache: bool, first_clears: bool) -> None:
+                files: list[Path], drop_page_cache: bool, first_clears: bool) -> int:
     """Serve `head` + each tail as a disk hit and record `<name>_s` (the median), its runs,
-    and the worker's read + verify + restore seconds. Before each turn (but the first unless
-    `first_clears`) the RAM tier is cleared (the last disk hit was promoted) and the files are
-    dropped from the page cache, so every turn reads the chain from the device."""
+    and the worker's read + verify + restore seconds; returns the last turn's cached tokens.
+    Before each turn (but the first unless `first_clears`) the RAM tier is cleared (the last
+    disk hit was promoted) and the files are dropped from the page cache, so every turn reads
+    the chain from the device."""
     runs, restores = [], []
     for r, t in enumerate(tails):
         if r or first_clears:
@@ -262,9 +262,9 @@ def _disk_turns(base: str, rec: dict, name: str, head: list[int], tails: list[li
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, body
     rec[f"{name}_runs_s"] = runs
     rec[f"{name}_s"] = float(np.median(runs))
-    rec[f"{name}_cached_tokens_last"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     rec[f"{name}_restore_runs_seconds"] = restores
     rec[f"{name}_restore_seconds"] = float(np.median(restores))
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def _wait_restore(base: str, before: float, tier: str) -> float:
