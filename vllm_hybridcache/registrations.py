@@ -43,9 +43,9 @@ def cpu_attention_pinned() -> bool:
     costs where agents spend their prefills: a turn after a long cached context cuts its
     queries into pieces that each read the context's keys and values again (128 tokens after
     16,384 on qwen3-next-small: 1.42x the wall time, 1.77x the CPU of the unpinned attention,
-    docs/split-invariance.md "The pin of vLLM's CPU attention"), while it buys more hits only
-    inside steps, which agent traffic, cut at message ends, rarely needs. Any other value
-    raises `SettingsError`, so a typo never silently picks a mode.
+    docs/split-invariance.md "Cost of the pin on a turn after a long context"), while it buys
+    more hits only inside steps, which agent traffic, cut at message ends, rarely needs. Any
+    other value raises `SettingsError`, so a typo never silently picks a mode.
     """
     import os
 
