@@ -247,12 +247,16 @@ def _disk_turns(base: str, rec: dict, name: str, head: list[int], tails: list[li
     """Serve `head` + each tail as a disk hit and record `<name>_s` (the median), its runs,
     and the worker's read + verify + restore seconds; returns the last turn's cached tokens.
     Before each turn (but the first unless `first_clears`) the RAM tier is cleared (the last
-    disk hit was promoted) and the files are dropped from the page cache, so every turn reads
-    the chain from the device."""
+    disk hit was promoted), a short unrelated request lets the worker apply the clear, and the
+    files are dropped from the page cache, so every turn reads the chain from the device."""
     runs, restores = [], []
     for r, t in enumerate(tails):
         if r or first_clears:
             requests.post(base + "/v1/cache/clear", params={"tier": "ram"}).raise_for_status()
+            # the clear's drops reach the worker with the next step and are applied after
+            # that step's loads: a short unrelated request takes that step, so the measured
+            # read gets the buffers the clear freed, as reads after RAM evictions do
+            complete(base, head[:64], cache_salt=f"apply-clear-{uuid.uuid4().hex}")
             if drop_page_cache:
                 drop_cache(files)
         before = _restore_sum(base, "disk")

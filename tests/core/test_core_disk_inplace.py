@@ -459,3 +459,32 @@ def test_a_slab_store_carves_staged_links_out_of_its_slabs_and_gets_them_back(tm
     store.drop([r.link_id for r in refs])
     store.clear()
     assert store.pool.idle_bytes == 0 and arena.slabs == 0 and store.bytes_reserved == 0
+
+
+def test_prewarm_fills_the_pool_with_touched_buffers_of_the_wanted_classes():
+    """PagePool.prewarm: one idle buffer per wanted size, in that size's class, within the
+    idle bound (a size that would exceed it is passed over, a later one that fits is not);
+    a later take of such a size reuses one (no fresh pages during the read)."""
+    small, big = 5000, 3 << 20
+    pool = PagePool(2 * size_class(big) + size_class(small))
+    got = pool.prewarm([big, big, big, small])
+    assert got == 2 * size_class(big) + size_class(small) == pool.warmed == pool.idle_bytes
+    b = pool.take(big)
+    assert not b.fresh and pool.reused == 1 and b.tensor.data_ptr() % PAGE == 0
+    assert int(b.whole.max()) == 0  # touched by writing zeros
+    s = pool.take(small)
+    assert not s.fresh and pool.reused == 2
+    assert pool.take(big).fresh is False and pool.take(big).fresh  # two warmed, then fresh
+
+
+def test_prewarm_stops_when_asked_and_leaves_arenas_alone():
+    import threading
+
+    from vllm_hybridcache.core.slabs import SlabArena
+
+    stop = threading.Event()
+    stop.set()
+    pool = PagePool(64 << 20)
+    assert pool.prewarm([1 << 20] * 4, stop) == 0 and pool.idle_bytes == 0
+    carved = PagePool(64 << 20, arena=SlabArena(8 << 20, False))
+    assert carved.prewarm([1 << 20] * 4) == 0 and carved.idle_bytes == 0

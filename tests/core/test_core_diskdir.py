@@ -315,3 +315,26 @@ def test_a_use_seen_by_another_process_keeps_a_file_from_ttl_and_eviction(tmp_pa
     clock.t += 4000
     writer._make_room(0)
     assert not deep.exists() and writer.stats.expired == 3
+
+
+def test_warm_spans_name_the_likeliest_files_first_within_the_limit(tmp_path):
+    """What a starting worker warms read buffers for: the files by eviction value, most
+    valuable first, each with the token span it holds, as many as the byte limit takes; the
+    spans survive a restart (a new directory's scan reads them from the headers)."""
+    clock = Clock()
+    d = _dir(tmp_path, clock=clock)
+    _write_chain(d)  # 0-64, 64-128, 128-256
+    keys = PromptKeys(PROMPT)
+    for _ in range(3):
+        d.touch(d.path_for(DOM, 128, keys.digest(128)))
+    by_value = sorted(d._index.values(), key=lambda e: -e.value(clock()))
+    assert by_value[0].end == 128  # the used link is worth the most
+    everything = d.warm_spans(1 << 30)
+    assert everything == [(e.start, e.end) for e in by_value]
+    assert sorted(everything) == [(0, 64), (64, 128), (128, 256)]
+    first = by_value[0].nbytes
+    assert d.warm_spans(first) == [(64, 128)]
+    assert d.warm_spans(first - 1) in ([], [(0, 64)])  # only a smaller file may still fit
+    assert d.warm_spans(0) == []
+    again = _dir(tmp_path, clock=clock)  # a restart: the index rebuilt from the files
+    assert sorted(again.warm_spans(1 << 30)) == sorted(everything)

@@ -319,7 +319,43 @@ def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, d
     monkeypatch.setattr(worker_side, "stage_chain",
                         lambda store, chain, sources, fp, d: seen.append(d) or 0)
     fresh = _worker()
-    fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target))
+    fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
     fresh._stage(load)
     assert fresh._writer.close(30)
     assert seen == [direct]
+
+
+def test_a_restarted_worker_warms_read_buffers_for_the_files_it_finds(tmp_path):
+    """The files found at start-up travel with the disk target as token spans; the worker
+    warms a pool buffer for each on a thread of its own, and the disk hit that follows reads
+    into it (reused, not fresh: no page faults during the read)."""
+    from vllm_hybridcache.core.slabs import size_class
+
+    side, worker = _side(tmp_path), _worker()
+    _, plan = _commit_link(side, worker, 128)
+    assert plan.disk_warm == []  # an empty folder at start: nothing to warm
+    worker.save(plan)
+    assert worker._writer.close(30)
+
+    side2 = _side(tmp_path)
+    first = side2.build_plan(_no_steps())
+    assert first.disk_warm == [(0, 128)]
+    assert side2.build_plan(_no_steps()).disk_warm == []  # sent once
+    fresh = _worker()
+    fresh.begin_step()  # while a step runs (forward, disk reads) the warm-up waits
+    fresh._disk_plan(first)
+    assert fresh._warm is not None
+    fresh._warm.join(0.3)
+    pool = fresh.store.pool
+    assert fresh._warm.is_alive() and pool.warmed == 0
+    fresh.save(first)  # the step ends
+    fresh._warm.join(30)
+    want = fresh.store.staged_bytes(fresh.store.layout.view_rows(0, 128))
+    assert pool.warmed == pool.idle_bytes == size_class(want)
+    req = _request("b", [*TOKENS, 1, 2])
+    assert side2.get_num_new_matched_tokens(req, 0) == (128, True)
+    side2.update_state_after_alloc(req, BLOCKS, 128)
+    (load,) = side2.build_plan(_no_steps()).loads
+    fresh._stage(load)
+    assert (pool.taken, pool.reused, pool.idle_bytes) == (1, 1, 0)
+    assert fresh._writer.close(30)

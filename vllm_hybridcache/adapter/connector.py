@@ -94,6 +94,7 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         # before the forward: inner captures of this step (fine segmentation) arm the hook
         if self._worker is not None and isinstance(connector_metadata, StepPlan):
+            self._worker.begin_step()
             self._worker.arm_inner(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

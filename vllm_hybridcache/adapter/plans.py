@@ -100,6 +100,9 @@ class StepPlan(KVConnectorMetadata):
     disk_writes: list[WriteJob] = field(default_factory=list)
     disk_forget: list[str] = field(default_factory=list)
     disk_clear: bool = False
+    # (start, end) of the files found at start-up that a disk hit is likeliest to read, in the
+    # first plan only: the worker warms a read buffer for each (PagePool.prewarm)
+    disk_warm: list[tuple[int, int]] = field(default_factory=list)
     # cluster tier: where the worker publishes (every plan while the tier is on) and the
     # committed RAM tree links to publish (docs/cluster.md)
     cluster_target: ClusterTarget | None = None

@@ -53,6 +53,7 @@ from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
+from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
 from vllm_hybridcache.registrations import cpu_attention_pinned
 from vllm_hybridcache.segmentation import (
@@ -428,6 +429,7 @@ class SchedulerSide:
         self.disk_anchors: DiskAnchors | None = None
         self.spill: SpillBook | None = None  # session spill: the anchors RAM may hand to disk
         self._disk_target: DiskTarget | None = None
+        self._disk_warm: list[tuple[int, int]] = []
         self._disk_writes: list[WriteJob] = []
         self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
         self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
@@ -544,6 +546,8 @@ class SchedulerSide:
                                        settings.disk_min_free_bytes, float(settings.disk_ttl_s),
                                        spill=spill, drain_s=float(settings.spill_timeout_s),
                                        direct_reads=settings.disk_direct_reads)
+        # sent once, with the first plan (StepPlan.disk_warm)
+        self._disk_warm = directory.warm_spans(POOL_BYTES)
         if spill:
             self._warn_short_shutdown(vllm_config, settings.spill_timeout_s)
         st = directory.stats
@@ -861,6 +865,7 @@ class SchedulerSide:
                 self.disk_anchors.note_spilled(job.domain, job.end, job.digest)
         if self.disk is not None:
             plan.disk_target = self._disk_target
+            plan.disk_warm, self._disk_warm = self._disk_warm, []
             plan.disk_writes, self._disk_writes = self._disk_writes, []
             plan.disk_forget, plan.disk_clear = self.disk.take_writer_ops()
         if self.cluster is not None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +32,8 @@ from vllm_hybridcache.adapter.inner_states import InnerStates
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.cpus import widen_thread_affinity
+from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain, warm_read_buffers
 from vllm_hybridcache.core.disk.writer import LinkWriter, WriteJob
 from vllm_hybridcache.ops.link_copy import gather_link
 
@@ -65,6 +68,11 @@ class WorkerSide:
         # whose drop waits for the writer to finish reading their buffers, and the writer
         # stats version last reported
         self._writer: LinkWriter | None = None
+        self._warm: threading.Thread | None = None  # warms the disk reads' buffers at start
+        # set between steps, clear while one runs (bind to save): the warm-up works only then,
+        # so it never shares the cores with a forward or a disk hit's read
+        self._between_steps = threading.Event()
+        self._between_steps.set()
         self._deferred_drops: set[int] = set()
         self._disk_version = -1
         # session spill: end anchors captured here, oldest first, written at shutdown (the
@@ -119,6 +127,10 @@ class WorkerSide:
         for _, gid, layer, _ in self.parts.sections:
             ctx[layer].inner_capture = self._inner.hook(gid)
 
+    def begin_step(self) -> None:
+        """A step begins (its plan is bound): background work waits until `save` ends it."""
+        self._between_steps.clear()
+
     def arm_inner(self, plan: StepPlan) -> None:
         """Before the step's forward: the offsets this step's inner captures want."""
         if self._inner is not None:
@@ -168,6 +180,27 @@ class WorkerSide:
         if plan.disk_target is not None and self._writer is None:
             self._writer = LinkWriter(plan.disk_target)
             atexit.register(self._writer.close, 10.0)
+        if plan.disk_warm and self.store is not None and self._warm is None:
+            self._warm = threading.Thread(target=self._warm_buffers, args=(plan.disk_warm,),
+                                          name="hybridcache-disk-warm", daemon=True)
+            self._warm.start()
+
+    def _warm_buffers(self, spans: list[tuple[int, int]]) -> None:
+        """Fault in read buffers for the files found at start-up, off the request path: a
+        restarted server's first disk hits then read into warm memory (PagePool.prewarm)."""
+        t0 = time.perf_counter()
+        widen_thread_affinity()  # not only the core of the forward's first thread
+        assert self.store is not None
+
+        def between_reads() -> Iterator[tuple[int, int]]:
+            for span in spans:
+                self._between_steps.wait()
+                yield span
+
+        n = warm_read_buffers(self.store, between_reads())
+        logger.info("hybridcache: disk tier: %d MiB of read buffers warmed for the %d likeliest "
+                    "of the files found at start-up (%.2f s)", n >> 20, len(spans),
+                    time.perf_counter() - t0)
 
     def start_load(self, plan: StepPlan) -> None:
         self._disk_plan(plan)
@@ -225,6 +258,14 @@ class WorkerSide:
         self.store.seal(job.link_id)
 
     def save(self, plan: StepPlan) -> None:
+        """After the step's forward: captures, disk and cluster hand-offs, drops; the step
+        ends here (`begin_step`)."""
+        try:
+            self._save(plan)
+        finally:
+            self._between_steps.set()
+
+    def _save(self, plan: StepPlan) -> None:
         for job in plan.captures:
             t0 = time.perf_counter()
             try:

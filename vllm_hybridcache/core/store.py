@@ -171,8 +171,7 @@ class LinkStore:
         if rows < 0:
             raise ValueError("rows must be >= 0")
         if page_aligned:
-            _, total = self._view_offsets(rows, PAGE)
-            page = self.pool.take(max(total, PAGE))
+            page = self.pool.take(self.staged_bytes(rows))
             self._entries[link_id] = e = _Entry(page.tensor, rows, page=page)
             self._bytes += e.nbytes
             return self._typed(page.tensor, rows, PAGE)
@@ -186,6 +185,11 @@ class LinkStore:
             self._entries[link_id] = _Entry(buf, rows)
         self._bytes += buf.numel()
         return self._typed(buf, rows)
+
+    def staged_bytes(self, rows: int) -> int:
+        """The pool buffer a link of `rows` view rows staged from disk asks for
+        (`allocate(page_aligned=True)`): what warming the pool for it prepares."""
+        return max(self._view_offsets(rows, PAGE)[1], PAGE)
 
     def buffers(self, link_id: int) -> LinkBuffers:
         """Typed tensors of an allocated link (sealed or not)."""

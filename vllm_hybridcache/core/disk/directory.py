@@ -70,6 +70,7 @@ class DiskLink:
     kind: str = TREE
     domain: bytes = b""
     digest: bytes = b""
+    start: int = 0  # the first token it holds rows of (its parent's end; 0 for a root link)
 
     def value(self, now: float) -> float:
         """Eviction value: (hits + 1) x tokens it saves per byte, halved per day unused."""
@@ -234,7 +235,7 @@ class LinkDirectory:
             index[p] = DiskLink(p, self._parent_path(p, header), header.end, st.st_size,
                                 old.last_used if old else st.st_mtime,
                                 old.hits if old else 0, header.kind, header.domain,
-                                header.digest)
+                                header.digest, header.start)
         self._index = {}
         self._children = {}
         for entry in index.values():
@@ -305,7 +306,7 @@ class LinkDirectory:
         parent = None if start == 0 else path.parent / f"{parent_digest.hex()}-{start}{SUFFIX}"
         now = self._clock()
         _stamp(path, now)  # mtime = last use, in this directory's clock
-        self._add(DiskLink(path, parent, end, written, now, 0, kind, domain, digest))
+        self._add(DiskLink(path, parent, end, written, now, 0, kind, domain, digest, start))
         self.stats.writes += 1
         self.stats.write_bytes += written
         self._account()
@@ -408,6 +409,19 @@ class LinkDirectory:
                     and keys.token_bytes(0, end) == header.tokens):
                 return path, header, base
         return None
+
+    def warm_spans(self, limit_bytes: int) -> list[tuple[int, int]]:
+        """(start, end) of the files a disk hit is likeliest to read, the most valuable first
+        (`DiskLink.value`, the eviction order reversed), as many as fit in `limit_bytes` of
+        file: what a starting worker warms its read buffers for (adapter/worker_side.py)."""
+        now = self._clock()
+        out: list[tuple[int, int]] = []
+        total = 0
+        for e in sorted(self._index.values(), key=lambda e: -e.value(now)):
+            if total + e.nbytes <= limit_bytes:
+                total += e.nbytes
+                out.append((e.start, e.end))
+        return out
 
     def touch(self, path: Path) -> None:
         """Count a restore served by a file (eviction value). The use is also stamped on the

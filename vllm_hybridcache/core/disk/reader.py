@@ -15,12 +15,15 @@ follows: the restore reads those buffers, and promotion keeps them as the RAM li
 whose parts lie elsewhere than the store's layout (another order) is read part by part
 instead: `readinto` per part (linkfile.read_parts) or, with direct reads, through bounce
 buffers (direct.py). All paths check the same things. The buffers get a huge-page hint first
-(hugepages.py: pages still to fault in take 2 MiB at a time).
+(hugepages.py: pages still to fault in take 2 MiB at a time). A starting worker warms the
+pool for the files found at start-up (`warm_read_buffers`), so a restart's first hits do
+not read into fresh pages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -33,7 +36,7 @@ from .hugepages import advise_huge_pages
 from .inplace import fits_in_place, read_in_place
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
-__all__ = ["DiskReadError", "read_verified", "stage_chain"]
+__all__ = ["DiskReadError", "read_verified", "stage_chain", "warm_read_buffers"]
 
 
 class DiskReadError(MissingLinkError):
@@ -115,6 +118,16 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
         store.drop(staged)  # nothing half staged stays behind, whatever went wrong
         raise
     return n
+
+
+def warm_read_buffers(store: LinkStore, spans: Iterable[tuple[int, int]],
+                      stop: threading.Event | None = None) -> int:
+    """Warm the store's read buffers (its PagePool) for links staged from files holding the
+    token spans `spans` ((start, end), the likeliest read first); returns the bytes warmed.
+    Why, and the bound: `PagePool.prewarm`. For a thread of its own at a worker's start."""
+    layout = store.layout
+    return store.pool.prewarm(
+        (store.staged_bytes(layout.view_rows(start, end)) for start, end in spans), stop)
 
 
 def _settle(reads: list[tuple[LinkRef, Future[int]]], at: LinkRef | None
