@@ -488,3 +488,92 @@ def test_prewarm_stops_when_asked_and_leaves_arenas_alone():
     assert pool.prewarm([1 << 20] * 4, stop) == 0 and pool.idle_bytes == 0
     carved = PagePool(64 << 20, arena=SlabArena(8 << 20, False))
     assert carved.prewarm([1 << 20] * 4) == 0 and carved.idle_bytes == 0
+
+
+# ----------------------------------------------------------------- sections read later
+def _restored(store: LinkStore, refs: list[LinkRef]) -> dict[str, torch.Tensor]:
+    secs = {x.name: torch.zeros(x.shape, dtype=getattr(torch, x.dtype)) for x in LAYOUT.sections}
+    views = {v.name: torch.zeros(len(refs) * ROWS, *v.row_shape, dtype=getattr(torch, v.dtype))
+             for v in LAYOUT.views}
+    store.restore(refs, secs, lambda *a: None)
+    store.restore_views_into(refs, views)
+    return {**secs, **views}
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_deferred_sections_restore_the_same_bits_and_are_read_when_first_needed(
+        tmp_path, monkeypatch, direct):
+    """`defer_sections`: every link but the deepest is staged with its views only (one
+    request each, the byte range after its sections); the restore of the chain equals the
+    restore of the whole files; a link's sections are read (one more request) and checked
+    when they are first asked for, once, and then equal the file's."""
+    refs, paths, want = _write_chain(tmp_path, 3)
+    whole = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(whole, refs, paths, FP, direct)
+    reads: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
+    lazy = LinkStore(LAYOUT, pin_memory=False)
+    for ref in refs:  # stale bytes where the sections will go: a buffer reused from the pool
+        lazy.allocate(ref.link_id, ROWS, page_aligned=True)
+        lazy.payload(ref.link_id).fill_(0xEE)
+    lazy.drop([r.link_id for r in refs])
+    got = stage_chain(lazy, refs, paths, FP, direct, defer_sections=True)
+    secs = sum(x.nbytes for x in LAYOUT.sections)
+    assert got == sum(sum(t.numel() * t.element_size() for t in w.values()) for w in want) \
+        - 2 * secs
+    assert len(reads) == 3
+    assert [lazy.sections_pending(r.link_id) for r in refs] == [True, True, False]
+    assert _equal(_restored(lazy, refs), _restored(whole, refs))
+    assert len(reads) == 3  # the restore read no section of the links before the deepest
+    assert _equal(_held(lazy, refs[0]), want[0])  # read now, whole
+    assert len(reads) == 4 and not lazy.sections_pending(refs[0].link_id)
+    _held(lazy, refs[0])
+    assert len(reads) == 4  # once
+    # a restore that ends at a link with deferred sections reads them first
+    assert _equal(_restored(lazy, refs[:2]), _restored(whole, refs[:2]))
+    assert len(reads) == 5 and not lazy.sections_pending(refs[1].link_id)
+
+
+@pytest.mark.parametrize("part", ["gdn", "conv"])
+def test_a_deferred_section_that_fails_its_checksum_is_never_handed_out(tmp_path, part):
+    """The hit itself does not read the middle link's sections, so a flipped byte there does
+    not fail it; when they are first needed the check fails: MissingLinkError naming the link,
+    which stays unusable (no restore ends at it) until dropped. A flipped view byte of the
+    same link still fails the hit."""
+    from vllm_hybridcache.core import MissingLinkError
+
+    refs, paths, _ = _write_chain(tmp_path, 3)
+    path = Path(paths[1])
+    header, base = read_header(path, FP)
+    e = next(x for x in header.parts if x.name == part)
+    raw = bytearray(path.read_bytes())
+    raw[base + e.offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+    store = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(store, refs, paths, FP, defer_sections=True)
+    _restored(store, refs)  # the deepest link's state and every row: all checked
+    for _ in range(2):
+        with pytest.raises(MissingLinkError) as ex:
+            store.buffers(refs[1].link_id)
+        assert ex.value.link_id == refs[1].link_id
+    with pytest.raises(MissingLinkError):
+        _restored(store, refs[:2])
+    store.drop([r.link_id for r in refs])
+    raw[base + e.offset] ^= 0x01  # mended; now a view byte is flipped
+    k = next(x for x in header.parts if x.name == "k")
+    raw[base + k.offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DiskReadError) as err:
+        stage_chain(store, refs, paths, FP, defer_sections=True)
+    assert err.value.problem == "checksum" and err.value.link_id == refs[1].link_id
+
+
+def test_sections_are_read_now_where_a_file_puts_them_after_its_views(tmp_path):
+    refs, paths, want = _write_chain(tmp_path, 2, order=["k", "v", "gdn", "conv"])
+    header, _ = read_header(Path(paths[0]), FP)
+    assert inplace.split_point(header, {"gdn", "conv"}) is None
+    store = LinkStore(LAYOUT, pin_memory=False)
+    stage_chain(store, refs, paths, FP, defer_sections=True)
+    assert not store.sections_pending(refs[0].link_id)
+    assert _equal(_held(store, refs[0]), {k: want[0][k] for k in _held(store, refs[0])})

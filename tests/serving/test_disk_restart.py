@@ -55,6 +55,7 @@ from tests.serving.conftest import (
     GRID,
     KEY,
     MESSAGE_END_MIN,
+    TOOLS,
     cache_stats,
     cached_tokens,
     chat_body,
@@ -83,11 +84,11 @@ def _wait(srv, what, timeout: float = 60.0) -> dict:
         time.sleep(0.5)
 
 
-def _same_as_cold(srv, messages) -> dict:
+def _same_as_cold(srv, messages, **extra) -> dict:
     """Run `messages` warm and again cold (a fresh cache_salt); assert equal tokens and
-    logprobs; return the warm body."""
-    warm = chat_body(srv, messages, **EXTRA)
-    cold = chat_body(srv, messages, cache_salt=f"cold-{uuid.uuid4().hex}", **EXTRA)
+    logprobs; return the warm body. `extra`: more request fields (other tools)."""
+    warm = chat_body(srv, messages, **EXTRA, **extra)
+    cold = chat_body(srv, messages, cache_salt=f"cold-{uuid.uuid4().hex}", **EXTRA, **extra)
     assert cached_tokens(cold) == 0
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     assert warm["choices"][0]["logprobs"]["content"] == cold["choices"][0]["logprobs"]["content"]
@@ -209,6 +210,16 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
             assert (domain_dir / "notes.txt").read_text() == "not a link"
             metrics = requests.get(srv.base_url + "/metrics").text
             assert _disk_metric(metrics, "vllm:hybridcache_cached_tokens_total") == want
+
+            # the same turn with the last tool left out parts from that chain inside it: its
+            # hit ends at a promoted link whose state the disk hit did not read (only the
+            # deepest link's is needed then, core/disk/reader.py), served from RAM with the
+            # state read from its file now, equal to a cold run
+            hits = cache_stats(srv)["tiers"]["ram"]["kinds"]["tree"]["hits"]
+            body = _same_as_cold(srv, sub[0], tools=TOOLS[:-1])
+            shared = expected_hit(seg, body["prompt_token_ids"], earlier)
+            assert 0 < shared < want and cached_tokens(body) == shared
+            assert cache_stats(srv)["tiers"]["ram"]["kinds"]["tree"]["hits"] == hits + 1
 
             # the conversation's next turn meets the damaged link: the load fails, vLLM
             # recomputes it cold, the miss is counted and the file deleted with its chain

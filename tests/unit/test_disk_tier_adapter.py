@@ -317,7 +317,7 @@ def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, d
     (load,) = side2.build_plan(_no_steps()).loads
     seen: list[bool] = []
     monkeypatch.setattr(worker_side, "stage_chain",
-                        lambda store, chain, sources, fp, d: seen.append(d) or 0)
+                        lambda store, chain, sources, fp, d, *defer: seen.append(d) or 0)
     fresh = _worker()
     fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
     fresh._stage(load)
@@ -358,4 +358,29 @@ def test_a_restarted_worker_warms_read_buffers_for_the_files_it_finds(tmp_path):
     (load,) = side2.build_plan(_no_steps()).loads
     fresh._stage(load)
     assert (pool.taken, pool.reused, pool.idle_bytes) == (1, 1, 0)
+    assert fresh._writer.close(30)
+
+
+def test_a_disk_hit_leaves_the_state_of_links_above_the_deepest_to_be_read_later(tmp_path):
+    """The worker stages a disk hit's chain with the deepest link whole and the others' views
+    only: their sections (states the restore does not use) are read when first needed."""
+    side, worker = _side(tmp_path), _worker()
+    for cut in (64, 128):
+        _, plan = _commit_link(side, worker, cut)
+        worker.save(plan)
+    assert worker._writer.close(30)
+    side2 = _side(tmp_path)
+    req = _request("b", [*TOKENS, 1, 2])
+    assert side2.get_num_new_matched_tokens(req, 0) == (128, True)
+    side2.update_state_after_alloc(req, BLOCKS, 128)
+    (load,) = side2.build_plan(_no_steps()).loads
+    assert len(load.chain) == 2 and load.draft is None
+    fresh = _worker()
+    fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
+    fresh._stage(load)
+    first, deepest = (ref.link_id for ref in load.chain)
+    assert fresh.store.sections_pending(first) and not fresh.store.sections_pending(deepest)
+    secs = fresh.store.buffers(first).sections  # read now, from the file
+    assert not fresh.store.sections_pending(first)
+    assert all(bool((t == 1).all()) for t in secs.values())  # what the commit held
     assert fresh._writer.close(30)

@@ -31,7 +31,7 @@ from vllm_hybridcache.adapter.draft_rows import (
 from vllm_hybridcache.adapter.inner_states import InnerStates
 from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.core import LinkStore, MissingLinkError
+from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
 from vllm_hybridcache.core.cpus import widen_thread_affinity
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain, warm_read_buffers
 from vllm_hybridcache.core.disk.writer import LinkWriter, WriteJob
@@ -169,7 +169,11 @@ class WorkerSide:
         a refused file fails the load and is counted by its problem."""
         try:
             direct = self._writer is not None and self._writer.target.direct_reads
-            stage_chain(self.store, job.chain, job.sources, job.fingerprint, direct)
+            # the other links' states are read when one of them is first needed; not on the
+            # MTP route (the draft rebuild reads every link's sections now) nor from the
+            # cluster tier's staging folder (its files do not stay)
+            defer = job.tier == Tier.DISK and job.draft is None
+            stage_chain(self.store, job.chain, job.sources, job.fingerprint, direct, defer)
         except DiskReadError as e:
             if self._writer is not None:
                 self._writer.note_read_failure(e.problem)
@@ -316,7 +320,11 @@ class WorkerSide:
             atexit.register(self._publisher.close)
         for job in plan.cluster_publish:
             if self.store.has(job.link_id):
-                bufs = self.store.buffers(job.link_id)
+                try:
+                    bufs = self.store.buffers(job.link_id)
+                except MissingLinkError as e:  # a promoted disk link whose state failed
+                    logger.warning("hybridcache: link %d not published: %s", job.link_id, e)
+                    continue
                 self._publisher.publish(job, {**bufs.sections, **bufs.views})
 
     def _disk_writes(self, plan: StepPlan) -> None:
@@ -339,7 +347,11 @@ class WorkerSide:
                 self._spillable[job.link_id] = job
                 continue
             self._spillable.pop(job.link_id, None)  # evicted from RAM: written now
-            bufs = self.store.buffers(job.link_id)
+            try:
+                bufs = self.store.buffers(job.link_id)
+            except MissingLinkError as e:  # a promoted disk link whose state failed
+                logger.warning("hybridcache: link %d not written: %s", job.link_id, e)
+                continue
             w.submit(job, {**bufs.sections, **bufs.views})
 
     def shutdown(self) -> None:
@@ -359,7 +371,10 @@ class WorkerSide:
         if target.spill:
             for lid, job in reversed(self._spillable.items()):
                 if self.store.has(lid):
-                    bufs = self.store.buffers(lid)
+                    try:
+                        bufs = self.store.buffers(lid)
+                    except MissingLinkError:
+                        continue
                     anchors.append((job, {**bufs.sections, **bufs.views}))
         self._spillable.clear()
         queued = w.snapshot()["queued"]

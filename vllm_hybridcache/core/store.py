@@ -71,7 +71,8 @@ class LinkBuffers(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("align", "block", "buf", "nbytes", "page", "rows", "sealed", "views")
+    __slots__ = ("align", "block", "buf", "nbytes", "page", "pending", "rows", "sealed",
+                 "views")
 
     def __init__(self, buf: torch.Tensor, rows: int, block: Block | None = None,
                  page: PageBlock | None = None) -> None:
@@ -82,9 +83,16 @@ class _Entry:
         self.nbytes = page.cls if page is not None else buf.numel()  # host bytes it holds
         self.rows = rows
         self.sealed = False
+        # sections still to read (`LinkStore.defer`): called, and cleared, before anything
+        # reads them; the views are complete
+        self.pending: Callable[[], object] | None = None
         # typed row tensors of every view, built at seal: restore hands them out without
         # building views per call (one tensor object per view and link of bookkeeping)
         self.views: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+def _failed() -> None:
+    raise MissingLinkError(None, "its deferred sections failed to read before")
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -192,15 +200,51 @@ class LinkStore:
         return max(self._view_offsets(rows, PAGE)[1], PAGE)
 
     def buffers(self, link_id: int) -> LinkBuffers:
-        """Typed tensors of an allocated link (sealed or not)."""
+        """Typed tensors of an allocated link (sealed or not); deferred sections (`defer`)
+        are read first."""
         e = self._entries.get(link_id)
         if e is None:
             raise MissingLinkError(link_id)
+        self._complete(link_id, e)
         return self._typed(e.buf, e.rows, e.align)
+
+    def defer(self, link_id: int, complete: Callable[[], object]) -> None:
+        """The link's views are filled, its sections not yet: `complete()` fills them (and
+        raises if it cannot). It runs before anything reads the sections (`buffers`, a
+        restore that ends at this link), once; a link dropped first never runs it.
+
+        Why: a disk hit restores the state of its deepest link only, while every link of the
+        chain is staged whole so that the promoted links can end later hits; reading the
+        other links' states when (and if) one of them is needed takes about a third of a
+        long chain's bytes off the hit's read (core/disk/reader.py)."""
+        e = self._entries.get(link_id)
+        if e is None:
+            raise MissingLinkError(link_id)
+        e.pending = complete
+
+    def sections_pending(self, link_id: int) -> bool:
+        """Whether the link's sections are still to be read (`defer`)."""
+        e = self._entries.get(link_id)
+        return e is not None and e.pending is not None
+
+    def _complete(self, link_id: int, e: _Entry) -> None:
+        """Run a deferred section read; a failure unseals the link (it is never restored,
+        its sections never handed out) and raises MissingLinkError naming it."""
+        if e.pending is None:
+            return
+        complete, e.pending = e.pending, None
+        try:
+            complete()
+        except Exception as err:
+            e.sealed = False
+            e.pending = _failed
+            raise MissingLinkError(link_id, f"link {link_id}: its sections could not be read "
+                                   f"({type(err).__name__}: {err})") from err
 
     def payload(self, link_id: int) -> torch.Tensor:
         """The whole uint8 buffer an allocated link's parts are views of (for a page-aligned
-        link: page-aligned, whole pages long, parts where its link file puts them)."""
+        link: page-aligned, whole pages long, parts where its link file puts them). For the
+        disk reader only: deferred sections are not read first."""
         e = self._entries.get(link_id)
         if e is None:
             raise MissingLinkError(link_id)
@@ -254,6 +298,7 @@ class LinkStore:
         chain = _chain(plan)
         entries = self._check(chain)
         last = entries[-1]
+        self._complete(chain[-1].link_id, last)  # the only sections a restore reads
         moved = 0
         for name, o, n, dt, shape in self._secs[last.align]:
             src = last.buf[o : o + n].view(dt).view(shape)

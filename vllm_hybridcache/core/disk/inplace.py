@@ -24,7 +24,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from .crc import crc32
 from .linkfile import ALIGN, LinkFileError, LinkFileHeader, LinkFileProblem
 
 __all__ = ["DIRECT_FALLBACKS", "fits_in_place", "read_in_place", "read_payload",
-           "verify_payload"]
+           "split_point", "verify_payload"]
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -124,36 +124,67 @@ def _read(path: Path, out: memoryview, at: int, direct: bool) -> int:
         os.close(fd)
 
 
+def _span(header: LinkFileHeader, names: Collection[str] | None) -> tuple[int, int]:
+    """The payload byte range [lo, hi) a read of the parts `names` (None: all) covers: from
+    the first one's page-aligned offset to the last one's end."""
+    parts = [e for e in header.parts if names is None or e.name in names]
+    if not parts:
+        return 0, 0
+    return min(e.offset for e in parts) // ALIGN * ALIGN, max(e.offset + e.nbytes for e in parts)
+
+
+def split_point(header: LinkFileHeader, first: Collection[str]) -> int | None:
+    """Where the parts `first` end and all the others begin, when every part of `first` lies
+    before every other part and the others start on a page boundary (a link file lays out its
+    sections, then its views); None otherwise. Reading [split, end) then [0, split) reads
+    the others first and `first` later, each with one request."""
+    head = [e for e in header.parts if e.name in first]
+    tail = [e for e in header.parts if e.name not in first]
+    if not head or not tail:
+        return None
+    split = min(e.offset for e in tail)
+    if split % ALIGN or max(e.offset + e.nbytes for e in head) > split:
+        return None
+    return split
+
+
 def read_payload(path: Path, header: LinkFileHeader, base: int, buf: torch.Tensor,
-                 direct: bool) -> int:
+                 direct: bool, names: Collection[str] | None = None) -> int:
     """Read the payload of the file at `path` (it starts at `base`, page-aligned) into `buf`
     with one request, direct I/O when `direct` and the file system takes it; nothing is
-    verified yet (`verify_payload`). `buf` must pass `fits_in_place`. Returns the payload
-    bytes; raises LinkFileError (`truncated`) or OSError."""
-    end = _payload_end(header)
+    verified yet (`verify_payload`). `buf` must pass `fits_in_place`. `names`: only the span
+    of the payload that holds these parts (`_span`), each byte where the whole payload's read
+    puts it. Returns the bytes of the parts read; raises LinkFileError (`truncated`) or
+    OSError."""
+    lo, hi = _span(header, names)
     mv = memoryview(buf.numpy()).cast("B")
-    got = _read(path, mv[:_round_up(end)], base, direct)
-    if got < end:
+    got = _read(path, mv[lo:_round_up(hi)], base + lo, direct)
+    if got < hi - lo:
         raise LinkFileError(LinkFileProblem.TRUNCATED,
-                            f"{path}: {got} payload bytes, {end} wanted")
-    return sum(e.nbytes for e in header.parts)
+                            f"{path}: {lo + got} payload bytes, {hi} wanted")
+    return sum(e.nbytes for e in header.parts if names is None or e.name in names)
 
 
-def verify_payload(path: Path, header: LinkFileHeader, buf: torch.Tensor) -> None:
-    """Every part's CRC-32 over its bytes in `buf`, as `read_payload` left them; LinkFileError
-    (`checksum`) at the first that differs. Only reads `buf`: it may run on another thread
-    while the next file is read, as long as `buf` is not handed back before it returns."""
+def verify_payload(path: Path, header: LinkFileHeader, buf: torch.Tensor,
+                   names: Collection[str] | None = None) -> None:
+    """Every part's (`names`: these parts') CRC-32 over its bytes in `buf`, as `read_payload`
+    left them; LinkFileError (`checksum`) at the first that differs. Only reads `buf`: it may
+    run on another thread while the next file is read, as long as `buf` is not handed back
+    before it returns."""
     mv = memoryview(buf.numpy()).cast("B")
     for e in header.parts:
+        if names is not None and e.name not in names:
+            continue
         if crc32(mv[e.offset:e.offset + e.nbytes]) != e.crc32:
             raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {e.name}")
 
 
 def read_in_place(path: Path, header: LinkFileHeader, base: int, buf: torch.Tensor,
-                  direct: bool) -> int:
-    """`read_payload` then `verify_payload`: the payload read into `buf` and every part
-    checked. Returns the payload bytes; raises LinkFileError (`truncated`, `checksum`: `buf`
-    then holds bytes that must not be used) or OSError."""
-    n = read_payload(path, header, base, buf, direct)
-    verify_payload(path, header, buf)
+                  direct: bool, names: Collection[str] | None = None) -> int:
+    """`read_payload` then `verify_payload`: the payload (`names`: the span holding these
+    parts) read into `buf` and every part read checked. Returns the bytes of the parts read;
+    raises LinkFileError (`truncated`, `checksum`: `buf` then holds bytes that must not be
+    used) or OSError."""
+    n = read_payload(path, header, base, buf, direct, names)
+    verify_payload(path, header, buf, names)
     return n

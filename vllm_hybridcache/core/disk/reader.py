@@ -15,7 +15,10 @@ follows: the restore reads those buffers, and promotion keeps them as the RAM li
 whose parts lie elsewhere than the store's layout (another order) is read part by part
 instead: `readinto` per part (linkfile.read_parts) or, with direct reads, through bounce
 buffers (direct.py). All paths check the same things. The buffers get a huge-page hint first
-(hugepages.py: pages still to fault in take 2 MiB at a time). A starting worker warms the
+(hugepages.py: pages still to fault in take 2 MiB at a time). A disk hit reads only the
+views of every link but the deepest (`defer_sections`): their sections, the recurrent states
+the restore does not need, are read from the same file when a promoted link is first needed
+whole (`LinkStore.defer`). A starting worker warms the
 pool for the files found at start-up (`warm_read_buffers`), so a restart's first hits do
 not read into fresh pages.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,7 +37,7 @@ from ..store import LinkStore, MissingLinkError
 from ..tiers.base import LinkRef
 from .direct import DirectIOUnsupported, helper, read_parts_direct
 from .hugepages import advise_huge_pages
-from .inplace import fits_in_place, read_in_place
+from .inplace import fits_in_place, read_in_place, split_point
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
 __all__ = ["DiskReadError", "read_verified", "stage_chain", "warm_read_buffers"]
@@ -62,11 +66,15 @@ def read_verified(path: Path, header: LinkFileHeader, base: int,
 
 
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
-                fingerprint: bytes, direct: bool = False) -> int:
+                fingerprint: bytes, direct: bool = False, defer_sections: bool = False) -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
     read. On any problem every link staged by this call is dropped and DiskReadError raised,
     charged to the first file of the chain found at fault.
     `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`).
+    `defer_sections`: of every link but the deepest, read and check only the views now, and
+    leave the sections (its recurrent state, which a restore of this chain does not read) to
+    `LinkStore.defer`: read and checked from the same file when something first needs them.
+    Only where the file is read in place and lays out its sections before its views.
 
     Files read in place are read and checked on the helper threads, two at a time, while this
     thread prepares the next (header, buffers): the device gets the next file's request while
@@ -93,9 +101,17 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
             parts = {**bufs.sections, **bufs.views}
             advise_huge_pages(parts.values())  # fresh buffers: fewer page faults (a hint)
             whole = store.payload(ref.link_id)
+            later = None  # the parts deferred (the sections), when they are
+            if (defer_sections and ref is not chain[-1] and bufs.views
+                    and split_point(header, bufs.sections) is not None):
+                later = tuple(bufs.sections)
             if fits_in_place(header, whole, parts):  # one read, no copy
+                now = tuple(bufs.views) if later else None
                 reads.append((ref, helper().submit(read_in_place, path, header, base, whole,
-                                                   direct)))
+                                                   direct, now)))
+                if later:
+                    store.defer(ref.link_id, partial(read_in_place, path, header, base, whole,
+                                                     direct, later))
             else:
                 n += read_verified(path, header, base, parts, direct)
                 store.seal(ref.link_id)
