@@ -196,12 +196,12 @@ class WorkerSide:
         widen_thread_affinity()  # not only the core of the forward's first thread
         assert self.store is not None
 
-        def between_reads() -> Iterator[tuple[int, int]]:
+        def between_steps() -> Iterator[tuple[int, int]]:
             for span in spans:
                 self._between_steps.wait()
                 yield span
 
-        n = warm_read_buffers(self.store, between_reads())
+        n = warm_read_buffers(self.store, between_steps())
         logger.info("hybridcache: disk tier: %d MiB of read buffers warmed for the %d likeliest "
                     "of the files found at start-up (%.2f s)", n >> 20, len(spans),
                     time.perf_counter() - t0)
