@@ -17,7 +17,10 @@ from vllm_hybridcache.core import (
     ViewSpec,
     blake2b_128,
     make_domain,
+    tenant_of,
+    tenant_tag,
 )
+from vllm_hybridcache.core.keys import in_tenant
 
 
 def test_layout_sizes(layout: StateLayout) -> None:
@@ -97,3 +100,23 @@ def test_make_domain_is_canonical_and_sensitive() -> None:
     assert d1 != make_domain(weights="abc", tp_rank=0, tp_size=2, lora=None, images=[b"\x02"])
     assert make_domain(cache_salt="a") != make_domain(cache_salt="b")
     assert make_domain(cache_salt="a") != make_domain(route="a")
+
+
+def test_a_domain_ends_with_its_tenant_tag() -> None:
+    """Issue 29: a domain is 16 bytes of the digest of every field, then the tag of its
+    tenant (the `cache_salt`), so a tenant's links are found without the other fields."""
+    engine = {"weights": "m@1", "route": "ar", "lora": ""}
+    a = make_domain(**engine, cache_salt="tenant-a")
+    b = make_domain(**engine, cache_salt="tenant-b")
+    a_mtp = make_domain(**{**engine, "route": "mtp"}, cache_salt="tenant-a")
+    assert len(a) == 32 and tenant_of(a) == tenant_tag("tenant-a") == tenant_of(a_mtp)
+    assert a[:16] != a_mtp[:16]  # two domains of one tenant differ in their first bytes
+    assert tenant_of(b) != tenant_of(a) and len(tenant_tag("x")) == 16
+    # requests without a salt are one tenant, the "" one; the tag is no other digest of it
+    unsalted = make_domain(**engine, cache_salt="")
+    assert tenant_of(unsalted) == tenant_of(make_domain(**engine)) == tenant_tag("")
+    assert tenant_of(make_domain(**engine, cache_salt=None)) == tenant_tag("")
+    assert tenant_tag("") not in (PromptKeys([]).digest(0), b"\x00" * 16)
+    assert in_tenant(tenant_tag("tenant-a"))(a_mtp) and not in_tenant(tenant_tag("tenant-a"))(b)
+    with pytest.raises(TypeError):
+        tenant_tag(b"tenant-a")  # type: ignore[arg-type]

@@ -38,7 +38,15 @@ API notes beyond the contract (additions only; nothing renamed or removed):
 from .cache import SnapshotCache
 from .config import GiB, TreeConfig
 from .eviction import CostPolicy, EvictionPolicy, LRUPolicy, make_policy
-from .keys import BLOCK, Hasher, PromptKeys, blake2b_128, make_domain
+from .keys import (
+    BLOCK,
+    Hasher,
+    PromptKeys,
+    blake2b_128,
+    make_domain,
+    tenant_of,
+    tenant_tag,
+)
 from .layout import SectionSpec, StateLayout, ViewSpec
 from .slabs import SlabArena
 from .stats import CacheStats, Histogram, MissReason, SkipReason
@@ -98,4 +106,6 @@ __all__ = [
     "blake2b_128",
     "make_domain",
     "make_policy",
+    "tenant_of",
+    "tenant_tag",
 ]

@@ -20,13 +20,19 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["BLOCK", "Hasher", "PromptKeys", "as_tokens", "blake2b_128", "make_domain"]
+__all__ = ["BLOCK", "DOMAIN_BYTES", "TENANT_BYTES", "Hasher", "PromptKeys", "as_tokens",
+           "blake2b_128", "in_tenant", "make_domain", "tenant_of", "tenant_tag"]
 
 BLOCK = 64
 TOKEN_DTYPE = np.int64
 _ISZ = 8  # bytes per stored token id
 
 Hasher = Callable[[bytes], bytes]
+
+TENANT_BYTES = 16  # the tenant tag: the last 16 bytes of a domain
+DOMAIN_BYTES = 32  # digest of every field (16 bytes), then the tenant tag
+TENANT_FIELD = "cache_salt"  # the make_domain field that names the tenant
+_TENANT_PERSON = b"hc-tenant-v1"  # blake2b personalisation: a tag is no other digest
 
 
 def blake2b_128(data: bytes) -> bytes:
@@ -51,17 +57,57 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
+def tenant_tag(salt: str) -> bytes:
+    """The 16-byte tag of the tenant named by a request's `cache_salt` ("" for requests without
+    one: they share one tenant).
+
+    Why a tag inside every domain: clearing one tenant's links (`clear_tenant` on every tier)
+    must find them without knowing every other field of their domains (route, LoRA adapter,
+    weights). The tag is a blake2b of the salt alone, personalised for this use (it never
+    equals a digest made for another purpose), and it does not reveal the salt.
+    """
+    if not isinstance(salt, str):
+        raise TypeError(f"a cache_salt is a str, got {type(salt).__name__}")
+    return hashlib.blake2b(salt.encode("utf-8"), digest_size=TENANT_BYTES,
+                           person=_TENANT_PERSON).digest()
+
+
+def tenant_of(domain: bytes) -> bytes:
+    """The tenant tag a domain made by `make_domain` ends with."""
+    return domain[DOMAIN_BYTES - TENANT_BYTES:DOMAIN_BYTES]
+
+
+def in_tenant(tag: bytes) -> Callable[[bytes], bool]:
+    """A predicate: whether a domain belongs to the tenant `tag` (what a tenant's clear asks
+    of every index of domains)."""
+    tag = bytes(tag)
+
+    def of_tag(domain: bytes) -> bool:
+        return tenant_of(domain) == tag
+
+    return of_tag
+
+
 def make_domain(**fields: Any) -> bytes:
-    """Canonical digest (sha256, 32 bytes) of everything that must match for two keys to compare.
+    """Canonical 32-byte domain of everything that must match for two keys to compare.
 
     Pass the weights fingerprint, dtypes, KV layout, tp/pp rank and size, route (AR/MTP), LoRA
     adapter, cache_salt, image digests, ... as keyword fields. The encoding is JSON with sorted
     keys (bytes become base64), so field order never changes the domain, while any changed value
     does. Values must be JSON-encodable by msgspec (str, int, float, bool, None, bytes, lists,
     tuples, dicts with str keys, msgspec structs).
+
+    Layout: the first 16 bytes are the sha256 of every field (the salt included), the last 16
+    the tenant tag of the `cache_salt` field (`tenant_tag`; "" when absent). Digest first: the
+    disk tier names a domain's folder after the domain's first bytes, which must tell apart
+    two domains of one tenant (another adapter, another route). Tag last: `tenant_of(domain)`
+    names the tenant without the other fields, for a tenant's clear.
     """
-    payload = msgspec.json.encode({"v": 1, "fields": fields}, order="sorted")
-    return hashlib.sha256(payload).digest()
+    salt = fields.get(TENANT_FIELD, "")
+    if salt is None:
+        salt = ""
+    payload = msgspec.json.encode({"v": 2, "fields": fields}, order="sorted")
+    return hashlib.sha256(payload).digest()[:DOMAIN_BYTES - TENANT_BYTES] + tenant_tag(salt)
 
 
 class PromptKeys:
