@@ -131,10 +131,18 @@ def test_colliding_keys_are_stored_side_by_side(make_tree):
 
 # ---------------------------------------------------------------- miss reasons and domains
 def test_domains_never_mix(make_tree):
+    """Another domain of the same tenant (here another rank; a route, an adapter) holding the
+    prefix is a `domain_mismatch`; another tenant's (another cache_salt) is a plain
+    `no_prefix`: a miss never tells a tenant what another one holds (issue 29)."""
     tree = make_tree()
     chain(tree, PROMPT, [64, 128], domain=D)
     res = tree.lookup(PROMPT, E)
     assert not res.hit and res.miss_reason == MissReason.DOMAIN_MISMATCH
+    salted = make_domain(model="m", tp_rank=0, cache_salt="tenant-2")
+    res = tree.lookup(PROMPT, salted)
+    assert not res.hit and res.miss_reason == MissReason.NO_PREFIX
+    chain(tree, [9] * 200, [64], domain=salted)
+    assert tree.lookup([9] * 200, D).miss_reason == MissReason.NO_PREFIX  # and the other way
     (re,) = chain(tree, PROMPT, [64], domain=E)
     assert re.parent_id is None and re.existing_id is None
     assert tree.lookup(PROMPT, E).plan.link_ids == (re.link_id,)

@@ -24,7 +24,7 @@ import psutil
 
 from ..config import TreeConfig
 from ..eviction import EvictionPolicy, make_policy
-from ..keys import Hasher, PromptKeys, blake2b_128
+from ..keys import Hasher, PromptKeys, blake2b_128, tenant_of
 from ..layout import StateLayout
 from ..stats import CacheStats, MissReason, SkipReason, StatsRecorder
 from .base import (
@@ -211,8 +211,11 @@ class SnapshotTree(CacheTier):
         self._roots: dict[bytes, _Root] = {}
         self._links: dict[int, _Link] = {}
         self._index: dict[Key, list[_Link]] = {}
-        self._root_index: dict[tuple[int, bytes], list[_Link]] = {}
-        self._root_pos: Counter[int] = Counter()
+        # root links (start 0) of every domain by (tenant, cut, digest), and their cuts per
+        # tenant: what a miss's reason consults (another domain of the same tenant holds the
+        # prefix). Keyed by tenant, so a lookup never even meets another tenant's links.
+        self._root_index: dict[tuple[bytes, int, bytes], list[_Link]] = {}
+        self._root_pos: dict[bytes, Counter[int]] = {}
         self._doomed: dict[int, _Link] = {}
         self._active: Counter[tuple[int, ...]] = Counter()
         self._ghosts = _KeyMemory(self.config.ghost_capacity)
@@ -302,12 +305,16 @@ class SnapshotTree(CacheTier):
                         stack.append(child)
         return best, collisions, refused
 
-    def _other_domain_has(self, keys: PromptKeys, domain: bytes, limit: int) -> bool:
+    def _tenant_domain_has(self, keys: PromptKeys, domain: bytes, limit: int) -> bool:
+        """Whether another domain *of the same tenant* (another route, adapter or rank) holds
+        a committed root link on this prompt. Another tenant's links are never consulted: a
+        miss must not tell a tenant whether another one holds a prefix (docs/security.md)."""
         raw = keys.raw
-        for q in self._root_pos:
+        tenant = tenant_of(domain)
+        for q in self._root_pos.get(tenant, ()):
             if q > limit:
                 continue
-            for link in self._root_index.get((q, keys.digest(q)), ()):
+            for link in self._root_index.get((tenant, q, keys.digest(q)), ()):
                 if link.domain != domain and link.state == COMMITTED and (
                     raw[: q * 8] == link.tokens
                 ):
@@ -356,7 +363,7 @@ class SnapshotTree(CacheTier):
             reason = MissReason.VERIFY_FAILED
         elif self._ghosts.match(keys, domain, 0, lim):
             reason = MissReason.EVICTED
-        elif self._other_domain_has(keys, domain, lim):
+        elif self._tenant_domain_has(keys, domain, lim):
             reason = MissReason.DOMAIN_MISMATCH
         else:
             reason = MissReason.NO_PREFIX
@@ -523,8 +530,9 @@ class SnapshotTree(CacheTier):
         if isinstance(parent, _Link):
             self.policy.discard(parent)  # no longer a leaf
         else:
-            self._root_index.setdefault((link.p, link.digest), []).append(link)
-            self._root_pos[link.p] += 1
+            tenant = tenant_of(link.domain)
+            self._root_index.setdefault((tenant, link.p, link.digest), []).append(link)
+            self._root_pos.setdefault(tenant, Counter())[link.p] += 1
         root.links += 1
         self._bytes_held += link.nbytes
         self._bytes_pending += link.nbytes
@@ -688,14 +696,18 @@ class SnapshotTree(CacheTier):
         if isinstance(parent, _Link):
             self._refresh(parent)
         else:
-            rk = (link.p, link.digest)
+            tenant = tenant_of(link.domain)
+            rk = (tenant, link.p, link.digest)
             rb = self._root_index[rk]
             rb.remove(link)
             if not rb:
                 del self._root_index[rk]
-            self._root_pos[link.p] -= 1
-            if self._root_pos[link.p] == 0:
-                del self._root_pos[link.p]
+            pos = self._root_pos[tenant]
+            pos[link.p] -= 1
+            if pos[link.p] == 0:
+                del pos[link.p]
+                if not pos:
+                    del self._root_pos[tenant]
         root = self._roots[link.domain]
         root.links -= 1
         if root.links == 0:
@@ -824,7 +836,10 @@ class SnapshotTree(CacheTier):
             assert node.nkids == sum(len(at) for at in (node.kids or {}).values())
         assert {d: r.links for d, r in self._roots.items()} == dict(per_root)
         assert sum(len(b) for b in self._index.values()) == len(links)
-        assert sum(self._root_pos.values()) == sum(len(b) for b in self._root_index.values())
+        assert sum(sum(c.values()) for c in self._root_pos.values()) == sum(
+            len(b) for b in self._root_index.values())
+        for (tenant, _, _), bucket in self._root_index.items():
+            assert all(tenant_of(link.domain) == tenant and link.start == 0 for link in bucket)
         for ids in self._active:
             for lid in ids:
                 link = links.get(lid) or self._doomed.get(lid)
