@@ -1,5 +1,6 @@
-"""Tenants (issue 29): a domain names its tenant (the tag of the request's `cache_salt`), and
-no tier tells a tenant whether another tenant holds a prefix.
+"""Tenants (issue 29): a domain names its tenant (the tag of the request's `cache_salt`), no
+tier tells a tenant whether another tenant holds a prefix, and one tenant's links can be
+cleared in every tier while the other tenants' stay, byte for byte.
 
 Every tier of an engine is here without vLLM: RAM tree and end anchors, disk tree and spilled
 anchors (files written by a second directory instance, as the writer thread does), and the
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 import torch
 
 from tests.cluster.fakes import Clock, FakeCluster, FakeTransport
-from tests.core.link_bytes import fill_seeded
+from tests.core.link_bytes import fill_seeded, restored_bytes
 from vllm_hybridcache.core import (
     EndAnchors,
     IdSource,
@@ -25,11 +27,14 @@ from vllm_hybridcache.core import (
     SnapshotTree,
     TreeConfig,
     make_domain,
+    tenant_of,
+    tenant_tag,
 )
 from vllm_hybridcache.core.disk import LinkDirectory
-from vllm_hybridcache.core.disk.directory import ANCHOR
-from vllm_hybridcache.core.disk.spill import anchor_job
-from vllm_hybridcache.core.disk.writer import WriteJob
+from vllm_hybridcache.core.disk.directory import ANCHOR, TREE
+from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
+from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
+from vllm_hybridcache.core.keys import PromptKeys, in_tenant
 from vllm_hybridcache.core.tiers.cluster import (
     ClusterAnchors,
     ClusterTier,
@@ -199,3 +204,181 @@ def test_the_comparison_sees_a_reason_that_stays(tmp_path, layout):
     probe.cache.record_lookup(res_probe)
     blank.cache.record_lookup(res_blank)
     assert _stats(probe) != _stats(blank)
+
+
+# ---------------------------------------------------------------- one tenant's clear
+def _files(w: World) -> dict[bytes, list[str]]:
+    """The link files on disk, by the tenant named in their headers."""
+    from vllm_hybridcache.core.disk.linkfile import read_header
+
+    out: dict[bytes, list[str]] = {}
+    for p in sorted((w.root / "disk").rglob("*.link")):
+        header, _ = read_header(p, FP)
+        out.setdefault(tenant_of(header.domain), []).append(f"{header.kind}:{header.end}")
+    return out
+
+
+def test_clearing_a_tenant_leaves_the_others_in_every_tier(tmp_path, layout):
+    w = World(tmp_path / "w", layout, FakeCluster())
+    a_ids = w.hold(A, PROMPT, seed=1)
+    w.hold(B, PROMPT, seed=2)  # the same prompt under tenant B, other bytes
+    keys = w.cache.keys(PROMPT)
+    _, before = w.ask(B, PROMPT)
+    assert (before.tier, before.kind, before.tokens) == ("ram", "anchor", ANCHOR_END)
+    expected_b = restored_bytes(w.store, before.plan.chain)
+    tree_b = w.tree.lookup(keys, B, len(PROMPT) - 1)
+    expected_tree_b = restored_bytes(w.store, tree_b.plan.chain)
+    for dom in (A, B):  # both tenants' remote chains staged here (the peer's publications)
+        assert _per_tier(w, dom, PROMPT)[("cluster", "tree")]["tokens"] == 256
+    assert len(w.remote) == 6 and len(w.cluster.anchors) == 2
+    # a tenant nobody uses: nothing goes (negative control of the counts below)
+    assert w.cache.clear_tenant(tenant_tag("tenant-c")) == 0
+    assert w.cache.drain_dropped() == [] and len(_files(w)[tenant_tag("tenant-a")]) == 4
+
+    n = w.cache.clear_tenant(tenant_tag("tenant-a"))
+    # RAM: 3 links and the anchor; disk: 3 tree files and the anchor file; cluster: 3 staged
+    assert n == 3 + 1 + 3 + 1 + 3
+    assert {a.link_id for a in w.cache.drain_dropped()} == a_ids
+    assert w.remote_anchors.withdraw_tenant(tenant_tag("tenant-a")) == 1
+    assert {k[1] for k in w.cluster.anchors} == {B}  # this replica's publication of A went
+    files = _files(w)
+    assert tenant_tag("tenant-a") not in files
+    assert sorted(files[tenant_tag("tenant-b")]) == ["anchor:320", "tree:128", "tree:256",
+                                                      "tree:64"]
+    assert len(w.remote) == 3
+    # A misses in every local tier now, as a tenant that never asked (the cluster tier finds
+    # the peer's own publications again: they are the peer's links, not this replica's)
+    local = {route: r for route, r in _per_tier(w, A, PROMPT).items() if route[0] != "cluster"}
+    assert {r["miss_reason"] for r in local.values()} == {"no_prefix"}
+    # B is served the same bytes as before, from RAM, and its files are there
+    _, after = w.ask(B, PROMPT)
+    assert (after.tier, after.kind, after.tokens) == ("ram", "anchor", ANCHOR_END)
+    assert restored_bytes(w.store, after.plan.chain) == expected_b
+    tree_after = w.tree.lookup(keys, B, len(PROMPT) - 1)
+    assert restored_bytes(w.store, tree_after.plan.chain) == expected_tree_b
+    assert w.disk.lookup(PROMPT, B, len(PROMPT) - 1).tokens == 256
+    w.cache.sanity_check()
+
+
+def test_a_tenants_clear_respects_restores_in_flight(tmp_path, layout):
+    """A's chain is being restored when A is cleared: it leaves lookups at once, its payload
+    is handed to the worker only when the restore ends (clear()'s guarantee)."""
+    w = World(tmp_path / "w", layout, FakeCluster())
+    w.hold(A, PROMPT, seed=1)
+    keys = w.cache.keys(PROMPT)
+    res = w.tree.lookup(keys, A, 300)
+    assert res.hit and w.cache.begin_restore(res)
+    assert w.cache.clear_tenant(tenant_tag("tenant-a"), tier="ram", kind="tree") == 3
+    assert not w.tree.lookup(keys, A, 300).hit
+    assert w.cache.drain_dropped() == []  # pinned: the worker still copies from them
+    w.tree.sanity_check()
+    w.cache.end_restore(res, True, 0.0)
+    assert sorted(a.link_id for a in w.cache.drain_dropped()) == sorted(res.plan.link_ids)
+    w.cache.sanity_check()
+
+
+def test_a_tenants_clear_names_tiers_and_kinds_like_clear(tmp_path, layout):
+    w = World(tmp_path / "w", layout, FakeCluster())
+    w.hold(A, PROMPT, seed=1)
+    tag = tenant_tag("tenant-a")
+    with pytest.raises(ValueError, match="unknown tier"):
+        w.cache.clear_tenant(tag, tier="tape")
+    with pytest.raises(ValueError, match="tenant tag"):
+        w.cache.clear_tenant(A)  # a whole domain is not a tag
+    assert w.cache.clear_tenant(tag, tier="ram", kind="anchor") == 1
+    assert len(w.tree) == 3 and len(w.anchors) == 0 and len(_files(w)[tag]) == 4
+    assert w.cache.clear_tenant(tag, tier="disk") == 4
+    assert len(w.tree) == 3 and not _files(w)
+    assert w.disk.take_tenant_clears() == [(tag, TREE), (tag, ANCHOR)]
+    assert w.disk.take_tenant_clears() == []
+
+
+def test_the_cluster_tier_drops_what_it_staged_for_the_tenant(tmp_path, layout):
+    """Another replica holds A's and B's links; this one staged both chains. Clearing A drops
+    A's staged files (none left in the staging folder), B's stay and still serve."""
+    cluster = FakeCluster()
+    other = World(tmp_path / "other", layout, cluster)
+    other.hold(A, PROMPT, seed=1)
+    other.hold(B, PROMPT, seed=2)
+    me = World(tmp_path / "me", layout, cluster)
+    for dom in (A, B):
+        res = _per_tier(me, dom, PROMPT)[("cluster", "tree")]
+        assert (res["hit"], res["tokens"]) == (True, 256)
+    assert len(me.remote) == 6
+    assert me.remote.clear_tenant(tenant_tag("tenant-a")) == 3
+    assert len(me.remote) == 3 and len(list((me.root / "stage").glob("*.link"))) == 3
+    keys = me.cache.keys(PROMPT)
+    res_b = me.remote.lookup(keys, B, len(PROMPT) - 1)
+    assert (res_b.hit, res_b.tokens) == (True, 256)
+    # A is located again from scratch (pending), not served from the dropped files
+    assert me.remote.lookup(keys, A, len(PROMPT) - 1).pending
+    me.remote.sanity_check()
+
+
+def test_the_writer_deletes_a_cleared_tenants_writes_that_land_later(tmp_path, layout):
+    """A's and B's writes are queued when A is cleared: the writer's clear follows them in its
+    queue, so A's file is deleted after it lands and B's stays; the writer's index counts B's
+    file only."""
+    w = World(tmp_path / "w", layout, FakeCluster())
+    keys = w.cache.keys(PROMPT)
+    jobs = []
+    for dom, seed in ((A, 1), (B, 2)):
+        r = w.cache.reserve("tree", keys, 64, dom)
+        fill_seeded(w.store, r.link_id, layout.view_rows(0, 64), torch.Generator().manual_seed(
+            seed))
+        assert w.cache.commit(r.addr)
+        jobs.append(w.disk.write_job(w.tree.link_record(r.link_id)))
+    writer = LinkWriter(DiskTarget(str(w.root / "disk"), FP, 1 << 30, 0, 0.0))
+    for job in jobs:
+        assert writer.submit(job, w.parts(job.link_id))
+    writer.clear_tenant(tenant_tag("tenant-a"), TREE)
+    assert writer.close(30)
+    assert list(_files(w)) == [tenant_tag("tenant-b")]
+    assert writer.snapshot()["files"] == 1
+
+
+def test_the_writer_without_the_clear_keeps_the_file(tmp_path, layout):
+    """Negative control of the test above: the same queue without the tenant's clear leaves
+    A's file on disk."""
+    w = World(tmp_path / "w", layout, FakeCluster())
+    keys = w.cache.keys(PROMPT)
+    r = w.cache.reserve("tree", keys, 64, A)
+    fill_seeded(w.store, r.link_id, layout.view_rows(0, 64), torch.Generator().manual_seed(1))
+    assert w.cache.commit(r.addr)
+    job = w.disk.write_job(w.tree.link_record(r.link_id))
+    writer = LinkWriter(DiskTarget(str(w.root / "disk"), FP, 1 << 30, 0, 0.0))
+    assert writer.submit(job, w.parts(job.link_id))
+    assert writer.close(30)
+    assert list(_files(w)) == [tenant_tag("tenant-a")]
+
+
+def test_clear_domains_finds_files_another_instance_wrote(tmp_path, layout):
+    """The scheduler's directory was indexed before the writer wrote A's and B's files: the
+    tenant's clear reads their headers, deletes A's only, and an index that lists a file
+    another process deleted forgets it."""
+    w = World(tmp_path / "w", layout, FakeCluster())
+    assert len(w.dir) == 0
+    w.hold(A, PROMPT, seed=1)
+    w.hold(B, PROMPT, seed=2)
+    assert len(w.dir) == 0  # not indexed here: written by another instance
+    assert w.dir.clear_domains(in_tenant(tenant_tag("tenant-a")), TREE) == 3
+    assert sorted(_files(w)[tenant_tag("tenant-a")]) == ["anchor:320"]  # anchors: own kind
+    assert w.dir.clear_domains(in_tenant(tenant_tag("tenant-a")), ANCHOR) == 1
+    again = LinkDirectory(w.root / "disk", FP, 1 << 30)
+    again.open()
+    assert len(again) == 4  # B's files
+    w.dir.clear_domains(in_tenant(tenant_tag("tenant-b")), TREE)
+    assert len(again) == 4 and again.clear_domains(in_tenant(tenant_tag("tenant-b")), TREE) == 0
+    assert len(again) == 1  # the three deleted by the other instance are forgotten
+    again.sanity_check()
+
+
+def test_spill_book_forgets_a_cleared_tenants_anchors():
+    book = SpillBook()
+    toks = np.arange(100, dtype=np.int64)
+    for lid, dom in ((1, A), (2, B), (3, A_MTP)):
+        book.reserved(anchor_job(lid, dom, PromptKeys(toks[: 10 * lid]), 1, "spill"),
+                      toks[: 10 * lid])
+        book.committed(lid)
+    book.discard_domains(in_tenant(tenant_tag("tenant-a")))
+    assert [j.link_id for j in book.dropped([1, 2, 3])] == [2]

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .keys import PromptKeys
+from .keys import TENANT_BYTES, PromptKeys
 from .stats import CacheStats, MissReason
 from .tiers.base import (
     CacheTier,
@@ -162,16 +162,29 @@ class SnapshotCache:
         return sum(self._route(*r).invalidate(sorted(ids)) for r, ids in by_route.items())
 
     # ------------------------------------------------------------------ housekeeping
-    def clear(self, tier: str | None = None, kind: str | None = None) -> int:
-        """Drop every link of the tiers matching `tier` and `kind` (None: any). Unknown names
-        raise ValueError, so a caller never believes it cleared what does not exist."""
+    def _matching(self, tier: str | None, kind: str | None) -> list[CacheTier]:
+        """The tiers matching `tier` and `kind` (None: any); ValueError for a name this cache
+        does not have, so a caller never believes it cleared what does not exist."""
         if tier is not None and tier not in self.tier_names():
             raise ValueError(f"unknown tier {tier!r}; this cache has {self.tier_names()}")
         kinds = {k for _, k in self._tiers}
         if kind is not None and kind not in kinds:
             raise ValueError(f"unknown kind {kind!r}; this cache has {sorted(kinds)}")
-        return sum(t.clear() for (ti, k), t in self._tiers.items()
-                   if (tier is None or ti == tier) and (kind is None or k == kind))
+        return [t for (ti, k), t in self._tiers.items()
+                if (tier is None or ti == tier) and (kind is None or k == kind)]
+
+    def clear(self, tier: str | None = None, kind: str | None = None) -> int:
+        """Drop every link of the tiers matching `tier` and `kind` (None: any). Unknown names
+        raise ValueError, so a caller never believes it cleared what does not exist."""
+        return sum(t.clear() for t in self._matching(tier, kind))
+
+    def clear_tenant(self, tag: bytes, tier: str | None = None, kind: str | None = None) -> int:
+        """Drop one tenant's links (domains ending with `tag`, core/keys.py `tenant_tag`) in
+        the tiers matching `tier` and `kind` (None: any); other tenants' links stay. Unknown
+        names raise ValueError, as for clear()."""
+        if len(tag) != TENANT_BYTES:
+            raise ValueError(f"a tenant tag has {TENANT_BYTES} bytes, got {len(tag)}")
+        return sum(t.clear_tenant(tag) for t in self._matching(tier, kind))
 
     def drain_dropped(self) -> list[LinkAddr]:
         """Every tier's dropped ids, addressed, for the workers to free."""

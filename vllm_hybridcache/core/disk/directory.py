@@ -554,6 +554,39 @@ class LinkDirectory:
         self._account()
         return n
 
+    def clear_domains(self, domains: Callable[[bytes], bool], kind: str) -> int:
+        """Delete every file of `kind` (TREE or ANCHOR) whose domain `domains(domain)` names,
+        e.g. one tenant's; returns how many files were deleted. Files of other domains stay.
+
+        A file's domain and kind come from this index, or from its header for a file another
+        process (the writer thread, another engine) wrote since the index was built; a file
+        whose header cannot be read is left alone (a lookup that meets it deletes it as
+        damaged). Index entries of matching files already gone are forgotten too, so the
+        index of an instance another process cleared first stays true.
+        """
+        n = 0
+        for p in list(self._files()):
+            if not p.name.endswith(SUFFIX) or p.name.startswith(TMP_PREFIX):
+                continue
+            entry = self._index.get(p)
+            if entry is not None:
+                domain, file_kind = entry.domain, entry.kind
+            else:
+                try:
+                    header, _ = read_header(p, self.fingerprint)
+                except (LinkFileError, FileNotFoundError):
+                    continue
+                domain, file_kind = header.domain, header.kind
+            if file_kind == kind and domains(domain):
+                p.unlink(missing_ok=True)
+                self._forget(p)
+                n += 1
+        for entry in [e for e in self._index.values()
+                      if e.kind == kind and domains(e.domain) and not e.path.exists()]:
+            self._forget(entry.path)
+        self._account()
+        return n
+
     def __len__(self) -> int:
         return len(self._index)
 

@@ -10,14 +10,15 @@ An end anchor lives in the worker's RAM store; it reaches the disk tier in two m
 Every other way an anchor leaves RAM loses nothing worth a file, so the book tells the
 evictions apart from them: the conversation moved on (a newer anchor of the same domain
 extends its tokens: `superseded`), its restore failed or a worker lost it (its bytes are
-suspect: `discard`), or the cache was cleared (`discard_all`).
+suspect: `discard`), or the cache was cleared (`discard_all`; one tenant's anchors:
+`discard_domains`).
 
 Pure and single-threaded (the scheduler thread), like the tiers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,12 @@ class SpillBook:
 
     def discard_all(self) -> None:
         self._entries.clear()
+
+    def discard_domains(self, domains: Callable[[bytes], bool]) -> None:
+        """The anchors of the domains `domains(domain)` names were cleared (a tenant's clear):
+        never written."""
+        for lid in [i for i, e in self._entries.items() if domains(e.job.domain)]:
+            del self._entries[lid]
 
     def dropped(self, link_ids: Iterable[int]) -> list[WriteJob]:
         """RAM dropped these ids: the committed anchors among them were evicted; their writes

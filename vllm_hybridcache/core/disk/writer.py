@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
+from ..keys import in_tenant
 from ..stats import SECONDS_BOUNDS, Histogram
 from .directory import TREE, LinkDirectory
 from .tags import EncodedTag
@@ -104,7 +105,8 @@ class LinkWriter:
         self.max_queue = max_queue
         self._make_dir = directory or _open_directory
         self._cv = threading.Condition()
-        # ("write", job, parts) | ("forget", [paths]) | ("clear",) | ("stop",), in order
+        # ("write", job, parts) | ("forget", [paths]) | ("clear",) | ("clear_tenant", tag,
+        # kind) | ("stop",), in order
         self._items: deque[tuple[Any, ...]] = deque()
         self._writes_waiting = 0  # write items in _items (what max_queue bounds)
         self._busy: set[int] = set()  # ids whose buffers the thread may still read
@@ -143,6 +145,12 @@ class LinkWriter:
     def clear(self) -> None:
         """Delete every file of this fingerprint, after the writes queued before."""
         self._put(("clear",))
+
+    def clear_tenant(self, tag: bytes, kind: str) -> None:
+        """Delete the files of `kind` of one tenant (domains ending with `tag`), after the
+        writes queued before: a write of that tenant already queued when the scheduler
+        cleared it lands first and is deleted here, so nothing cleared comes back."""
+        self._put(("clear_tenant", bytes(tag), kind))
 
     def note_read_failure(self, problem: str) -> None:
         """Count a file the worker refused while reading it (checksum, truncated, ...)."""
@@ -244,6 +252,8 @@ class LinkWriter:
                     directory.delete([Path(p) for p in item[1]])
                 elif directory is not None and op == "clear":
                     directory.clear(TREE)  # anchor files: deleted one by one (`forget`)
+                elif directory is not None and op == "clear_tenant":
+                    directory.clear_domains(in_tenant(item[1]), item[2])
             except Exception as e:  # never let one bad write end the thread
                 logger.warning("hybridcache: disk writer: %s failed: %s", op, e, exc_info=True)
                 if op == "write":

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from ..keys import PromptKeys, as_tokens, blake2b_128
+from ..keys import PromptKeys, as_tokens, blake2b_128, in_tenant
 from ..layout import StateLayout
 from ..stats import CacheStats, MissReason, SkipReason, StatsRecorder
 from .base import (
@@ -277,6 +277,16 @@ class EndAnchors(CacheTier):
             self._drop(a)
         self._rec.s.cleared += n
         return n
+
+    def clear_tenant(self, tag: bytes) -> int:
+        """Drop the anchors of one tenant (domain ending with `tag`); pinned ones as in
+        clear()."""
+        ours = in_tenant(tag)
+        gone = [a for a in self._anchors.values() if ours(a.domain)]
+        for a in gone:
+            self._drop(a)
+        self._rec.s.cleared += len(gone)
+        return len(gone)
 
     def drain_dropped(self) -> list[int]:
         out, self._dropped = self._dropped, []

@@ -238,6 +238,12 @@ class CacheTier(ABC):
         """Drop every link (pinned ones leave lookups now, their payload when unpinned)."""
 
     @abstractmethod
+    def clear_tenant(self, tag: bytes) -> int:
+        """Drop every link of one tenant: those whose domain ends with `tag` (core/keys.py
+        `tenant_tag`, `tenant_of`), with clear()'s guarantees; links of other tenants stay.
+        Returns the links dropped."""
+
+    @abstractmethod
     def drain_dropped(self) -> list[int]:
         """Link ids whose payload the workers must free now."""
 

@@ -56,7 +56,7 @@ import numpy as np
 
 from ..disk.linkfile import LinkFileError, LinkFileProblem, read_header, write_link_file
 from ..disk.writer import WriteJob
-from ..keys import BLOCK, Hasher, PromptKeys, blake2b_128
+from ..keys import BLOCK, Hasher, PromptKeys, blake2b_128, in_tenant
 from ..layout import StateLayout
 from ..stats import SECONDS_BOUNDS, CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
 from .base import (
@@ -670,6 +670,24 @@ class ClusterTier(CacheTier):
         self._rec.s.cleared += n
         return n
 
+    def clear_tenant(self, tag: bytes) -> int:
+        """Drop what this replica staged or is fetching for one tenant (domains ending with
+        `tag`): no lookup is served from it again, and its files go now, or when the restore
+        reading them ends. Returns the staged links dropped. This replica's own publications
+        of the tenant leave the directory as the worker drops their RAM links (tree links:
+        with the next step's drops; end anchors also at once, `ClusterAnchors.withdraw_tenant`)."""
+        ours = in_tenant(tag)
+        n = 0
+        for key, op in list(self._ops.items()):
+            if ours(key[0]):
+                n += len(op.paths)
+                del self._ops[key]
+                self._retire(op)  # an active op keeps its files until its restore ends
+        for lid in [i for i, o in self._offered.items() if ours(o[2])]:
+            del self._offered[lid]
+        self._rec.s.cleared += n
+        return n
+
     def drain_dropped(self) -> list[int]:
         self._expire(self._clock())
         out, self._dropped = self._dropped, []
@@ -835,4 +853,24 @@ class ClusterAnchors(ClusterTier):
                 pass  # the directory is unreachable: nothing can be located there either
         self._published.clear()
         self._published_ids.clear()
+        return n
+
+    def withdraw_tenant(self, tag: bytes) -> int:
+        """`withdraw_all` for one tenant's anchors (domains ending with `tag`): the RAM end
+        anchors of that tenant were cleared; the other tenants' stay published. Waits for the
+        directory's answer like withdraw_all. Returns how many."""
+        ours = in_tenant(tag)
+        by_domain: dict[bytes, list[bytes]] = {}
+        for domain, digest in [k for k in self._published if ours(k[0])]:
+            by_domain.setdefault(domain, []).append(digest)
+            lid = self._published.pop((domain, digest))
+            self._published_ids.pop(lid, None)
+        n = 0
+        for domain, digests in by_domain.items():
+            try:
+                self.transport.forget_anchors(self.fingerprint, domain, digests,
+                                              owner=self.owner or "")
+                n += len(digests)
+            except ClusterError:
+                pass  # the directory is unreachable: nothing can be located there either
         return n

@@ -53,7 +53,7 @@ from ..disk.directory import ANCHOR, TREE, LinkDirectory
 from ..disk.spill import anchor_job
 from ..disk.tags import TagCodec, TagProblem, UnencodableTag
 from ..disk.writer import WriteJob
-from ..keys import Hasher, PromptKeys, blake2b_128
+from ..keys import Hasher, PromptKeys, blake2b_128, in_tenant
 from ..layout import StateLayout
 from ..stats import CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
 from .base import (
@@ -138,6 +138,9 @@ class DiskTier(CacheTier):
         self._dropped: list[int] = []
         self._forget: list[str] = []  # files deleted here, for the writer's index
         self._clear_writer = False
+        # (tenant tag, kind) of the tenants' clears since the writer last heard: it deletes
+        # their files that land after the clear, and forgets the ones deleted here
+        self._tenant_clears: list[tuple[bytes, str]] = []
         directory.on_delete = lambda p: self._forget.append(str(p))
         self._rec = StatsRecorder()
         self._worker: dict[str, Any] = {}  # the writer's latest cumulative stats
@@ -360,6 +363,22 @@ class DiskTier(CacheTier):
         self._rec.s.cleared += n
         return n
 
+    def clear_tenant(self, tag: bytes) -> int:
+        """Delete the tree link files of one tenant (domains ending with `tag`) of this
+        engine's fingerprint; the writer deletes that tenant's queued writes that land
+        afterwards (`take_tenant_clears`). Other tenants' files stay."""
+        n = self._clear_domains(tag, TREE)
+        self._rec.s.cleared += n
+        return n
+
+    def _clear_domains(self, tag: bytes, kind: str) -> int:
+        ours = in_tenant(tag)
+        n = self.dir.clear_domains(ours, kind)
+        for lid in [i for i, o in self._offered.items() if ours(o[2])]:
+            del self._offered[lid]  # a lookup's offer of a deleted file: begin_restore misses
+        self._tenant_clears.append((bytes(tag), kind))
+        return n
+
     def drain_dropped(self) -> list[int]:
         out, self._dropped = self._dropped, []
         return out
@@ -369,6 +388,13 @@ class DiskTier(CacheTier):
         forget, clear = self._forget, self._clear_writer
         self._forget, self._clear_writer = [], False
         return forget, clear
+
+    def take_tenant_clears(self) -> list[tuple[bytes, str]]:
+        """(tenant tag, kind) of every tenant's clear since the last call, for the writer
+        (StepPlan.disk_clear_tenants), in order."""
+        out = list(self._tenant_clears)
+        self._tenant_clears.clear()  # in place: the anchor tier appends to this same list
+        return out
 
     def absorb_worker(self, snapshot: dict[str, Any]) -> None:
         """The writer's latest cumulative stats (see core/disk/writer.py)."""
@@ -472,6 +498,7 @@ class DiskAnchors(DiskTier):
                          hasher=tree._hasher, cost=tree.cost, baseline=tree._baseline,
                          tags=tags)
         self.dir.on_delete = on_delete  # deletions reach the tree tier's writer ops
+        self._tenant_clears = tree._tenant_clears  # and a tenant's clear its writer
         self._known: OrderedDict[tuple[bytes, int, bytes], None] = OrderedDict()
         for e in tree.dir.anchors():
             self.note_spilled(e.domain, e.end, e.digest)
@@ -556,8 +583,21 @@ class DiskAnchors(DiskTier):
         self._rec.s.cleared += n
         return n
 
+    def clear_tenant(self, tag: bytes) -> int:
+        """Delete one tenant's spilled anchor files (domains ending with `tag`); the writer,
+        told through the tree tier's list, deletes its anchor writes that land afterwards."""
+        n = self._clear_domains(tag, ANCHOR)
+        ours = in_tenant(tag)
+        for key in [k for k in self._known if ours(k[0])]:
+            del self._known[key]
+        self._rec.s.cleared += n
+        return n
+
     def take_writer_ops(self) -> tuple[list[str], bool]:
         return [], False  # deletions go through the tree tier's list
+
+    def take_tenant_clears(self) -> list[tuple[bytes, str]]:
+        return []  # the tree tier's list holds them
 
     def stats(self) -> CacheStats:
         """Lookups and restores of spilled anchors; files and bytes as the start-up scan found

@@ -24,7 +24,7 @@ import psutil
 
 from ..config import TreeConfig
 from ..eviction import EvictionPolicy, make_policy
-from ..keys import Hasher, PromptKeys, blake2b_128, tenant_of
+from ..keys import Hasher, PromptKeys, blake2b_128, in_tenant, tenant_of
 from ..layout import StateLayout
 from ..stats import CacheStats, MissReason, SkipReason, StatsRecorder
 from .base import (
@@ -178,6 +178,11 @@ class _KeyMemory:
     def clear(self) -> None:
         self._keys.clear()
         self._pos.clear()
+
+    def discard_domains(self, domains: Callable[[bytes], bool]) -> None:
+        """Forget every key of the domains `domains(domain)` names (a tenant's clear)."""
+        for key in [k for k in self._keys if domains(k[0])]:
+            self.discard(key)
 
 
 class SnapshotTree(CacheTier):
@@ -747,6 +752,22 @@ class SnapshotTree(CacheTier):
                 n += self._drop_subtree(kid, remember=None)
         self._ghosts.clear()
         self._tombs.clear()
+        self._rec.s.cleared += n
+        return n
+
+    def clear_tenant(self, tag: bytes) -> int:
+        """Drop every link of the tenant `tag` (core/keys.py `tenant_tag`), in all its domains,
+        with the same guarantees as clear(): a whole domain goes, children before parents, so
+        no link of another domain loses a parent; links pinned by an active restore leave
+        lookups now and hand their payload out when released. The tenant's evicted/refused
+        key memories are forgotten too. Returns the number of links removed."""
+        ours = in_tenant(tag)
+        n = 0
+        for root in [r for d, r in self._roots.items() if ours(d)]:
+            for kid in list(root.iter_kids()):
+                n += self._drop_subtree(kid, remember=None)
+        self._ghosts.discard_domains(ours)
+        self._tombs.discard_domains(ours)
         self._rec.s.cleared += n
         return n
 
