@@ -217,7 +217,11 @@ def test_routes_never_cross():
     tree.commit(r.link_id)
     assert tree.lookup(prompt, d_ar, 49).tokens == 32
     res = tree.lookup(prompt, d_mtp, 49)
-    assert (res.hit, res.miss_reason) == (False, "domain_mismatch")
+    assert (res.hit, res.miss_reason) == (False, "domain_mismatch")  # the same tenant
+    # another tenant on the other route is told nothing of this one's links (issue 29)
+    salted = request_domain(mtp, SimpleNamespace(lora_request=None, cache_salt="tenant-2"))
+    res = tree.lookup(prompt, salted, 49)
+    assert (res.hit, res.miss_reason) == (False, "no_prefix")
 
 
 def test_a_refusal_counts_as_shortened_only_where_it_was_deeper_than_the_answer():

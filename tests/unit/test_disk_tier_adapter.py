@@ -7,6 +7,7 @@ tests/unit/test_tiered_cache_adapter.py for the harness).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -177,6 +178,82 @@ def test_clear_of_the_disk_tier_reaches_the_writer_and_drops_queued_writes(tmp_p
     plan = side2.build_plan(_no_steps())
     assert plan.disk_clear and plan.disk_writes == [] and not list(tmp_path.rglob("*.link"))
     assert len(side2.tree) == 1  # the RAM tier is not touched
+
+
+def _tenant_link(side, worker, salt: str, cut: int):
+    """_commit_link for a request of tenant `salt` (no plan built)."""
+    from vllm_hybridcache.adapter.domain import request_domain
+
+    req = _request(f"w-{salt}-{cut}", TOKENS)
+    req.cache_salt = salt
+    entry = side._track(req)
+    r = side.cache.reserve(LinkKind.TREE, entry.keys, cut,
+                           request_domain(side.base_domain, req))
+    bufs = worker.store.allocate(r.link_id, side.parts.layout.view_rows(r.start, r.end))
+    for t in (*bufs.sections.values(), *bufs.views.values()):
+        t.fill_(1)
+    worker.store.seal(r.link_id)
+    side.apply_report(_report(saved={r.addr: 0.0}, saved_count={r.addr: 1}))
+    return r
+
+
+def _tenants_on_disk(side, root) -> dict[str, int]:
+    """Link files by tenant (read from their headers)."""
+    from vllm_hybridcache.core import tenant_of, tenant_tag
+    from vllm_hybridcache.core.disk.linkfile import read_header
+
+    names = {tenant_tag(s): s for s in ("tenant-a", "tenant-b")}
+    out: dict[str, int] = {}
+    for p in root.rglob("*.link"):
+        header, _ = read_header(p, side._disk_target.fingerprint)
+        name = names[tenant_of(header.domain)]
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def test_a_tenants_clear_reaches_the_writer_and_keeps_the_others_files(tmp_path):
+    """Tenants A and B each have a link on disk and one more whose write is on its way when A
+    is cleared: the plan carries A's clear to the writer after those writes, so no file of A
+    is left (the one that landed late included) and both of B's are."""
+    from vllm_hybridcache.core import tenant_tag
+
+    side, worker = _side(tmp_path), _worker()
+    for salt in ("tenant-a", "tenant-b"):
+        _tenant_link(side, worker, salt, 64)
+    worker.save(side.build_plan(_no_steps()))
+    deadline = time.monotonic() + 30
+    while not worker._writer.idle():  # both files written
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _tenants_on_disk(side, tmp_path) == {"tenant-a": 1, "tenant-b": 1}
+    for salt in ("tenant-a", "tenant-b"):
+        _tenant_link(side, worker, salt, 128)
+    plan = side.build_plan(_no_steps())
+    assert len(plan.disk_writes) == 2
+    worker.save(plan)  # queued in the writer: they may land after the clear below
+    n = side.clear(cache_salt="tenant-a")
+    assert n >= 3  # A's two RAM links and its file(s) on disk by now
+    plan = side.build_plan(_no_steps())
+    assert plan.disk_clear_tenants == [(tenant_tag("tenant-a"), "tree"),
+                                       (tenant_tag("tenant-a"), "anchor")]
+    assert not plan.disk_clear and len(plan.drops) == 2
+    worker.save(plan)
+    assert worker._writer.close(30)
+    assert _tenants_on_disk(side, tmp_path) == {"tenant-b": 2}
+    assert len(side.tree) == 2  # B's RAM links
+
+
+def test_a_tenants_clear_drops_its_queued_writes_only(tmp_path):
+    side, worker = _side(tmp_path), _worker()
+    for salt in ("tenant-a", "tenant-b"):
+        _tenant_link(side, worker, salt, 64)
+    assert len(side._disk_writes) == 2  # not yet planned
+    side.clear(tier="disk", cache_salt="tenant-a")
+    (job,) = side.build_plan(_no_steps()).disk_writes
+    from vllm_hybridcache.core import tenant_of, tenant_tag
+
+    assert tenant_of(job.domain) == tenant_tag("tenant-b")
+    assert len(side.tree) == 2  # tier disk only: RAM untouched
 
 
 def _finish_anchor(side, worker, req_id: str, tokens: list[int]):

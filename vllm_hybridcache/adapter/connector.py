@@ -40,20 +40,27 @@ ALL = "all"
 def clear_utility(connector: Any, request: dict) -> dict[str, Any]:
     """Engine side of `POST /v1/cache/clear`: clear one tier and/or kind of this engine's cache.
 
-    request: {"tier": name or "all", "kind": name or "all"}. Answers {"cleared": links,
-    "tiers": the tiers this engine has} or, for a tier or kind it does not have,
-    {"error": why, "tiers": ...}: the route turns that into a 400, never a silent no-op.
+    request: {"tier": name or "all", "kind": name or "all"[, "cache_salt": salt]}; with a
+    `cache_salt` (a str, "" for requests without one) only that tenant's links are dropped.
+    Answers {"cleared": links, "tiers": the tiers this engine has} or, for a tier or kind it
+    does not have, {"error": why, "tiers": ...}: the route turns that into a 400, never a
+    silent no-op. The salt is never logged (it is the tenant's secret, docs/security.md).
     """
     if not isinstance(connector, HybridSnapshotConnector) or connector._sched is None:
         return {"error": "the hybridcache connector is not installed in this engine",
                 "tiers": []}
     sched = connector._sched
     tier, kind = request.get("tier", ALL), request.get("kind", ALL)
+    salt = request.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return {"error": "cache_salt must be a string", "tiers": sched.tier_names()}
     try:
-        n = sched.clear(None if tier == ALL else tier, None if kind == ALL else kind)
+        n = sched.clear(None if tier == ALL else tier, None if kind == ALL else kind,
+                        cache_salt=salt)
     except ValueError as e:
         return {"error": str(e), "tiers": sched.tier_names()}
-    logger.info("hybridcache: cleared %d links (tier %s, kind %s)", n, tier, kind)
+    logger.info("hybridcache: cleared %d links (tier %s, kind %s%s)", n, tier, kind,
+                "" if salt is None else ", one tenant")
     return {"cleared": n, "tiers": sched.tier_names()}
 
 

@@ -100,6 +100,9 @@ class StepPlan(KVConnectorMetadata):
     disk_writes: list[WriteJob] = field(default_factory=list)
     disk_forget: list[str] = field(default_factory=list)
     disk_clear: bool = False
+    # (tenant tag, kind) of tenants' clears (`POST /v1/cache/clear?cache_salt=`): the writer
+    # deletes that tenant's files of that kind after the writes queued before, in order
+    disk_clear_tenants: list[tuple[bytes, str]] = field(default_factory=list)
     # (start, end) of the files found at start-up that a disk hit is likeliest to read, in the
     # first plan only: the worker warms a read buffer for each (PagePool.prewarm)
     disk_warm: list[tuple[int, int]] = field(default_factory=list)

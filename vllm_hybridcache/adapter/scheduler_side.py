@@ -53,6 +53,7 @@ from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
+from vllm_hybridcache.core.keys import in_tenant, tenant_tag
 from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
 from vllm_hybridcache.registrations import cpu_attention_pinned
@@ -868,6 +869,7 @@ class SchedulerSide:
             plan.disk_warm, self._disk_warm = self._disk_warm, []
             plan.disk_writes, self._disk_writes = self._disk_writes, []
             plan.disk_forget, plan.disk_clear = self.disk.take_writer_ops()
+            plan.disk_clear_tenants = self.disk.take_tenant_clears()
         if self.cluster is not None:
             plan.cluster_target = self._cluster_target
             self.cluster.unpublished([a.link_id for a in plan.drops])
@@ -1104,11 +1106,17 @@ class SchedulerSide:
                                           draft_len=last[1] if rebuilt else 0))
         return True
 
-    def clear(self, tier: str | None = None, kind: str | None = None) -> int:
+    def clear(self, tier: str | None = None, kind: str | None = None,
+              cache_salt: str | None = None) -> int:
         """Drop the links of `tier`/`kind` (None: all); payloads go to the workers as drops in
-        the next plan. ValueError names a tier or kind this cache does not have."""
+        the next plan. ValueError names a tier or kind this cache does not have.
+
+        `cache_salt`: drop only the links of the tenant of that salt ("": requests without a
+        salt), in every tier matching `tier`/`kind`; other tenants' links stay."""
         if self.cache is None:
             return 0
+        if cache_salt is not None:
+            return self._clear_tenant(tenant_tag(cache_salt), tier, kind)
         n = self.cache.clear(tier, kind)
         if tier in (None, Tier.DISK) and kind in (None, LinkKind.TREE):
             # queued before the clear: never written (anchors announced for the shutdown
@@ -1122,6 +1130,28 @@ class SchedulerSide:
             # cleared anchors leave the directory before the clear returns (their drops reach
             # the worker, which withdraws them too, only with the next step)
             self.cluster_anchors.withdraw_all()
+        return n
+
+    def _clear_tenant(self, tag: bytes, tier: str | None, kind: str | None) -> int:
+        """clear() for one tenant: the same steps, each scoped to the tenant's domains."""
+        n = self.cache.clear_tenant(tag, tier, kind)
+        ours = in_tenant(tag)
+        if tier in (None, Tier.DISK):
+            # the tenant's writes of the kinds cleared, queued and not yet sent to the writer:
+            # never written (anchors announced for the shutdown drain stay announced: the
+            # drops of their RAM anchors, when those are cleared, withdraw them)
+            kinds = {str(kind)} if kind is not None else {LinkKind.TREE.value,
+                                                          LinkKind.ANCHOR.value}
+            self._disk_writes = [j for j in self._disk_writes
+                                 if j.when == "spill" or j.kind not in kinds
+                                 or not ours(j.domain)]
+        if self.spill is not None and tier in (None, Tier.RAM) and kind in (None,
+                                                                           LinkKind.ANCHOR):
+            self.spill.discard_domains(ours)  # cleared, not evicted: nothing to write
+        if self.cluster_anchors is not None and tier in (None, Tier.RAM) and kind in (
+                None, LinkKind.ANCHOR):
+            # the tenant's published anchors leave the directory before the clear returns
+            self.cluster_anchors.withdraw_tenant(tag)
         return n
 
     def tier_names(self) -> list[str]:

@@ -340,6 +340,8 @@ class WorkerSide:
             w.forget(plan.disk_forget)
         if plan.disk_clear:
             w.clear()
+        for tag, kind in plan.disk_clear_tenants:
+            w.clear_tenant(tag, kind)
         for job in plan.disk_writes:
             if not self.store.has(job.link_id):
                 continue  # dropped before its write was planned: nothing to copy
