@@ -18,6 +18,7 @@ import difflib
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,6 +41,8 @@ COPY_BACKEND_ENV = ENV_PREFIX + "COPY_BACKEND"
 CSRC_ENV = ENV_PREFIX + "CSRC"
 CLANG_ENV = ENV_PREFIX + "CLANG"
 GPU_TARGET_ENV = ENV_PREFIX + "GPU_TARGET"
+ADMIN_KEY_ENV = ENV_PREFIX + "ADMIN_KEY"
+ADMIN_KEY_MIN = 16  # characters: an admin key guards every tenant's links
 
 PROCESS_ENV: dict[str, str] = {
     ALLOW_UNSUPPORTED_VLLM_ENV: "1 = start on a vLLM outside the supported versions (warns)",
@@ -56,8 +59,12 @@ PROCESS_ENV: dict[str, str] = {
     CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
     CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",
     GPU_TARGET_ENV: "set by the ROCm image: the GPU target its kernels were built for (a label)",
+    ADMIN_KEY_ENV: "the admin key of /v1/cache/clear and of the admin's /v1/cache/stats (a "
+                   "secret, never logged; admin_key_file is the better place for it)",
 }
 """Our environment variables that are not cache settings: name -> meaning."""
+SECRET_ENV: frozenset[str] = frozenset({ADMIN_KEY_ENV})
+"""Variables whose value is never logged (the start-up line says only that they are set)."""
 
 
 class SettingsError(ValueError):
@@ -129,6 +136,11 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
         place). On by default; on the AR route only (with speculative decoding a hit's rows
         are copied, as they are with this off).
+    admin_key_file: a file holding the admin key (read by the API server at start-up; the
+        key itself is never a setting: settings are logged and travel on command lines). With
+        an admin key or vLLM's --api-key, `POST /v1/cache/clear` of every tenant's links needs
+        the key in the `X-Hybridcache-Admin-Key` header (docs/usage.md, docs/security.md).
+        "" = none (the `VLLM_HYBRIDCACHE_ADMIN_KEY` variable may hold it instead).
     """
 
     enabled: bool = True
@@ -155,6 +167,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_timeout_s: int = 10
     inner_captures: bool = True
     attention_in_place: bool = True
+    admin_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -181,6 +194,9 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
         if self.disk_dir != self.disk_dir.strip():
             raise SettingsError(f"disk_dir has leading or trailing spaces: {self.disk_dir!r}")
+        if self.admin_key_file != self.admin_key_file.strip():
+            raise SettingsError("admin_key_file has leading or trailing spaces: "
+                                f"{self.admin_key_file!r}")
         if self.cluster_budget_bytes < 0 or self.cluster_timeout_s <= 0:
             raise SettingsError("cluster_budget_bytes must be >= 0 and cluster_timeout_s > 0")
         if self.policy not in ("cost", "lru"):
@@ -251,7 +267,7 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise SettingsError(
                 f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
-    if name in ("policy", "disk_dir", "cluster_address", "cluster_replica"):
+    if name in ("policy", "disk_dir", "cluster_address", "cluster_replica", "admin_key_file"):
         return raw.strip()
     try:
         return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)
@@ -290,7 +306,8 @@ def load_settings(extra: Mapping[str, Any] | None = None,
         settings = msgspec.convert(values, CacheSettings)
     except msgspec.ValidationError as e:
         raise SettingsError(f"invalid hybridcache setting: {e}") from None
-    read = [f"{k}={environ[k]}" for k in present]
+    read = [f"{k}=<set, not shown>" if k in SECRET_ENV else f"{k}={environ[k]}"
+            for k in present]
     changed = [f"{name}={getattr(settings, name)!r}" for name in FIELDS
                if getattr(settings, name) != getattr(_DEFAULTS, name)]
     _announce(f"hybridcache: {ENV_PREFIX}* variables read: "
@@ -298,3 +315,43 @@ def load_settings(extra: Mapping[str, Any] | None = None,
               + (f"; config keys: {', '.join(sorted(extra))}" if extra else "")
               + f"; settings other than the defaults: {', '.join(changed) or 'none'}")
     return settings
+
+
+def admin_key(settings: CacheSettings, environ: Mapping[str, str] | None = None) -> str | None:
+    """The admin key (docs/security.md), from `admin_key_file` or the `VLLM_HYBRIDCACHE_ADMIN_KEY`
+    variable; None when neither is set.
+
+    Read once, by the API server at start-up. A key asked for and not usable stops the start-up
+    (SettingsError, naming the file or the variable, never the key): a server that silently ran
+    without it would be either locked or open. Both set is refused too (which would win is a
+    guess). The key is stripped of surrounding whitespace (a file's last newline), must be
+    printable ASCII without spaces (what an HTTP header carries) and at least ADMIN_KEY_MIN
+    characters long.
+    """
+    environ = os.environ if environ is None else environ
+    raw_env = environ.get(ADMIN_KEY_ENV, "")
+    path = settings.admin_key_file
+    if path and raw_env:
+        raise SettingsError(f"both {ADMIN_KEY_ENV} and admin_key_file ({path}) are set; set "
+                            "one of them")
+    if path:
+        try:
+            raw = Path(path).expanduser().read_text(encoding="utf-8")
+        except OSError as e:
+            raise SettingsError(f"admin_key_file {path!r} cannot be read "
+                                f"({type(e).__name__}: {e.strerror})") from None
+        except UnicodeDecodeError:  # its message would quote the file's bytes
+            raise SettingsError(f"admin_key_file {path!r} is not UTF-8 text") from None
+        where = f"admin_key_file {path!r}"
+    elif raw_env:
+        raw, where = raw_env, ADMIN_KEY_ENV
+    else:
+        return None
+    key = raw.strip()
+    if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise SettingsError(f"the admin key in {where} must be printable ASCII without spaces "
+                            "(an HTTP header carries it)")
+    if len(key) < ADMIN_KEY_MIN:
+        raise SettingsError(f"the admin key in {where} is shorter than {ADMIN_KEY_MIN} "
+                            "characters (e.g. `openssl rand -hex 32`)")
+    return key

@@ -60,6 +60,10 @@ class Replicas:
             return answer(200, METRICS % (3 if name == "r0" else 5))
         if request.url.path == "/health":
             return answer(200, "")
+        if request.url.path == "/v1/cache/clear":
+            self.seen.append((name, f"{request.url.path}?{request.url.query.decode()}",
+                              {**dict(request.headers), "body": request.content.decode()}))
+            return answer(200, {"cleared": True, "links": 2})
         body = json.loads(request.content)
         self.seen.append((name, request.url.path, dict(request.headers)))
         if body.get("bad"):
@@ -140,6 +144,25 @@ def test_the_request_reaches_the_replica_unchanged_with_its_headers(setup):
     assert path == "/v1/chat/completions"
     assert headers["authorization"] == "Bearer k" and headers["x-session-id"] == "s"
     assert "x-hybridcache-replica" not in headers
+
+
+def test_a_clear_reaches_every_replica_with_both_keys_and_the_tenants_salt(setup):
+    """Issue 29: the admin key travels in its own header beside the API key, and a tenant's
+    clear names its salt in the body: the front passes on both headers, the query and the
+    body, and nothing else of the caller's."""
+    client, replicas, _, _, _ = setup
+    r = client.post("/v1/cache/clear", params={"kind": "tree"}, json={"cache_salt": "t-1"},
+                    headers={"Authorization": "Bearer k", "X-Hybridcache-Admin-Key": "a" * 20,
+                             "X-Other": "no"})
+    assert r.status_code == 200 and r.json()["links"] == 4
+    seen = {name: (path, headers) for name, path, headers in replicas.seen}
+    assert set(seen) == {"r0", "r1"}
+    for path, headers in seen.values():
+        assert path == "/v1/cache/clear?kind=tree"
+        assert headers["authorization"] == "Bearer k"
+        assert headers["x-hybridcache-admin-key"] == "a" * 20
+        assert json.loads(headers["body"]) == {"cache_salt": "t-1"}
+        assert "x-other" not in headers
 
 
 def test_stats_sum_the_replicas_and_list_each(setup):

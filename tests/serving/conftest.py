@@ -1,6 +1,10 @@
 """One real server for the whole folder: `vllm serve MODEL --plugin hybridcache --api-key ...`
 on the tiny model (grid 256, message-end cuts 64 tokens after the previous cut, so both kinds of
-cut fall inside these short conversations), and the OpenAI-client helpers the tests share."""
+cut fall inside these short conversations), and the OpenAI-client helpers the tests share.
+
+Every server started in this folder has an admin key (docs/security.md), read from a file
+(`admin_key_file`, through its environment variable): clearing every tenant's links needs it
+once a server has --api-key."""
 
 from __future__ import annotations
 
@@ -13,11 +17,26 @@ from vllm_hybridcache.segmentation import Segmentation
 
 GRID = 256
 MESSAGE_END_MIN = 64
-KEY = "test-admin-key"
+KEY = "test-admin-key"  # vLLM's --api-key, every API user's
+ADMIN_KEY = "test-admin-key-of-the-operator-0123"  # the cache's admin key (its own header)
+ADMIN = {"Authorization": f"Bearer {KEY}", "X-Hybridcache-Admin-Key": ADMIN_KEY}
+
+
+@pytest.fixture(scope="package", autouse=True)
+def admin_key_file(tmp_path_factory):
+    """The admin key of every server this folder starts, in a file its setting names."""
+    path = tmp_path_factory.mktemp("admin") / "admin.key"
+    path.write_text(ADMIN_KEY + "\n")
+    path.chmod(0o600)
+    mp = pytest.MonkeyPatch()
+    mp.delenv("VLLM_HYBRIDCACHE_ADMIN_KEY", raising=False)
+    mp.setenv("VLLM_HYBRIDCACHE_ADMIN_KEY_FILE", str(path))
+    yield path
+    mp.undo()
 
 
 @pytest.fixture(scope="package")
-def server(embedded_model, tmp_path_factory):
+def server(embedded_model, tmp_path_factory, admin_key_file):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_HYBRIDCACHE_GRID", str(GRID))
     mp.setenv("VLLM_HYBRIDCACHE_MESSAGE_END_MIN", str(MESSAGE_END_MIN))
@@ -57,8 +76,7 @@ def chat(srv, messages) -> tuple[list[int], int, int]:
 
 
 def clear_cache(srv) -> None:
-    r = requests.post(srv.base_url + "/v1/cache/clear",
-                      headers={"Authorization": f"Bearer {KEY}"})
+    r = requests.post(srv.base_url + "/v1/cache/clear", headers=ADMIN)
     assert r.status_code == 200 and r.json()["cleared"] is True
 
 

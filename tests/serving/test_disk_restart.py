@@ -52,6 +52,7 @@ from benchmarks.servers import (
 )
 from demo.conversation import demo_sessions
 from tests.serving.conftest import (
+    ADMIN,
     GRID,
     KEY,
     MESSAGE_END_MIN,
@@ -232,7 +233,7 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
             _same_as_cold(srv, main[3])  # serving goes on
 
             r = requests.post(srv.base_url + "/v1/cache/clear", params={"tier": "disk"},
-                              headers={"Authorization": f"Bearer {KEY}"})
+                              headers=ADMIN)
             assert r.status_code == 200, r.text
             assert r.json()["links"] > 0 and not list(disk.rglob("*.link"))
     finally:

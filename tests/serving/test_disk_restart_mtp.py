@@ -53,7 +53,7 @@ import torch
 
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 from tests.connector.test_end_anchors import greedy_gate
-from tests.serving.conftest import KEY, cache_stats
+from tests.serving.conftest import ADMIN, KEY, cache_stats
 from tests.serving.test_disk_session_spill import OUT, _complete, _turn
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
 from vllm_hybridcache.core import PromptKeys
@@ -111,7 +111,7 @@ def _same(warm: dict, cold: dict) -> None:
 
 def _clear_ram(srv) -> None:
     r = requests.post(srv.base_url + "/v1/cache/clear", params={"tier": "ram"},
-                      headers={"Authorization": f"Bearer {KEY}"})
+                      headers=ADMIN)
     assert r.status_code == 200, r.text
 
 

@@ -205,3 +205,59 @@ def test_disk_settings_from_environment_and_validation():
                            ({"disk_dir": " /x"}, "spaces")):
         with pytest.raises(SettingsError, match=message):
             load_settings(extra, environ={})
+
+
+def test_the_admin_key_comes_from_a_file_or_the_environment(tmp_path):
+    """Issue 29: the admin key is read from `admin_key_file` (its last newline dropped) or
+    from VLLM_HYBRIDCACHE_ADMIN_KEY; none of the two: no key; both: refused."""
+    from vllm_hybridcache.config import ADMIN_KEY_ENV, admin_key
+
+    key = "k" * 24
+    f = tmp_path / "admin.key"
+    f.write_text(key + "\n")
+    s = load_settings(environ={"VLLM_HYBRIDCACHE_ADMIN_KEY_FILE": str(f)})
+    assert s.admin_key_file == str(f) and admin_key(s, environ={}) == key
+    assert admin_key(CacheSettings(), environ={ADMIN_KEY_ENV: key}) == key
+    assert admin_key(CacheSettings(), environ={}) is None
+    with pytest.raises(SettingsError, match="set one of them"):
+        admin_key(s, environ={ADMIN_KEY_ENV: key})
+
+
+@pytest.mark.parametrize("content,message", [
+    ("short-key", "shorter than 16"),
+    ("two words but long enough", "without spaces"),
+    ("ключ-ключ-ключ-ключ-ключ", "printable ASCII"),
+])
+def test_an_unusable_admin_key_is_a_clear_error_that_never_shows_it(tmp_path, content, message):
+    from vllm_hybridcache.config import ADMIN_KEY_ENV, admin_key
+
+    f = tmp_path / "admin.key"
+    f.write_text(content)
+    for settings, env in ((CacheSettings(admin_key_file=str(f)), {}),
+                          (CacheSettings(), {ADMIN_KEY_ENV: content})):
+        with pytest.raises(SettingsError, match=message) as err:
+            admin_key(settings, environ=env)
+        assert content not in str(err.value)
+    with pytest.raises(SettingsError, match="cannot be read"):
+        admin_key(CacheSettings(admin_key_file=str(tmp_path / "missing")), environ={})
+    f.write_bytes(b"\xff\xfe" + b"k" * 30)
+    with pytest.raises(SettingsError, match="not UTF-8") as err:
+        admin_key(CacheSettings(admin_key_file=str(f)), environ={})
+    assert "kkk" not in str(err.value)
+
+
+def test_the_start_up_line_never_shows_the_admin_key(caplog):
+    """Every variable read is logged with its value (test above), except a secret: the line
+    says the admin key is set, never what it is (negative control: the grid's value shows)."""
+    import logging
+
+    from vllm_hybridcache import config
+
+    config._announced.clear()
+    key = "s3cr3t-admin-key-0123456789"
+    env = {config.ADMIN_KEY_ENV: key, "VLLM_HYBRIDCACHE_GRID": "256"}
+    with caplog.at_level(logging.INFO, logger="vllm_hybridcache"):
+        load_settings(environ=env)
+    (msg,) = [r.getMessage() for r in caplog.records if "variables read" in r.getMessage()]
+    assert f"{config.ADMIN_KEY_ENV}=<set, not shown>" in msg and key not in msg
+    assert "VLLM_HYBRIDCACHE_GRID=256" in msg

@@ -13,7 +13,9 @@ labels their metrics.
 - `GET /v1/cache/stats`: every replica's stats summed (the shape of a single server's, plus
   `replicas`: each one's own stats, or why it did not answer, and `routing`: the Router's
   counts, among them `owner_share`, the share of turns with a known owner that went to it).
-- `POST /v1/cache/clear`: sent to every live replica.
+- `POST /v1/cache/clear`: sent to every live replica, with its query, its body (a tenant's
+  clear names the salt there) and the caller's `Authorization` and `X-Hybridcache-Admin-Key`
+  headers (as for the stats).
 - `GET /metrics`: every replica's Prometheus page with a `replica` label (relabel.py) and the
   front's routing counters.
 - Liveness: a background loop asks `alive(name)` (the launcher: is the replica's Ray actor and
@@ -36,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
+from vllm_hybridcache.serving.admin import ADMIN_HEADER
 from vllm_hybridcache.serving.http import aggregate
 
 from .relabel import merge
@@ -211,7 +214,10 @@ class Front:
     async def _each(self, method: str, path: str, request: Request, **kw
                     ) -> dict[str, httpx.Response | Exception]:
         self._ensure_health()
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        # the API key for vLLM's middleware, the admin key for the cache routes, and the type
+        # of a body passed on (a tenant's clear names its salt there)
+        auth = {k: v for k, v in request.headers.items()
+                if k.lower() in ("authorization", ADMIN_HEADER.lower(), "content-type")}
         live = [n for n in self.endpoints if self.router.up[n]]
 
         async def one(name: str) -> httpx.Response | Exception:
@@ -246,7 +252,8 @@ class Front:
 
     async def cache_clear(self, request: Request) -> Response:
         answers = await self._each("POST", "/v1/cache/clear", request,
-                                   params=request.query_params.multi_items())
+                                   params=request.query_params.multi_items(),
+                                   content=await request.body())
         per: dict[str, Any] = {}
         links = 0
         status = 200

@@ -1,21 +1,31 @@
 """`/v1/cache/stats` and `/v1/cache/clear`: an endpoint plugin (`vllm.endpoint_plugins`).
 
 Both routes live under /v1, so vLLM's `--api-key` middleware guards them like every OpenAI
-route: with an API key set, clearing the cache needs it (admin). Stats come from the snapshots
-the connector's stats carry to this process (see adapter/stats.py). Clearing goes to every
-engine as a utility call (`adapter.connector.clear_utility`, through compat.py), so the `tier`
-and `kind` asked for reach the cache and only those links are dropped; the engines answer with
-the tiers they have, and a tier or kind they do not have is a 400. Links being restored at
-that moment leave lookups at once and their payload when the restore ends, so a clear never
-breaks a request in flight.
+route; on top of it, serving/admin.py decides what needs the admin key
+(`X-Hybridcache-Admin-Key`): clearing every tenant's links does, a tenant's own clear
+(`{"cache_salt": ...}` in the body) does not, and only the admin's stats carry the domain count
+(docs/security.md). Stats come from the snapshots the connector's stats carry to this process
+(see adapter/stats.py). Clearing goes to every engine as a utility call
+(`adapter.connector.clear_utility`, through compat.py), so the `tier`, `kind` and tenant asked
+for reach the cache and only those links are dropped; the engines answer with the tiers they
+have, and a tier or kind they do not have is a 400. Links being restored at that moment leave
+lookups at once and their payload when the restore ends, so a clear never breaks a request in
+flight.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from vllm_hybridcache.serving.admin import ADMIN_HEADER, Access, api_key_set, startup_warnings
+
+logger = logging.getLogger("vllm_hybridcache")
 
 ALL = "all"
 
@@ -60,45 +70,138 @@ def aggregate(snapshots: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return {"tiers": tiers, "engines": len(snapshots), "segmentation": modes}
 
 
+ADMIN_ONLY_STATS = ("domains",)  # how many domains (tenants x adapters x routes) hold links
+
+
+def public_stats(agg: dict[str, Any]) -> dict[str, Any]:
+    """The aggregate stats without the figures only the admin sees (docs/security.md): the
+    number of domains tells how many tenants use the cache; every other figure is a sum over
+    all tenants, the operator's dashboard (the same as /metrics)."""
+    tiers = {}
+    for tier, acc in agg.get("tiers", {}).items():
+        kinds = {k: {f: v for f, v in st.items() if f not in ADMIN_ONLY_STATS}
+                 for k, st in acc.get("kinds", {}).items()}
+        tiers[tier] = {**{f: v for f, v in acc.items() if f not in ADMIN_ONLY_STATS},
+                       "kinds": kinds}
+    return {**agg, "tiers": tiers}
+
+
+def _refused(why: str) -> JSONResponse:
+    return JSONResponse({"error": why}, status_code=403)
+
+
+WRONG_KEY = f"wrong admin key in {ADMIN_HEADER}"
+
+
 class HybridCacheEndpoints:
     name = "hybridcache_http"
     required_tasks = None
 
     def __init__(self) -> None:
         self.engine_client = None
+        # until init_state runs: guarded, with no admin key (fails closed)
+        self.access = Access(api_key=True, admin_digest=None)
 
     def attach_router(self, app: FastAPI) -> None:
         router = APIRouter()
 
         @router.get("/v1/cache/stats")
-        async def cache_stats() -> JSONResponse:
+        async def cache_stats(request: Request) -> JSONResponse:
             from vllm_hybridcache.adapter.stats import latest_snapshots
 
-            return JSONResponse(aggregate(latest_snapshots()))
+            admin = self.access.admin(request.headers)
+            if admin is None:
+                return _refused(WRONG_KEY)
+            agg = aggregate(latest_snapshots())
+            return JSONResponse(agg if admin else public_stats(agg))
 
         @router.post("/v1/cache/clear")
-        async def cache_clear(tier: str = ALL, kind: str = ALL) -> JSONResponse:
+        async def cache_clear(request: Request, tier: str = ALL, kind: str = ALL
+                              ) -> JSONResponse:
+            admin = self.access.admin(request.headers)
+            if admin is None:
+                return _refused(WRONG_KEY)
+            cache_salt, problem = await _salt_of(request)
+            if problem is not None:
+                return JSONResponse({"error": problem}, status_code=400)
+            if not admin and cache_salt is None:
+                return _refused(f"clearing every tenant's links needs the admin key in "
+                                f"{ADMIN_HEADER}; a tenant clears its own links with "
+                                f"{{\"cache_salt\": ...}} in the body")
+            if not admin and cache_salt == "":
+                return _refused(f"the links of requests without a cache_salt are shared by "
+                                f"every such client: clearing them needs the admin key in "
+                                f"{ADMIN_HEADER}")
             # the engine client comes through the plugin interface's init_state (vLLM calls it
             # for every endpoint plugin; None on an engine-less render server)
             client = self.engine_client
             if client is None:
                 return JSONResponse({"error": "no engine behind this server"}, status_code=503)
-            return await clear(client, tier, kind)
+            return await clear(client, tier, kind, cache_salt)
 
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
+        """The engine client, and the credentials this server was started with: vLLM's API
+        key (`args`) and the admin key (config.admin_key; an unusable one stops the start-up,
+        SettingsError). Says at start-up who may clear."""
+        from vllm_hybridcache.config import admin_key, load_settings
+
         self.engine_client = engine_client
+        settings = load_settings(_our_extra_config(args))
+        self.access = Access.of(api_key_set(args), admin_key(settings))
+        for line in startup_warnings(self.access,
+                                     os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"):
+            logger.warning(line)
 
 
-async def clear(client: Any, tier: str, kind: str) -> JSONResponse:
-    """Ask every engine to clear `tier`/`kind`; 400 names what the engines have instead."""
+async def _salt_of(request: Request) -> tuple[str | None, str | None]:
+    """(the tenant's `cache_salt` from the JSON body, or None for every tenant; a problem to
+    answer with a 400). Never from the query string: a URL lands in access logs (uvicorn's,
+    a proxy's), and a salt is the tenant's secret."""
+    if "cache_salt" in request.query_params:
+        return None, ("send cache_salt in the JSON body ({\"cache_salt\": ...}), not in the "
+                      "query string: URLs are written to access logs")
+    raw = await request.body()
+    if not raw.strip():
+        return None, None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None, "the body must be a JSON object"
+    if not isinstance(body, dict):
+        return None, "the body must be a JSON object"
+    unknown = sorted(set(body) - {"cache_salt"})
+    if unknown:
+        return None, f"unknown field(s) {unknown}; the body may carry cache_salt only"
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return None, "cache_salt must be a string"
+    return salt, None
+
+
+def _our_extra_config(args) -> dict[str, Any]:
+    """The plugin's settings given in `--kv-transfer-config` (when its connector is ours)."""
+    from vllm_hybridcache.adapter.connector import CONNECTOR_NAME
+
+    cfg = getattr(args, "kv_transfer_config", None)
+    if cfg is None or getattr(cfg, "kv_connector", None) != CONNECTOR_NAME:
+        return {}
+    return dict(getattr(cfg, "kv_connector_extra_config", None) or {})
+
+
+async def clear(client: Any, tier: str, kind: str, cache_salt: str | None = None
+                ) -> JSONResponse:
+    """Ask every engine to clear `tier`/`kind` (only the tenant of `cache_salt` when given);
+    400 names what the engines have instead."""
     from vllm_hybridcache.adapter.connector import CLEAR_UTILITY
     from vllm_hybridcache.compat import call_connector_utility
 
+    request: dict[str, Any] = {"tier": tier, "kind": kind}
+    if cache_salt is not None:
+        request["cache_salt"] = cache_salt
     try:
-        answers = await call_connector_utility(client, CLEAR_UTILITY,
-                                               {"tier": tier, "kind": kind})
+        answers = await call_connector_utility(client, CLEAR_UTILITY, request)
     except NotImplementedError as e:
         return JSONResponse({"error": f"cannot reach the engines' cache: {e}"}, status_code=501)
     errors = [a["error"] for a in answers if "error" in a]
@@ -107,8 +210,11 @@ async def clear(client: Any, tier: str, kind: str) -> JSONResponse:
         unknown = tier not in (*have, ALL)
         msg = (f"unknown tier {tier!r}; use one of {[*have, ALL]}" if unknown else errors[0])
         return JSONResponse({"error": msg, "tiers": have}, status_code=400)
-    return JSONResponse({"cleared": True, "links": sum(a["cleared"] for a in answers),
-                         "tier": tier, "kind": kind, "tiers": have})
+    out = {"cleared": True, "links": sum(a["cleared"] for a in answers), "tier": tier,
+           "kind": kind, "tiers": have}
+    if cache_salt is not None:
+        out["tenant"] = True  # only that tenant's links (the salt is not echoed)
+    return JSONResponse(out)
 
 
 def plugin() -> HybridCacheEndpoints:
