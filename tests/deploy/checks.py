@@ -145,6 +145,29 @@ def compose_problems(doc: dict[str, Any], target: str, known_env: set[str]) -> l
         image = str(svc.get("image", ""))
         if ":" not in image or image.endswith(":latest"):
             out.append(f"image {image!r} not pinned by tag")
+    out += admin_key_problems(doc)
+    return out
+
+
+def admin_key_problems(doc: dict[str, Any]) -> list[str]:
+    """The cache's admin key (issue 29): read from a compose secret's file through
+    VLLM_HYBRIDCACHE_ADMIN_KEY_FILE, the secret's file a variable the operator must set
+    (`${VAR:?...}`: compose refuses to start without it), and no key written in the file."""
+    out: list[str] = []
+    vllm = doc.get("services", {}).get("vllm", {})
+    env = {str(k): str(v) for k, v in (vllm.get("environment") or {}).items()}
+    if "VLLM_HYBRIDCACHE_ADMIN_KEY" in env:
+        out.append("an admin key written in the compose file (VLLM_HYBRIDCACHE_ADMIN_KEY)")
+    path = env.get("VLLM_HYBRIDCACHE_ADMIN_KEY_FILE", "")
+    name = path.removeprefix("/run/secrets/") if path.startswith("/run/secrets/") else None
+    if name is None:
+        out.append("no admin key: VLLM_HYBRIDCACHE_ADMIN_KEY_FILE is not a /run/secrets/ file")
+        return out
+    if name not in [str(x) for x in vllm.get("secrets", [])]:
+        out.append(f"the vllm service does not mount the secret {name!r}")
+    source = str((doc.get("secrets") or {}).get(name, {}).get("file", ""))
+    if not re.fullmatch(r"\$\{[A-Z0-9_]+:\?[^}]+\}", source):
+        out.append(f"the secret {name!r} is not read from a required variable: {source!r}")
     return out
 
 

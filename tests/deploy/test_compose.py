@@ -53,6 +53,13 @@ def test_compose_checks_fail_on_broken_files(known_env) -> None:
         .__setitem__("HSA_OVERRIDE_GFX_VERSION", "12.0.1"),
         "not pinned": lambda d: d["services"]["grafana"].__setitem__("image",
                                                                      "grafana/grafana"),
+        "an admin key written": lambda d: d["services"]["vllm"]["environment"]
+        .__setitem__("VLLM_HYBRIDCACHE_ADMIN_KEY", "0123456789abcdef0123"),
+        "no admin key": lambda d: d["services"]["vllm"]["environment"]
+        .pop("VLLM_HYBRIDCACHE_ADMIN_KEY_FILE"),
+        "does not mount the secret": lambda d: d["services"]["vllm"].pop("secrets"),
+        "not read from a required variable": lambda d: d["secrets"]["hybridcache_admin_key"]
+        .__setitem__("file", "./admin.key"),
     }
     for expect, mutate in cases.items():
         d = copy.deepcopy(doc)
