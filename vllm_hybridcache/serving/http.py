@@ -90,7 +90,7 @@ def _refused(why: str) -> JSONResponse:
     return JSONResponse({"error": why}, status_code=403)
 
 
-WRONG_KEY = f"wrong admin key in {ADMIN_HEADER}"
+WRONG_KEY = f"wrong admin key in {ADMIN_HEADER} (or this server has no admin key)"
 
 
 class HybridCacheEndpoints:
