@@ -18,6 +18,7 @@ import difflib
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -89,6 +90,13 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_dir: folder of the disk tier (link files that survive a restart); "" = tier off.
         Must exist or be creatable and writable: a disk tier asked for and not usable stops
         the start-up (docs/disk-tier.md).
+    disk_key_file: the file holding the disk key, the secret that authenticates and names the
+        disk tier's files (docs/security.md); "" = `$XDG_CONFIG_HOME/vllm-hybridcache/disk.key`
+        (~/.config/...). Created with a new random key (mode 0600) when missing; refused inside
+        disk_dir, when another user owns it or when group/others may write it. Every engine
+        that shares disk_dir (and every restart) must read the same key: a file written under
+        another key is refused (`unauthenticated`) and deleted. In a container, keep it on a
+        persistent volume apart from the cache folder.
     disk_budget_bytes: bytes of link files kept under disk_dir by this engine's fingerprint.
     disk_min_free_bytes: a write is skipped when the file system would keep less free space.
     disk_ttl_s: files unused this long are deleted (0 = never).
@@ -113,6 +121,11 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_address: address of a Ray cluster (`host:port` of its GCS) whose replicas share
         links (docs/cluster.md); "" = tier off. A tier asked for and not reachable stops the
         start-up.
+    cluster_secret_file: the file holding the cluster secret, shared by every replica of the
+        cluster: payloads are authenticated with it, directory entries are found by digests
+        keyed by it and the directory answers only callers that hold it (docs/security.md).
+        Required with cluster_address (the tier refuses to start without one); the local
+        launcher (`vllm-hybridcache cluster`) makes one. Same checks as disk_key_file.
     cluster_replica: this replica's name in the cluster's directory ("" = host:pid).
     cluster_budget_bytes: host bytes of fetched remote links held at once before the worker
         takes them; a fetch that would exceed it is a counted miss (`budget`).
@@ -142,6 +155,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_anchors: int = 32
     session_budget_bytes: int = 2 * GiB
     disk_dir: str = ""
+    disk_key_file: str = ""
     disk_budget_bytes: int = 64 * GiB
     disk_min_free_bytes: int = 8 * GiB
     disk_ttl_s: int = 7 * 86400
@@ -150,6 +164,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_spill: bool = True
     spill_timeout_s: int = 4
     cluster_address: str = ""
+    cluster_secret_file: str = ""
     cluster_replica: str = ""
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
@@ -179,8 +194,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError(f"spill_timeout_s must be > 0, got {self.spill_timeout_s}")
         if self.disk_min_free_bytes < 0 or self.disk_ttl_s < 0:
             raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
-        if self.disk_dir != self.disk_dir.strip():
-            raise SettingsError(f"disk_dir has leading or trailing spaces: {self.disk_dir!r}")
+        for name in ("disk_dir", "disk_key_file", "cluster_secret_file"):
+            value = getattr(self, name)
+            if value != value.strip():
+                raise SettingsError(f"{name} has leading or trailing spaces: {value!r}")
         if self.cluster_budget_bytes < 0 or self.cluster_timeout_s <= 0:
             raise SettingsError("cluster_budget_bytes must be >= 0 and cluster_timeout_s > 0")
         if self.policy not in ("cost", "lru"):
@@ -189,6 +206,14 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def active(self) -> bool:
         return self.enabled and self.budget_bytes > 0
+
+    def disk_key_path(self, environ: Mapping[str, str] | None = None) -> Path:
+        """The disk key's file: `disk_key_file`, or the default under the XDG config folder."""
+        if self.disk_key_file:
+            return Path(self.disk_key_file).expanduser()
+        env = os.environ if environ is None else environ
+        base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(base) / "vllm-hybridcache" / "disk.key"
 
     def tree_config(self) -> TreeConfig:
         return TreeConfig(budget_bytes=self.budget_bytes, max_link_bytes=self.max_link_bytes,
@@ -251,7 +276,8 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise SettingsError(
                 f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
-    if name in ("policy", "disk_dir", "cluster_address", "cluster_replica"):
+    if name in ("policy", "disk_dir", "disk_key_file", "cluster_address", "cluster_secret_file",
+                "cluster_replica"):
         return raw.strip()
     try:
         return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)

@@ -88,7 +88,7 @@ def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     side2.update_state_after_alloc(req, BLOCKS, 128)
     (load,) = side2.build_plan(_no_steps()).loads
     assert (load.tier, load.kind) == ("disk", "tree") and len(load.sources) == 1
-    assert load.fingerprint == side2._disk_target.fingerprint
+    assert load.origin.fingerprint == side2._disk_target.fingerprint
     side2.apply_report(_report(loaded={"b": 0.01}))
     st = side2.cache.stats()[("disk", "tree")]
     assert (st.hits, st.restores, st.tokens_served) == (1, 1, 128)
@@ -317,7 +317,7 @@ def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, d
     (load,) = side2.build_plan(_no_steps()).loads
     seen: list[bool] = []
     monkeypatch.setattr(worker_side, "stage_chain",
-                        lambda store, chain, sources, fp, d, *defer: seen.append(d) or 0)
+                        lambda store, chain, sources, fp, d, *defer, **kw: seen.append(d) or 0)
     fresh = _worker()
     fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
     fresh._stage(load)
