@@ -53,12 +53,14 @@ from vllm_hybridcache.core import (
     StateLayout,
     ViewSpec,
 )
-from vllm_hybridcache.core.disk import LinkDirectory, crc, inplace, linkfile, reader
+from vllm_hybridcache.core.auth import LinkKey, new_secret
+from vllm_hybridcache.core.disk import LinkDirectory, crc, linkfile, reader
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
 
 FP = b"B" * 32
 DOM = make_domain(bench="disk")
+KEY = LinkKey(new_secret(), "disk")  # a disk key of this run: its files are read by it only
 
 
 def layout_for(mib: int) -> tuple[StateLayout, int]:
@@ -92,7 +94,7 @@ def open_bench_dir(work: Path, links: int, rows: int
                    ) -> tuple[LinkDirectory, np.ndarray, PromptKeys]:
     """An opened link folder under `work` and the prompt (token ids, keys) of a chain of
     `links` links of `rows` rows each."""
-    d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
+    d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50, key=KEY)
     d.open()
     toks = np.arange(rows * links, dtype=np.int64) + 1000
     return d, toks, PromptKeys(toks)
@@ -160,12 +162,12 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
                 drop_cache(files)
                 if lookup:
                     for p in files:
-                        linkfile.read_header(p, FP)
+                        linkfile.read_header(p, FP, KEY)
             else:
-                stage_chain(into, chain, paths, FP, direct=False)
+                stage_chain(into, chain, paths, FP, direct=False, key=KEY)
                 into.drop([r.link_id for r in chain])
             c0, t0 = time.process_time(), time.perf_counter()
-            stage_chain(into, chain, paths, FP, direct=direct_io)
+            stage_chain(into, chain, paths, FP, direct=direct_io, key=KEY)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             into.drop([r.link_id for r in chain])
             return wall, cpu
@@ -225,7 +227,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         # the CPU side alone: the buffered staging from the page cache (copy + CRC)
         cached = timed_reads(store, cold=False, direct_io=False)
         # the same reads verified with zlib's CRC-32 instead of the tier's (same values)
-        with mock.patch.object(inplace, "crc32", zlib.crc32):
+        with mock.patch.object(linkfile, "crc32", zlib.crc32):
             zlib_reads = timed_reads(store)
         big = os.urandom(64 << 20)
 
@@ -285,6 +287,8 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             "crc32_backend": crc.BACKEND,
             "crc32_gib_s": crc_rate(crc.crc32),
             "zlib_crc32_gib_s": crc_rate(zlib.crc32),
+            # the parts' MAC (keyed BLAKE2b, core/auth.py): what authenticating a read costs
+            "part_mac_gib_s": crc_rate(lambda b: KEY.part_mac().update(b)),
             "tier_read_zlib_crc_gib_s": file_bytes / min(zlib_reads) / gib,
         }
         out["read_ratio"] = out["tier_read_gib_s"] / out["dd_read_gib_s"]

@@ -118,7 +118,7 @@ def _all_links_verify(disk: Path) -> int:
         if p.name.startswith(TMP_PREFIX):
             continue
         raw = p.read_bytes()
-        _, hlen, _ = _PRE.unpack(raw[:_PRE.size])
+        _, hlen, _, _ = _PRE.unpack(raw[:_PRE.size])
         fp = msgspec.msgpack.decode(raw[_PRE.size:_PRE.size + hlen],
                                     type=LinkFileHeader).fingerprint
         header, base = read_header(p, fp, TEST_KEY)

@@ -119,7 +119,7 @@ def _clear_ram(srv) -> None:
 def _fingerprint(path: Path) -> bytes:
     """The fingerprint a link file's header names (read without verifying it)."""
     raw = path.read_bytes()
-    _, hlen, _ = _PRE.unpack(raw[:_PRE.size])
+    _, hlen, _, _ = _PRE.unpack(raw[:_PRE.size])
     return msgspec.msgpack.decode(raw[_PRE.size:_PRE.size + hlen],
                                   type=LinkFileHeader).fingerprint
 

@@ -35,6 +35,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -338,23 +339,39 @@ class LinkDirectory:
             return None
 
     def has_file(self, path: Path) -> bool:
-        """Whether `path` is a regular file reached without a symlink."""
+        """Whether `path` is a regular file reached without a symlink. A symlink found on the
+        way (planted in the folder) is refused: removed and counted, never followed."""
         st = self._lstat(path)
-        return st is not None and (st.st_mode & 0o170000) == 0o100000
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return True
+        link = self._first_symlink(path)
+        if link is not None:
+            self._refuse_symlink(link)
+        return False
 
-    def _unlink(self, path: Path) -> None:
-        """Remove `path` itself: a file, or the first symlink on its way (what a symlink
-        points to is never touched)."""
+    def _first_symlink(self, path: Path) -> Path | None:
+        """The first component of `path` below ROOT that is a symlink (None: none is)."""
         parts = relative_parts(self.root, path)
         for i in range(len(parts)):
             try:
                 with dir_fd(self.root, *parts[:i]) as d:
                     st = os.stat(parts[i], dir_fd=d, follow_symlinks=False)
-                    if i == len(parts) - 1 or (st.st_mode & 0o170000) == 0o120000:
-                        os.unlink(parts[i], dir_fd=d)
-                        return
             except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
-                return
+                return None
+            if stat.S_ISLNK(st.st_mode):
+                return self.root.joinpath(*parts[:i + 1])
+        return None
+
+    def _unlink(self, path: Path) -> None:
+        """Remove `path` itself: a file, or the first symlink on its way (what a symlink
+        points to is never touched)."""
+        target = self._first_symlink(path) or path
+        parts = relative_parts(self.root, target)
+        try:
+            with dir_fd(self.root, *parts[:-1]) as d:
+                os.unlink(parts[-1], dir_fd=d)
+        except (FileNotFoundError, SymlinkRefused, NotADirectoryError, IsADirectoryError):
+            pass
 
     def _stamp(self, path: Path, t: float) -> None:
         """Set a file's mtime to its last use (best effort: a file gone, read-only or reached
