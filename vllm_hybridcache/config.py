@@ -45,7 +45,8 @@ GPU_TARGET_ENV = ENV_PREFIX + "GPU_TARGET"
 PROCESS_ENV: dict[str, str] = {
     ALLOW_UNSUPPORTED_VLLM_ENV: "1 = start on a vLLM outside the supported versions (warns)",
     HOME_ENV: "folder of the embedded models (default ~/.cache/vllm-hybridcache)",
-    FLASH_NEXT_IMPL_ENV: "Flash-Next implementation on GPUs: hybridcache (ours) or vllm",
+    FLASH_NEXT_IMPL_ENV: "which implementation serves Qwen4Exp*: auto (default: ours on CPU and "
+                         "ROCm RDNA, vLLM's elsewhere), hybridcache (ours) or vllm",
     FLASH_NEXT_OPS_ENV: "Flash-Next kernel backend: reference, cpu or triton",
     FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
     FLASH_NEXT_SPLIT_INVARIANT_ENV: "1 = Flash-Next's split-invariant forward (default 0)",
