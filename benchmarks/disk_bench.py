@@ -54,7 +54,7 @@ from vllm_hybridcache.core import (
     ViewSpec,
 )
 from vllm_hybridcache.core.auth import LinkKey, new_secret
-from vllm_hybridcache.core.disk import LinkDirectory, crc, linkfile, reader
+from vllm_hybridcache.core.disk import LinkDirectory, crc, direct, inplace, linkfile, reader
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
 
@@ -182,6 +182,17 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             with mock.patch.object(reader, "fits_in_place", lambda *a: False):
                 return timed_read(fresh_store, direct_io=direct_io)
 
+        def crc_only_read() -> tuple[float, float]:
+            """The direct read with the parts' MACs not checked (only their CRC-32, what format
+            2 checked): against `direct`, what authenticating a disk hit costs."""
+            def crc_only(path, entry, data, key, crc=None, mac=None):
+                if (linkfile.crc32(data) if crc is None else crc) != entry.crc32:
+                    raise linkfile.LinkFileError(linkfile.LinkFileProblem.CHECKSUM, str(path))
+
+            with mock.patch.object(inplace, "check_part", crc_only), \
+                    mock.patch.object(direct, "check_part", crc_only):
+                return timed_read(store, direct_io=True)
+
         def dd_read(bs: str, src: Path) -> tuple[float, float]:
             drop_cache([src])
             return dd([f"if={src}", "of=/dev/null", f"bs={bs}", "iflag=direct"]), 0.0
@@ -213,6 +224,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         arms = {
             "direct": lambda: timed_read(store, direct_io=True),
             "direct_headers_cold": lambda: timed_read(store, direct_io=True, lookup=False),
+            "direct_crc_only": crc_only_read,
             "buffered": lambda: timed_read(store, direct_io=False),
             "fresh": lambda: timed_read(fresh_store, direct_io=True),
             "per_part_buffered": lambda: per_part_read(False),
@@ -263,6 +275,9 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             "tier_read_gib_s": best("direct"),
             "tier_read_median_gib_s": med("direct"),
             "tier_read_cpu_s_per_gib": cpu("direct"),
+            # the same without the parts' MACs (CRC-32 only, as format 2 was read)
+            "crc_only_read_median_gib_s": med("direct_crc_only"),
+            "crc_only_read_cpu_s_per_gib": cpu("direct_crc_only"),
             # the same with the headers read from the device too (no lookup just before)
             "headers_cold_read_median_gib_s": med("direct_headers_cold"),
             # the same one request per file through the page cache (disk_direct_reads off)
@@ -292,6 +307,8 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             "tier_read_zlib_crc_gib_s": file_bytes / min(zlib_reads) / gib,
         }
         out["read_ratio"] = out["tier_read_gib_s"] / out["dd_read_gib_s"]
+        out["mac_cost_ratio_median"] = (out["crc_only_read_median_gib_s"]
+                                        / out["tier_read_median_gib_s"])
         # against the fastest dd (the device's best in this run): best passes, and medians
         dd_best = max(out[k] for k in ("dd_read_gib_s", "dd_read_4m_gib_s", "dd_read_16m_gib_s"))
         dd_med = max(out[f"{a}_median_gib_s"] for a in dds)
