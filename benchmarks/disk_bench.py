@@ -53,12 +53,14 @@ from vllm_hybridcache.core import (
     StateLayout,
     ViewSpec,
 )
-from vllm_hybridcache.core.disk import LinkDirectory, crc, inplace, linkfile, reader
+from vllm_hybridcache.core.auth import LinkKey, new_secret
+from vllm_hybridcache.core.disk import LinkDirectory, crc, direct, inplace, linkfile, reader
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
 
 FP = b"B" * 32
 DOM = make_domain(bench="disk")
+KEY = LinkKey(new_secret(), "disk")  # a disk key of this run: its files are read by it only
 
 
 def layout_for(mib: int) -> tuple[StateLayout, int]:
@@ -92,7 +94,7 @@ def open_bench_dir(work: Path, links: int, rows: int
                    ) -> tuple[LinkDirectory, np.ndarray, PromptKeys]:
     """An opened link folder under `work` and the prompt (token ids, keys) of a chain of
     `links` links of `rows` rows each."""
-    d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50)
+    d = LinkDirectory(work / "tier", FP, budget_bytes=1 << 50, key=KEY)
     d.open()
     toks = np.arange(rows * links, dtype=np.int64) + 1000
     return d, toks, PromptKeys(toks)
@@ -160,12 +162,12 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
                 drop_cache(files)
                 if lookup:
                     for p in files:
-                        linkfile.read_header(p, FP)
+                        linkfile.read_header(p, FP, KEY)
             else:
-                stage_chain(into, chain, paths, FP, direct=False)
+                stage_chain(into, chain, paths, FP, direct=False, key=KEY)
                 into.drop([r.link_id for r in chain])
             c0, t0 = time.process_time(), time.perf_counter()
-            stage_chain(into, chain, paths, FP, direct=direct_io)
+            stage_chain(into, chain, paths, FP, direct=direct_io, key=KEY)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             into.drop([r.link_id for r in chain])
             return wall, cpu
@@ -179,6 +181,17 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             that keeps nothing), each part read on its own (`readinto`, or bounce buffers)."""
             with mock.patch.object(reader, "fits_in_place", lambda *a: False):
                 return timed_read(fresh_store, direct_io=direct_io)
+
+        def crc_only_read() -> tuple[float, float]:
+            """The direct read with the parts' MACs not checked (only their CRC-32, what format
+            2 checked): against `direct`, what authenticating a disk hit costs."""
+            def crc_only(path, entry, data, key, crc=None, mac=None):
+                if (linkfile.crc32(data) if crc is None else crc) != entry.crc32:
+                    raise linkfile.LinkFileError(linkfile.LinkFileProblem.CHECKSUM, str(path))
+
+            with mock.patch.object(inplace, "check_part", crc_only), \
+                    mock.patch.object(direct, "check_part", crc_only):
+                return timed_read(store, direct_io=True)
 
         def dd_read(bs: str, src: Path) -> tuple[float, float]:
             drop_cache([src])
@@ -211,6 +224,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         arms = {
             "direct": lambda: timed_read(store, direct_io=True),
             "direct_headers_cold": lambda: timed_read(store, direct_io=True, lookup=False),
+            "direct_crc_only": crc_only_read,
             "buffered": lambda: timed_read(store, direct_io=False),
             "fresh": lambda: timed_read(fresh_store, direct_io=True),
             "per_part_buffered": lambda: per_part_read(False),
@@ -225,7 +239,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         # the CPU side alone: the buffered staging from the page cache (copy + CRC)
         cached = timed_reads(store, cold=False, direct_io=False)
         # the same reads verified with zlib's CRC-32 instead of the tier's (same values)
-        with mock.patch.object(inplace, "crc32", zlib.crc32):
+        with mock.patch.object(linkfile, "crc32", zlib.crc32):
             zlib_reads = timed_reads(store)
         big = os.urandom(64 << 20)
 
@@ -261,6 +275,9 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             "tier_read_gib_s": best("direct"),
             "tier_read_median_gib_s": med("direct"),
             "tier_read_cpu_s_per_gib": cpu("direct"),
+            # the same without the parts' MACs (CRC-32 only, as format 2 was read)
+            "crc_only_read_median_gib_s": med("direct_crc_only"),
+            "crc_only_read_cpu_s_per_gib": cpu("direct_crc_only"),
             # the same with the headers read from the device too (no lookup just before)
             "headers_cold_read_median_gib_s": med("direct_headers_cold"),
             # the same one request per file through the page cache (disk_direct_reads off)
@@ -285,9 +302,13 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             "crc32_backend": crc.BACKEND,
             "crc32_gib_s": crc_rate(crc.crc32),
             "zlib_crc32_gib_s": crc_rate(zlib.crc32),
+            # the parts' MAC (keyed BLAKE2b, core/auth.py): what authenticating a read costs
+            "part_mac_gib_s": crc_rate(lambda b: KEY.part_mac().update(b)),
             "tier_read_zlib_crc_gib_s": file_bytes / min(zlib_reads) / gib,
         }
         out["read_ratio"] = out["tier_read_gib_s"] / out["dd_read_gib_s"]
+        out["mac_cost_ratio_median"] = (out["crc_only_read_median_gib_s"]
+                                        / out["tier_read_median_gib_s"])
         # against the fastest dd (the device's best in this run): best passes, and medians
         dd_best = max(out[k] for k in ("dd_read_gib_s", "dd_read_4m_gib_s", "dd_read_16m_gib_s"))
         dd_med = max(out[f"{a}_median_gib_s"] for a in dds)

@@ -45,6 +45,7 @@ import torch
 
 from benchmarks.disk_bench import (
     FP,
+    KEY,
     dd,
     drop_cache,
     layout_for,
@@ -58,7 +59,7 @@ from vllm_hybridcache.core.disk.crc import crc32
 from vllm_hybridcache.core.disk.hugepages import advise_huge_pages
 from vllm_hybridcache.core.disk.reader import stage_chain
 
-PHASES = ("header", "tokens", "allocate", "hint", "read", "crc", "seal")
+PHASES = ("header", "tokens", "allocate", "hint", "read", "crc", "mac", "seal")
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -73,7 +74,7 @@ def phased_read(store: LinkStore, chain: list[LinkRef], paths: list[Path], toks:
     t = dict.fromkeys(PHASES, 0.0)
     for ref, path in zip(chain, paths, strict=True):
         c = time.perf_counter()
-        header, base = linkfile.read_header(path, FP)
+        header, base = linkfile.read_header(path, FP, KEY)
         t["header"] += time.perf_counter() - c
         c = time.perf_counter()
         assert np.array_equal(header.token_ids(), toks[ref.start:ref.end])
@@ -96,6 +97,11 @@ def phased_read(store: LinkStore, chain: list[LinkRef], paths: list[Path], toks:
                 c = time.perf_counter()
                 assert crc32(out) == e.crc32
                 t["crc"] += time.perf_counter() - c
+                c = time.perf_counter()
+                mac = KEY.part_mac()
+                mac.update(out)
+                assert mac.digest() == e.mac
+                t["mac"] += time.perf_counter() - c
         c = time.perf_counter()
         store.seal(ref.link_id)
         t["seal"] += time.perf_counter() - c
@@ -108,7 +114,7 @@ def aligned_direct_read(paths: list[Path], bufs: list[mmap.mmap] | None) -> int:
     that page-aligned store buffers would allow. Returns the bytes read."""
     n = 0
     for i, path in enumerate(paths):
-        header, base = linkfile.read_header(path, FP)
+        header, base = linkfile.read_header(path, FP, KEY)
         size = linkfile._round_up(max(e.offset + e.nbytes for e in header.parts))
         buf = bufs[i] if bufs is not None else mmap.mmap(-1, size)
         if bufs is None:
@@ -165,12 +171,13 @@ def run(folder: Path, links: int, mib: int, passes: int) -> dict:
 
         def per_part() -> None:
             with mock.patch.object(reader, "fits_in_place", lambda *a: False):
-                stage_chain(poolless, chain, paths, FP, direct=False)
+                stage_chain(poolless, chain, paths, FP, direct=False, key=KEY)
             poolless.drop(ids)
 
         paths_fns = {
-            "tier_direct": lambda: stage_chain(store, chain, paths, FP, direct=True),
-            "tier_buffered": lambda: stage_chain(store, chain, paths, FP, direct=False),
+            "tier_direct": lambda: stage_chain(store, chain, paths, FP, direct=True, key=KEY),
+            "tier_buffered": lambda: stage_chain(store, chain, paths, FP, direct=False,
+                                                 key=KEY),
             "per_part_buffered": per_part,
             "direct_aligned_fresh": lambda: aligned_direct_read(files, None),
             "direct_aligned_reused": lambda: aligned_direct_read(files, reused),

@@ -112,13 +112,15 @@ def lookup_seconds(root: Path, ids: list[int], grid: int) -> dict:
     import msgspec
 
     from vllm_hybridcache.core import PromptKeys
+    from vllm_hybridcache.core.auth import key_from_file
     from vllm_hybridcache.core.disk import LinkDirectory, linkfile
 
     f = next(root.rglob("*.link"))
     with open(f, "rb") as fh:  # the engine's fingerprint and the domain, as the file says
-        _, hlen, _ = linkfile._PRE.unpack(fh.read(linkfile._PRE.size))
+        _, hlen, _, _ = linkfile._PRE.unpack(fh.read(linkfile._PRE.size))
         hdr = msgspec.msgpack.decode(fh.read(hlen), type=linkfile.LinkFileHeader)
-    d = LinkDirectory(root, hdr.fingerprint, budget_bytes=1 << 50)
+    key = key_from_file(root.parent / "disk.key", "disk")  # the servers' (env_keys below)
+    d = LinkDirectory(root, hdr.fingerprint, budget_bytes=1 << 50, key=key)
     t0 = time.perf_counter()
     d.open()
     t_open = time.perf_counter() - t0
@@ -154,6 +156,7 @@ def run(model: str, heads: list[int], tail: int, grid: int, port: int, workdir: 
                               max_model_len=max(heads) + tail + 64, port=port,
                               kv_cache_space_gib=4)
     env_keys = {"VLLM_HYBRIDCACHE_DISK_DIR": str(workdir / "disk"),
+                "VLLM_HYBRIDCACHE_DISK_KEY_FILE": str(workdir / "disk.key"),
                 "VLLM_HYBRIDCACHE_GRID": str(grid), "VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0",
                 "VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1",
                 # every committed link written (what the wait below counts on)

@@ -19,6 +19,14 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The disk tier's default key file lives under XDG_CONFIG_HOME (docs/security.md): in tests, a
+# private folder of this run, inherited by every engine and server the tests start, so they
+# share one default key and never write into the user's own config folder.
+if "HYBRIDCACHE_TEST_CONFIG_HOME" not in os.environ:
+    import tempfile
+
+    os.environ["HYBRIDCACHE_TEST_CONFIG_HOME"] = tempfile.mkdtemp(prefix="hybridcache-xdg-")
+os.environ["XDG_CONFIG_HOME"] = os.environ["HYBRIDCACHE_TEST_CONFIG_HOME"]
 
 # Test-only switch: `HYBRIDCACHE_TEST_CPU_ISA=avx2` runs the AVX2 kernels an AVX2-only x86-64
 # machine runs, on an AVX-512/AMX machine: in this process (set before anything imports vLLM's

@@ -47,7 +47,8 @@ ADMIN_KEY_MIN = 16  # characters: an admin key guards every tenant's links
 PROCESS_ENV: dict[str, str] = {
     ALLOW_UNSUPPORTED_VLLM_ENV: "1 = start on a vLLM outside the supported versions (warns)",
     HOME_ENV: "folder of the embedded models (default ~/.cache/vllm-hybridcache)",
-    FLASH_NEXT_IMPL_ENV: "Flash-Next implementation on GPUs: hybridcache (ours) or vllm",
+    FLASH_NEXT_IMPL_ENV: "which implementation serves Qwen4Exp*: auto (default: ours on CPU and "
+                         "ROCm RDNA, vLLM's elsewhere), hybridcache (ours) or vllm",
     FLASH_NEXT_OPS_ENV: "Flash-Next kernel backend: reference, cpu or triton",
     FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
     FLASH_NEXT_SPLIT_INVARIANT_ENV: "1 = Flash-Next's split-invariant forward (default 0)",
@@ -96,6 +97,13 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_dir: folder of the disk tier (link files that survive a restart); "" = tier off.
         Must exist or be creatable and writable: a disk tier asked for and not usable stops
         the start-up (docs/disk-tier.md).
+    disk_key_file: the file holding the disk key, the secret that authenticates and names the
+        disk tier's files (docs/security.md); "" = `$XDG_CONFIG_HOME/vllm-hybridcache/disk.key`
+        (~/.config/...). Created with a new random key (mode 0600) when missing; refused inside
+        disk_dir, when another user owns it or when group/others may write it. Every engine
+        that shares disk_dir (and every restart) must read the same key: a file written under
+        another key is refused (`unauthenticated`) and deleted. In a container, keep it on a
+        persistent volume apart from the cache folder.
     disk_budget_bytes: bytes of link files kept under disk_dir by this engine's fingerprint.
     disk_min_free_bytes: a write is skipped when the file system would keep less free space.
     disk_ttl_s: files unused this long are deleted (0 = never).
@@ -120,6 +128,11 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_address: address of a Ray cluster (`host:port` of its GCS) whose replicas share
         links (docs/cluster.md); "" = tier off. A tier asked for and not reachable stops the
         start-up.
+    cluster_secret_file: the file holding the cluster secret, shared by every replica of the
+        cluster: payloads are authenticated with it, directory entries are found by digests
+        keyed by it and the directory answers only callers that hold it (docs/security.md).
+        Required with cluster_address (the tier refuses to start without one); the local
+        launcher (`vllm-hybridcache cluster`) makes one. Same checks as disk_key_file.
     cluster_replica: this replica's name in the cluster's directory ("" = host:pid).
     cluster_budget_bytes: host bytes of fetched remote links held at once before the worker
         takes them; a fetch that would exceed it is a counted miss (`budget`).
@@ -154,6 +167,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_anchors: int = 32
     session_budget_bytes: int = 2 * GiB
     disk_dir: str = ""
+    disk_key_file: str = ""
     disk_budget_bytes: int = 64 * GiB
     disk_min_free_bytes: int = 8 * GiB
     disk_ttl_s: int = 7 * 86400
@@ -162,6 +176,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_spill: bool = True
     spill_timeout_s: int = 4
     cluster_address: str = ""
+    cluster_secret_file: str = ""
     cluster_replica: str = ""
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
@@ -192,11 +207,10 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError(f"spill_timeout_s must be > 0, got {self.spill_timeout_s}")
         if self.disk_min_free_bytes < 0 or self.disk_ttl_s < 0:
             raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
-        if self.disk_dir != self.disk_dir.strip():
-            raise SettingsError(f"disk_dir has leading or trailing spaces: {self.disk_dir!r}")
-        if self.admin_key_file != self.admin_key_file.strip():
-            raise SettingsError("admin_key_file has leading or trailing spaces: "
-                                f"{self.admin_key_file!r}")
+        for name in ("disk_dir", "disk_key_file", "cluster_secret_file", "admin_key_file"):
+            value = getattr(self, name)
+            if value != value.strip():
+                raise SettingsError(f"{name} has leading or trailing spaces: {value!r}")
         if self.cluster_budget_bytes < 0 or self.cluster_timeout_s <= 0:
             raise SettingsError("cluster_budget_bytes must be >= 0 and cluster_timeout_s > 0")
         if self.policy not in ("cost", "lru"):
@@ -205,6 +219,14 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def active(self) -> bool:
         return self.enabled and self.budget_bytes > 0
+
+    def disk_key_path(self, environ: Mapping[str, str] | None = None) -> Path:
+        """The disk key's file: `disk_key_file`, or the default under the XDG config folder."""
+        if self.disk_key_file:
+            return Path(self.disk_key_file).expanduser()
+        env = os.environ if environ is None else environ
+        base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(base) / "vllm-hybridcache" / "disk.key"
 
     def tree_config(self) -> TreeConfig:
         return TreeConfig(budget_bytes=self.budget_bytes, max_link_bytes=self.max_link_bytes,
@@ -267,7 +289,8 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise SettingsError(
                 f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
-    if name in ("policy", "disk_dir", "cluster_address", "cluster_replica", "admin_key_file"):
+    if name in ("policy", "disk_dir", "disk_key_file", "cluster_address", "cluster_secret_file",
+                "cluster_replica", "admin_key_file"):
         return raw.strip()
     try:
         return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tests.core.link_bytes import fill_seeded, restored_bytes
+from tests.keys import CLUSTER_KEY
 from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
@@ -19,7 +20,9 @@ from vllm_hybridcache.core.tiers.cluster import (
     ClusterTier,
     RemoteEntry,
     anchor_block,
+    block_locator,
     link_payload,
+    locator,
 )
 
 FP = b"F" * 32
@@ -50,12 +53,13 @@ class Answer:
 
 
 class FakeCluster:
-    """The directory and the object store of a cluster, in process."""
+    """The directory and the object store of a cluster, in process (keyed by locators, as the
+    directory actor is)."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[bytes, bytes, bytes], RemoteEntry] = {}
-        # end anchors: key -> (block digest, entry), as the directory actor keeps them
-        self.anchors: dict[tuple[bytes, bytes, bytes], tuple[bytes, RemoteEntry]] = {}
+        self.entries: dict[bytes, RemoteEntry] = {}
+        # end anchors: locator -> (block locator, entry), as the directory actor keeps them
+        self.anchors: dict[bytes, tuple[bytes, RemoteEntry]] = {}
         self.objects: dict[int, bytes] = {}
         self.dead: set[str] = set()
         self.forgotten: list[bytes] = []
@@ -67,9 +71,8 @@ class FakeTransport:
     def __init__(self, cluster: FakeCluster, owner: str) -> None:
         self.c, self.owner = cluster, owner
 
-    def locate(self, fingerprint, domain, digests):
-        found = [self.c.entries[(fingerprint, domain, d)] for d in digests
-                 if (fingerprint, domain, d) in self.c.entries]
+    def locate(self, locators):
+        found = [self.c.entries[loc] for loc in locators if loc in self.c.entries]
         return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
 
     def fetch(self, entries):
@@ -81,34 +84,30 @@ class FakeTransport:
             return Answer(error=ClusterError(ClusterMiss.OBJECT_LOST, "gone"), polls=self.c.delay)
         return Answer([self.c.objects[e.handle] for e in entries], polls=self.c.delay)
 
-    def forget(self, fingerprint, domain, digests):
-        for d in digests:
-            self.c.forgotten.append(d)
-            self.c.entries.pop((fingerprint, domain, d), None)
+    def forget(self, locators):
+        for loc in locators:
+            self.c.forgotten.append(loc)
+            self.c.entries.pop(loc, None)
 
-    def publish(self, fingerprint, domain, digest, parent_digest, start, end, payload):
+    def publish(self, loc, parent, start, end, payload):
         h = len(self.c.objects) + 1
         self.c.objects[h] = payload
-        self.c.entries[(fingerprint, domain, digest)] = RemoteEntry(
-            digest, parent_digest, start, end, len(payload), self.owner, h)
+        self.c.entries[loc] = RemoteEntry(loc, parent, start, end, len(payload), self.owner, h)
 
-    def locate_anchors(self, fingerprint, domain, blocks, limit):
-        found = [e for (fp, dom, _), (b, e) in self.c.anchors.items()
-                 if (fp, dom) == (fingerprint, domain) and b in set(blocks) and e.end <= limit]
+    def locate_anchors(self, blocks, limit):
+        found = [e for b, e in self.c.anchors.values() if b in set(blocks) and e.end <= limit]
         return Answer(found, polls=10**9 if self.c.silent else self.c.delay)
 
-    def forget_anchors(self, fingerprint, domain, digests, owner=None):
-        for d in digests:
-            k = (fingerprint, domain, d)
-            if k in self.c.anchors and owner in (None, self.c.anchors[k][1].owner):
-                self.c.forgotten.append(d)
-                del self.c.anchors[k]
+    def forget_anchors(self, locators, owner=None):
+        for loc in locators:
+            if loc in self.c.anchors and owner in (None, self.c.anchors[loc][1].owner):
+                self.c.forgotten.append(loc)
+                del self.c.anchors[loc]
 
-    def publish_anchor(self, fingerprint, domain, digest, block, end, payload):
+    def publish_anchor(self, loc, block, end, payload):
         h = len(self.c.objects) + 1
         self.c.objects[h] = payload
-        self.c.anchors[(fingerprint, domain, digest)] = (block, RemoteEntry(
-            digest, b"", 0, end, len(payload), self.owner, h))
+        self.c.anchors[loc] = (block, RemoteEntry(loc, b"", 0, end, len(payload), self.owner, h))
 
 
 class Clock:
@@ -124,8 +123,9 @@ class Replica:
     `anchors`, also RAM end anchors and the cluster's end anchors (ClusterAnchors)."""
 
     def __init__(self, cluster: FakeCluster, name: str, layout, tmp_path, fp: bytes = FP,
-                 budget: int = 1 << 30, anchors: bool = False) -> None:
+                 budget: int = 1 << 30, anchors: bool = False, key=CLUSTER_KEY) -> None:
         ids = IdSource()
+        self.key = key
         self.clock = Clock()
         self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
                                  next_id=ids)
@@ -133,7 +133,8 @@ class Replica:
         self.tier = ClusterTier(layout, fp, self.transport, cuts_of, tmp_path / name / "stage",
                                 budget, timeout_s=10.0, next_id=ids, promote=self.tree.adopt,
                                 clock=self.clock, owner=name,
-                                baseline=lambda k, d, lim: self.tree.lookup(k, d, lim).tokens)
+                                baseline=lambda k, d, lim: self.tree.lookup(k, d, lim).tokens,
+                                key=key)
         tiers = [self.tree, self.tier]
         self.anchors: EndAnchors | None = None
         self.remote_anchors: ClusterAnchors | None = None
@@ -160,8 +161,10 @@ class Replica:
             job = self.tier.publish_job(self.tree.link_record(r.link_id))
             assert job is not None
             b = self.store.buffers(job.link_id)
-            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp)
-            self.transport.publish(self.fp, job.domain, job.digest, job.parent_digest,
+            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp, self.key)
+            parent = (locator(self.key, self.fp, job.domain, job.parent_digest) if job.start
+                      else b"")
+            self.transport.publish(locator(self.key, self.fp, job.domain, job.digest), parent,
                                    job.start, job.end, payload)
 
     def capture_anchor(self, tokens: np.ndarray, seed: int = 0, publish: bool = True) -> int:
@@ -177,10 +180,11 @@ class Replica:
         if publish:
             assert job is not None and job.kind == "anchor"
             b = self.store.buffers(job.link_id)
-            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp)
-            self.transport.publish_anchor(self.fp, job.domain, job.digest,
-                                          keys.digest(anchor_block(len(tokens))), job.end,
-                                          payload)
+            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp, self.key)
+            block = block_locator(self.key, self.fp, job.domain,
+                                  keys.digest(anchor_block(len(tokens))))
+            self.transport.publish_anchor(locator(self.key, self.fp, job.domain, job.digest),
+                                          block, job.end, payload)
         return r.link_id
 
     def lookup(self, prompt: np.ndarray, polls: int = 10):
@@ -198,7 +202,8 @@ class Replica:
     def serve(self, res) -> dict[str, bytes]:
         """The worker's part of a remote hit: stage the files verified, then restore."""
         assert self.cache.begin_restore(res)
-        stage_chain(self.store, res.plan.chain, self.cache.sources(res), self.fp)
+        stage_chain(self.store, res.plan.chain, self.cache.sources(res), self.fp, key=self.key,
+                    root=self.tier.stage_dir)
         out = self.restore_bytes(res.plan.chain)
         self.cache.end_restore(res, True, 0.01)
         return out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import ray
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.cluster import RayTransport
 
 
@@ -39,7 +40,7 @@ def forge(payload: bytes, fingerprint: bytes, folder: Path) -> bytes:
 
     src, dst = folder / "src.link", folder / "forged.link"
     src.write_bytes(payload)
-    h, base = read_header(src, fingerprint)
+    h, base = read_header(src, fingerprint, TEST_KEY)
     parts = {}
     for e in h.parts:
         a = np.frombuffer(payload, np.uint8, e.nbytes, base + e.offset).copy()
@@ -47,7 +48,7 @@ def forge(payload: bytes, fingerprint: bytes, folder: Path) -> bytes:
         parts[e.name] = a
     write_link_file(dst, fingerprint=h.fingerprint, domain=h.domain, digest=h.digest,
                     parent_digest=h.parent_digest, start=h.start, end=h.end,
-                    tokens=h.token_ids(), rows=h.rows, parts=parts, kind=h.kind)
+                    tokens=h.token_ids(), rows=h.rows, parts=parts, kind=h.kind, key=TEST_KEY)
     return dst.read_bytes()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica
+from tests.keys import TEST_KEY
 from vllm_hybridcache.cluster.directory import LinkDirectory
 from vllm_hybridcache.core.keys import PromptKeys, make_domain
 from vllm_hybridcache.core.tiers.cluster import ClusterMiss, anchor_block
@@ -148,7 +149,7 @@ def test_no_anchor_moves_on_a_speculative_route_or_below_one_key_block(pair):
 
 
 def test_the_directory_keeps_anchors_apart_and_locates_them_by_block_and_limit():
-    d = LinkDirectory()
+    d = LinkDirectory(key=TEST_KEY)
     k = PromptKeys(np.arange(1000, 1400, dtype=np.int64))
     blocks = [k.digest(p) for p in range(64, 400, 64)]
     d.publish_anchor(FP, DOM, k.digest(300), k.digest(256), 300, 10, "a", ["ref"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica, cuts_of
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.tiers.cluster import ClusterMiss, ClusterTier
 
@@ -52,7 +53,7 @@ def test_a_flipped_payload_byte_never_reaches_the_store(pair):
     assert res.hit
     assert b.cache.begin_restore(res)
     with pytest.raises(DiskReadError) as ei:
-        stage_chain(b.store, res.plan.chain, b.cache.sources(res), b.fp)
+        stage_chain(b.store, res.plan.chain, b.cache.sources(res), b.fp, key=TEST_KEY)
     assert ei.value.problem == "checksum"
     assert not any(b.store.has(r.link_id) for r in res.plan.chain)
     b.cache.end_restore(res, False)

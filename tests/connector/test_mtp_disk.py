@@ -45,6 +45,7 @@ from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_end_anchors import greedy_gate
 from tests.connector.test_exactness import GRID, A, clear, run
 from tests.connector.test_mtp_route import NEW_TEXT, PROMPTS, SESSION
+from tests.keys import KEY_FILE, TEST_KEY
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
 from vllm_hybridcache.adapter.scheduler_side import DraftStep, NextToken, RebuiltAnchor
 from vllm_hybridcache.core.disk.linkfile import read_header, read_parts, write_link_file
@@ -76,7 +77,8 @@ def llm(request, inproc, model_path, tmp_path_factory):
     spec = {"method": "mtp", "num_speculative_tokens": request.param}
     disk = tmp_path_factory.mktemp(f"mtp-disk-k{request.param}")
     # every committed link is written (no admission), so one run of A puts its chain on disk
-    extra = {"grid": GRID, "disk_dir": str(disk), "disk_write_first_tokens": 0}
+    extra = {"grid": GRID, "disk_dir": str(disk), "disk_key_file": str(KEY_FILE),
+             "disk_write_first_tokens": 0}
     with connector_engine(model_path, extra=extra, dtype="float32", speculative_config=spec,
                           disable_log_stats=False) as engine:
         instrument(engine)
@@ -158,19 +160,19 @@ def rewrite(path: Path, fp: bytes, tag="keep", hidden=None, crc_ok: bool = True)
     """Write a link file again with another tag and/or a changed hidden-row part (`hidden`:
     tensor -> tensor). crc_ok=False flips a bit of that part after the write instead (its CRC
     then fails)."""
-    h, base = read_header(path, fp)
+    h, base = read_header(path, fp, TEST_KEY)
     parts = {e.name: torch.empty(e.nbytes, dtype=torch.uint8) for e in h.parts}
-    read_parts(path, h, base, parts)
+    read_parts(path, h, base, parts, TEST_KEY)
     if hidden is not None and crc_ok:
         row = parts[DRAFT_INPUT].view(torch.float32)
         row.copy_(hidden(row))
     write_link_file(path, fingerprint=h.fingerprint, domain=h.domain, digest=h.digest,
                     parent_digest=h.parent_digest, start=h.start, end=h.end,
                     tokens=h.token_ids(), rows=h.rows, parts=parts, created=h.created,
-                    kind=h.kind, tag=h.tag if tag == "keep" else tag)
+                    kind=h.kind, tag=h.tag if tag == "keep" else tag, key=TEST_KEY)
     if hidden is not None and not crc_ok:
         entry = next(e for e in h.parts if e.name == DRAFT_INPUT)
-        _, base2 = read_header(path, fp)
+        _, base2 = read_header(path, fp, TEST_KEY)
         with open(path, "r+b") as f:
             f.seek(base2 + entry.offset)
             b = f.read(1)
@@ -195,7 +197,7 @@ def test_links_written_on_the_mtp_route_restore_from_disk_equal_cold(llm, colds,
     assert sched.spill is not None and sched.disk_anchors is not None  # session spill on
     fp = sched.disk.dir.fingerprint
     for end, (path, _) in a_files.items():
-        h, _ = read_header(path, fp)
+        h, _ = read_header(path, fp, TEST_KEY)
         assert sched.disk.tags.decode(h.tag) == DraftStep(end - GRID)
         assert DRAFT_INPUT in {e.name for e in h.parts}
     put_a(llm, a_files)
@@ -279,7 +281,7 @@ def spilled(llm) -> dict:
     worker.shutdown()                        # the drain; the next plan starts a new writer
     (path,) = [p for p in sched.disk.dir.dir.glob("a-*/*.link")
                if int(p.stem.rsplit("-", 1)[1]) == n]
-    header, _ = read_header(path, sched.disk.dir.fingerprint)
+    header, _ = read_header(path, sched.disk.dir.fingerprint, TEST_KEY)
     raw = path.read_bytes()
     nxt = SESSION + first["tokens"] + NEW_TEXT
     ram = run(llm, nxt)  # the RAM anchor (the disk anchor tier learns of files at a start)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core import PromptKeys
 from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
@@ -70,7 +71,7 @@ def test_counts_are_bounded():
 
 
 def test_the_disk_tier_writes_only_admitted_links(tmp_path, layout):
-    d = LinkDirectory(tmp_path, b"F" * 32, 1 << 30)
+    d = LinkDirectory(tmp_path, b"F" * 32, 1 << 30, key=TEST_KEY)
     d.open()
     tier = DiskTier(layout, d, _cuts, admission=WriteAdmission(first_prompt_tokens=10_000))
     a = _keys(7, 300, shared=200)

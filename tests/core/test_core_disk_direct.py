@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk import direct, reader
 from vllm_hybridcache.core.disk.direct import DirectIOUnsupported, read_parts_direct
 from vllm_hybridcache.core.disk.linkfile import (
@@ -41,7 +42,7 @@ def _parts(seed: int = 0) -> dict[str, torch.Tensor]:
 def _write(path: Path, parts: dict[str, torch.Tensor]) -> None:
     write_link_file(path, fingerprint=FP, domain=b"d" * 32, digest=b"k" * 16,
                     parent_digest=b"", start=0, end=64, tokens=np.arange(64), rows=7,
-                    parts=parts)
+                    parts=parts, key=TEST_KEY)
 
 
 def _empty_like(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -70,9 +71,9 @@ def link(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
     path = tmp_path / "a.link"
     parts = _parts()
     _write(path, parts)
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     try:  # the property under test needs a file system that takes O_DIRECT
-        read_parts_direct(path, header, base, _empty_like(parts))
+        read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
     except DirectIOUnsupported:
         pytest.skip(f"{tmp_path} does not take direct I/O")
     return path, parts
@@ -80,19 +81,19 @@ def link(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_direct_read_is_bit_exact_and_equals_the_buffered_read(link, chunking):
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     out, buffered = _empty_like(parts), _empty_like(parts)
-    n = read_parts_direct(path, header, base, out)
+    n = read_parts_direct(path, header, base, out, TEST_KEY)
     assert n == sum(t.numel() * t.element_size() for t in parts.values())
     assert _same(out, parts)
-    read_parts(path, header, base, buffered)
+    read_parts(path, header, base, buffered, TEST_KEY)
     assert _same(buffered, out)
 
 
 @pytest.mark.parametrize("where", ["first", "chunk_edge", "last"])
 def test_a_flipped_byte_in_any_part_is_caught(link, chunking, where):
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     for e in header.parts:
         if not e.nbytes:
             continue
@@ -102,35 +103,35 @@ def test_a_flipped_byte_in_any_part_is_caught(link, chunking, where):
         raw[base + e.offset + at] ^= 0x10
         path.write_bytes(bytes(raw))
         with pytest.raises(LinkFileError) as ei:
-            read_parts_direct(path, header, base, _empty_like(parts))
+            read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
         assert ei.value.problem == LinkFileProblem.CHECKSUM and e.name in str(ei.value)
         raw[base + e.offset + at] ^= 0x10  # restored: the file reads cleanly again
         path.write_bytes(bytes(raw))
-        read_parts_direct(path, header, base, _empty_like(parts))
+        read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
 
 
 @pytest.mark.parametrize("cut", [1, 4096, 30_000])
 def test_a_file_cut_short_after_its_header_was_checked_is_refused(link, chunking, cut):
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     os.truncate(path, path.stat().st_size - cut)  # e.g. another engine rewriting it
     with pytest.raises(LinkFileError) as ei:
-        read_parts_direct(path, header, base, _empty_like(parts))
+        read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
     assert ei.value.problem == LinkFileProblem.TRUNCATED
 
 
 def test_the_reader_must_ask_for_exactly_the_stored_parts(link):
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     fewer = _empty_like(parts)
     del fewer["attn.1"]
     with pytest.raises(LinkFileError) as ei:
-        read_parts_direct(path, header, base, fewer)
+        read_parts_direct(path, header, base, fewer, TEST_KEY)
     assert ei.value.problem == LinkFileProblem.MISMATCH
     other = _empty_like(parts)
     other["attn.1"] = torch.empty(6, 5000, dtype=torch.uint8)
     with pytest.raises(LinkFileError) as ei:
-        read_parts_direct(path, header, base, other)
+        read_parts_direct(path, header, base, other, TEST_KEY)
     assert ei.value.problem == LinkFileProblem.MISMATCH
 
 
@@ -138,13 +139,13 @@ def test_overlapping_parts_are_refused(link):
     """A header whose parts overlap (never written by the tier) is refused, not streamed: the
     direct read hands each byte to one part."""
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     bad = list(header.parts)
     a, b = bad[0], bad[1]
-    bad[1] = PartEntry(b.name, a.offset + 4096, b.nbytes, b.crc32)
+    bad[1] = PartEntry(b.name, a.offset + 4096, b.nbytes, b.crc32, b.mac)
     forged = msgspec.structs.replace(header, parts=tuple(bad))
     with pytest.raises(LinkFileError) as ei:
-        read_parts_direct(path, forged, base, _empty_like(parts))
+        read_parts_direct(path, forged, base, _empty_like(parts), TEST_KEY)
     assert ei.value.problem == LinkFileProblem.FORMAT
 
 
@@ -152,7 +153,7 @@ def test_without_direct_io_the_buffered_read_takes_over_verified(link, monkeypat
     """A file system refusing O_DIRECT (EINVAL at open, as tmpfs does) falls back to the
     buffered read, which checks the same: clean bytes come through, a flipped byte is caught."""
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     real_open, calls = os.open, []
 
     def no_direct(p, flags, *a, **kw):
@@ -163,16 +164,16 @@ def test_without_direct_io_the_buffered_read_takes_over_verified(link, monkeypat
 
     monkeypatch.setattr(direct.os, "open", no_direct)
     with pytest.raises(DirectIOUnsupported):
-        read_parts_direct(path, header, base, _empty_like(parts))
+        read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
     out = _empty_like(parts)
-    assert reader.read_verified(path, header, base, out, direct=True) == sum(
+    assert reader.read_verified(path, header, base, out, direct=True, key=TEST_KEY) == sum(
         t.numel() * t.element_size() for t in parts.values())
     assert _same(out, parts) and len(calls) == 2
     raw = bytearray(path.read_bytes())
     raw[base + header.parts[0].offset + 7] ^= 1
     path.write_bytes(bytes(raw))
     with pytest.raises(LinkFileError) as ei:
-        reader.read_verified(path, header, base, _empty_like(parts), direct=True)
+        reader.read_verified(path, header, base, _empty_like(parts), direct=True, key=TEST_KEY)
     assert ei.value.problem == LinkFileProblem.CHECKSUM
 
 
@@ -180,7 +181,7 @@ def test_a_failed_read_mid_file_surfaces_and_returns_the_buffers(link, monkeypat
     """An I/O error on a later chunk fails the read (the stage counts it as io_error) and the
     bounce buffers come back to the pool only once no read fills them."""
     path, parts = link
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     monkeypatch.setattr(direct, "CHUNK", 8192)
     monkeypatch.setattr(direct, "AHEAD", 2)
     real, n = os.preadv, []
@@ -193,20 +194,20 @@ def test_a_failed_read_mid_file_surfaces_and_returns_the_buffers(link, monkeypat
 
     monkeypatch.setattr(direct.os, "preadv", flaky)
     with pytest.raises(OSError) as ei:
-        read_parts_direct(path, header, base, _empty_like(parts))
+        read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
     assert ei.value.errno == errno.EIO
     monkeypatch.setattr(direct.os, "preadv", real)
     out = _empty_like(parts)
-    read_parts_direct(path, header, base, out)
+    read_parts_direct(path, header, base, out, TEST_KEY)
     assert _same(out, parts)
 
 
 def _read_in_child(path: str, want: dict[str, np.ndarray], conn) -> None:
     # numpy only in the child: torch's own thread pool is not fork-safe (its first parallel
     # op in a forked child can hang), which is not what this test is about
-    header, base = read_header(Path(path), FP)
+    header, base = read_header(Path(path), FP, TEST_KEY)
     out = {k: torch.from_numpy(np.zeros(v.nbytes, np.uint8)) for k, v in want.items()}
-    read_parts_direct(Path(path), header, base, out)
+    read_parts_direct(Path(path), header, base, out, TEST_KEY)
     conn.send(all(np.array_equal(out[k].numpy(), v) for k, v in want.items()))
 
 
@@ -217,8 +218,9 @@ def test_a_forked_child_reads_with_its_own_read_ahead_thread(link, monkeypatch):
 
     path, parts = link
     monkeypatch.setattr(direct, "AHEAD", 2)
-    header, base = read_header(path, FP)
-    read_parts_direct(path, header, base, _empty_like(parts))  # the parent's thread exists
+    header, base = read_header(path, FP, TEST_KEY)
+    # the parent's thread exists
+    read_parts_direct(path, header, base, _empty_like(parts), TEST_KEY)
     want = {k: v.contiguous().view(torch.uint8).reshape(-1).numpy().copy()
             for k, v in parts.items()}
     ctx = multiprocessing.get_context("fork")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core import LinkRef, LinkStore, SectionSpec, StateLayout, ViewSpec
 from vllm_hybridcache.core.disk import inplace, reader
 from vllm_hybridcache.core.disk.linkfile import (
@@ -61,7 +62,7 @@ def _write_chain(folder: Path, links: int, seed: int = 0, order=None) -> tuple[
         path = folder / f"{seed}-{i}.link"
         write_link_file(path, fingerprint=FP, domain=b"d" * 32, digest=bytes([i]) * 16,
                         parent_digest=bytes([i - 1]) * 16 if i else b"", start=s, end=e,
-                        tokens=np.arange(s, e), rows=LAYOUT.view_rows(s, e), parts=p)
+                        tokens=np.arange(s, e), rows=LAYOUT.view_rows(s, e), parts=p, key=TEST_KEY)
         refs.append(LinkRef(100 + i, s, e))
         paths.append(str(path))
         parts.append({k: v.clone() for k, v in p.items()})
@@ -183,7 +184,7 @@ def test_concurrent_readers_each_get_their_own_files_bytes(tmp_path):
         store.pool = pool
         refs, paths, want = chains[k]
         for _ in range(15):
-            stage_chain(store, refs, paths, FP)
+            stage_chain(store, refs, paths, FP, key=TEST_KEY)
             for ref, w in zip(refs, want, strict=True):
                 if not _equal(_held(store, ref), w):
                     errors.append(f"reader {k}: link {ref.link_id} holds other bytes")
@@ -198,8 +199,8 @@ def test_concurrent_readers_each_get_their_own_files_bytes(tmp_path):
 def test_a_page_aligned_link_is_laid_out_as_its_file_and_restores_like_any_link(tmp_path):
     refs, paths, want = _write_chain(tmp_path, 2)
     store = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(store, refs, paths, FP)
-    header, _ = read_header(Path(paths[1]), FP)
+    stage_chain(store, refs, paths, FP, key=TEST_KEY)
+    header, _ = read_header(Path(paths[1]), FP, TEST_KEY)
     whole = store.payload(refs[1].link_id)
     assert whole.data_ptr() % PAGE == 0 and whole.numel() % PAGE == 0
     held = _held(store, refs[1])
@@ -232,7 +233,7 @@ def test_a_page_aligned_link_is_laid_out_as_its_file_and_restores_like_any_link(
     assert store.drop([r.link_id for r in refs]) == held_before
     assert store.bytes_held == 0 and store.pool.idle_bytes == held_before
     assert store.bytes_reserved == held_before
-    stage_chain(store, refs, paths, FP)
+    stage_chain(store, refs, paths, FP, key=TEST_KEY)
     assert store.pool.reused == 2 and store.pool.idle_bytes == 0
 
 
@@ -244,7 +245,7 @@ def test_one_read_per_file_lands_every_part_bit_for_bit(tmp_path, monkeypatch):
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
     store = LinkStore(LAYOUT, pin_memory=False)
-    assert stage_chain(store, refs, paths, FP) == sum(
+    assert stage_chain(store, refs, paths, FP, key=TEST_KEY) == sum(
         sum(t.numel() * t.element_size() for t in w.values()) for w in want)
     assert len(reads) == len(paths)  # one request per file
     for ref, w in zip(refs, want, strict=True):
@@ -255,9 +256,9 @@ def test_a_file_with_another_part_order_is_read_part_by_part(tmp_path, monkeypat
     refs, paths, want = _write_chain(tmp_path, 2, order=["v", "conv", "k", "gdn"])
     calls = []
     real = reader.read_verified
-    monkeypatch.setattr(reader, "read_verified", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(reader, "read_verified", lambda *a, **k: calls.append(1) or real(*a, **k))
     store = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(store, refs, paths, FP)
+    stage_chain(store, refs, paths, FP, key=TEST_KEY)
     assert len(calls) == 2
     for ref, w in zip(refs, want, strict=True):
         assert _equal(_held(store, ref), {k: w[k] for k in _held(store, ref)})
@@ -270,14 +271,14 @@ def test_a_flipped_byte_in_any_part_is_a_checksum_miss(tmp_path, part, direct):
     miss is charged to its link, not to the one read last."""
     refs, paths, _ = _write_chain(tmp_path, 3)
     path = Path(paths[1])
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     e = next(x for x in header.parts if x.name == part)
     raw = bytearray(path.read_bytes())
     raw[base + e.offset + e.nbytes - 1] ^= 0x01
     path.write_bytes(bytes(raw))
     store = LinkStore(LAYOUT, pin_memory=False)
     with pytest.raises(DiskReadError) as ex:
-        stage_chain(store, refs, paths, FP, direct)
+        stage_chain(store, refs, paths, FP, direct, key=TEST_KEY)
     assert ex.value.problem == "checksum" and ex.value.link_id == refs[1].link_id
     assert len(store) == 0 and store.bytes_held == 0
     assert store.pool.idle_bytes == 3 * _staged_bytes()  # every buffer back in the pool
@@ -291,9 +292,9 @@ def test_a_file_cut_short_is_refused_even_over_stale_bytes_of_the_same_link(
     so every CRC would pass over it: the read of the cut file must see it came up short."""
     refs, paths, _ = _write_chain(tmp_path, 1)
     path = Path(paths[0])
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     store = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(store, refs, paths, FP, direct)
+    stage_chain(store, refs, paths, FP, direct, key=TEST_KEY)
     store.drop([refs[0].link_id])
     os.truncate(path, path.stat().st_size - cut)  # cut after the lookup read its header
     bufs = store.allocate(refs[0].link_id, ROWS, page_aligned=True)
@@ -301,11 +302,11 @@ def test_a_file_cut_short_is_refused_even_over_stale_bytes_of_the_same_link(
     buf = store.payload(refs[0].link_id)
     assert inplace.fits_in_place(header, buf, {**bufs.sections, **bufs.views})
     with pytest.raises(LinkFileError) as ex:
-        inplace.read_in_place(path, header, base, buf, direct)
+        inplace.read_in_place(path, header, base, buf, direct, key=TEST_KEY)
     assert ex.value.problem is LinkFileProblem.TRUNCATED
     store.drop([refs[0].link_id])
     with pytest.raises(DiskReadError) as ex2:  # and end to end: a counted miss
-        stage_chain(store, refs, paths, FP, direct)
+        stage_chain(store, refs, paths, FP, direct, key=TEST_KEY)
     assert ex2.value.problem == "truncated" and len(store) == 0
 
 
@@ -321,12 +322,12 @@ def test_a_fault_mid_read_fails_the_chain_and_returns_every_buffer(tmp_path, mon
 
     monkeypatch.setattr(os, "preadv", failing)
     with pytest.raises(DiskReadError) as ex:
-        stage_chain(store, refs, paths, FP, direct=True)
+        stage_chain(store, refs, paths, FP, direct=True, key=TEST_KEY)
     assert ex.value.problem == "io_error" and ex.value.link_id == refs[1].link_id
     assert len(store) == 0 and store.bytes_held == 0
     assert store.pool.idle_bytes == 3 * _staged_bytes()  # every staged buffer back
     monkeypatch.setattr(os, "preadv", real)
-    stage_chain(store, refs, paths, FP, direct=True)  # every buffer reused
+    stage_chain(store, refs, paths, FP, direct=True, key=TEST_KEY)  # every buffer reused
     assert store.pool.reused == 3
 
 
@@ -352,9 +353,10 @@ def test_direct_io_is_asked_for_exactly_when_the_setting_says(tmp_path, monkeypa
     refs, paths, want = _write_chain(tmp_path, 2)
     flags: list[int] = []
     real = os.open
-    monkeypatch.setattr(os, "open", lambda p, f, *a: flags.append(f) or real(p, f, *a))
+    monkeypatch.setattr(os, "open",
+                        lambda p, f, *a, **k: flags.append(f) or real(p, f, *a, **k))
     store = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(store, refs, paths, FP, direct)
+    stage_chain(store, refs, paths, FP, direct, key=TEST_KEY)
     payload_opens = [f for f in flags if f & os.O_DIRECT]
     assert len(payload_opens) == (len(paths) if direct else 0)
     assert inplace.DIRECT_FALLBACKS == {}
@@ -371,10 +373,10 @@ def test_a_refusal_of_direct_io_falls_back_to_the_page_cache_logged_once(
     real_open, real_read = os.open, os.preadv
     direct_fds: set[int] = set()
 
-    def fake_open(p, f, *a):
+    def fake_open(p, f, *a, **k):
         if f & getattr(os, "O_DIRECT", 0) and where == "open":
             raise OSError(errno.EINVAL, "Invalid argument")
-        fd = real_open(p, f, *a)
+        fd = real_open(p, f, *a, **k)
         if f & getattr(os, "O_DIRECT", 0):
             direct_fds.add(fd)
         else:
@@ -391,7 +393,7 @@ def test_a_refusal_of_direct_io_falls_back_to_the_page_cache_logged_once(
     monkeypatch.setattr(os, "preadv", fake_read)
     store = LinkStore(LAYOUT, pin_memory=False)
     with caplog.at_level(logging.WARNING, logger="vllm_hybridcache"):
-        stage_chain(store, refs, paths, FP, direct=True)
+        stage_chain(store, refs, paths, FP, direct=True, key=TEST_KEY)
     for ref, w in zip(refs, want, strict=True):
         assert _equal(_held(store, ref), w)
     notes = [r for r in caplog.records if "direct I/O unavailable" in r.getMessage()]
@@ -405,7 +407,7 @@ def test_a_refusal_of_direct_io_falls_back_to_the_page_cache_logged_once(
     raw[-1] ^= 0x80
     path.write_bytes(bytes(raw))
     with pytest.raises(DiskReadError) as ex:
-        stage_chain(store, refs, paths, FP, direct=True)
+        stage_chain(store, refs, paths, FP, direct=True, key=TEST_KEY)
     assert ex.value.problem == "checksum" and len(store) == 0
 
 
@@ -433,7 +435,7 @@ def test_a_chain_failing_in_two_files_is_charged_to_the_first(tmp_path, monkeypa
     p3.write_bytes(bytes(raw))
     store = LinkStore(LAYOUT, pin_memory=False)
     with pytest.raises(DiskReadError) as ex:
-        stage_chain(store, refs, paths, FP, direct=True)
+        stage_chain(store, refs, paths, FP, direct=True, key=TEST_KEY)
     assert ex.value.link_id == refs[1].link_id and ex.value.problem == "checksum"
     assert len(store) == 0 and store.pool.idle_bytes == 3 * _staged_bytes()
 
@@ -446,7 +448,7 @@ def test_a_slab_store_carves_staged_links_out_of_its_slabs_and_gets_them_back(tm
     one = _staged_bytes()
     store = LinkStore(LAYOUT, pin_memory=False, slab_bytes=1 << 20, pool_bytes=2 * one)
     arena = store._arena
-    stage_chain(store, refs, paths, FP)
+    stage_chain(store, refs, paths, FP, key=TEST_KEY)
     assert arena.slabs == 1 and arena.used_bytes == 3 * (one + PAGE)
     for ref, w in zip(refs, want, strict=True):
         whole = store.payload(ref.link_id)
@@ -454,7 +456,7 @@ def test_a_slab_store_carves_staged_links_out_of_its_slabs_and_gets_them_back(tm
     assert store.bytes_reserved == 1 << 20
     store.drop([r.link_id for r in refs])  # two kept idle (the bound), one back to the arena
     assert store.pool.idle_bytes == 2 * one and arena.used_bytes == 2 * (one + PAGE)
-    stage_chain(store, refs, paths, FP)
+    stage_chain(store, refs, paths, FP, key=TEST_KEY)
     assert store.pool.reused == 2 and arena.used_bytes == 3 * (one + PAGE)
     store.drop([r.link_id for r in refs])
     store.clear()
@@ -509,7 +511,7 @@ def test_deferred_sections_restore_the_same_bits_and_are_read_when_first_needed(
     when they are first asked for, once, and then equal the file's."""
     refs, paths, want = _write_chain(tmp_path, 3)
     whole = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(whole, refs, paths, FP, direct)
+    stage_chain(whole, refs, paths, FP, direct, key=TEST_KEY)
     reads: list[int] = []
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
@@ -518,7 +520,7 @@ def test_deferred_sections_restore_the_same_bits_and_are_read_when_first_needed(
         lazy.allocate(ref.link_id, ROWS, page_aligned=True)
         lazy.payload(ref.link_id).fill_(0xEE)
     lazy.drop([r.link_id for r in refs])
-    got = stage_chain(lazy, refs, paths, FP, direct, defer_sections=True)
+    got = stage_chain(lazy, refs, paths, FP, direct, defer_sections=True, key=TEST_KEY)
     secs = sum(x.nbytes for x in LAYOUT.sections)
     assert got == sum(sum(t.numel() * t.element_size() for t in w.values()) for w in want) \
         - 2 * secs
@@ -545,13 +547,13 @@ def test_a_deferred_section_that_fails_its_checksum_is_never_handed_out(tmp_path
 
     refs, paths, _ = _write_chain(tmp_path, 3)
     path = Path(paths[1])
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     e = next(x for x in header.parts if x.name == part)
     raw = bytearray(path.read_bytes())
     raw[base + e.offset] ^= 0x01
     path.write_bytes(bytes(raw))
     store = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(store, refs, paths, FP, defer_sections=True)
+    stage_chain(store, refs, paths, FP, defer_sections=True, key=TEST_KEY)
     _restored(store, refs)  # the deepest link's state and every row: all checked
     for _ in range(2):
         with pytest.raises(MissingLinkError) as ex:
@@ -565,15 +567,15 @@ def test_a_deferred_section_that_fails_its_checksum_is_never_handed_out(tmp_path
     raw[base + k.offset] ^= 0x01
     path.write_bytes(bytes(raw))
     with pytest.raises(DiskReadError) as err:
-        stage_chain(store, refs, paths, FP, defer_sections=True)
+        stage_chain(store, refs, paths, FP, defer_sections=True, key=TEST_KEY)
     assert err.value.problem == "checksum" and err.value.link_id == refs[1].link_id
 
 
 def test_sections_are_read_now_where_a_file_puts_them_after_its_views(tmp_path):
     refs, paths, want = _write_chain(tmp_path, 2, order=["k", "v", "gdn", "conv"])
-    header, _ = read_header(Path(paths[0]), FP)
+    header, _ = read_header(Path(paths[0]), FP, TEST_KEY)
     assert inplace.split_point(header, {"gdn", "conv"}) is None
     store = LinkStore(LAYOUT, pin_memory=False)
-    stage_chain(store, refs, paths, FP, defer_sections=True)
+    stage_chain(store, refs, paths, FP, defer_sections=True, key=TEST_KEY)
     assert not store.sections_pending(refs[0].link_id)
     assert _equal(_held(store, refs[0]), {k: want[0][k] for k in _held(store, refs[0])})

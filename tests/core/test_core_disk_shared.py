@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core import LinkStore, PromptKeys
 from vllm_hybridcache.core.disk import LinkDirectory, read_header, read_parts
 from vllm_hybridcache.core.disk.linkfile import TMP_PREFIX
@@ -60,7 +61,7 @@ def _write_all(d: LinkDirectory) -> None:
 
 
 def _open(root: str) -> LinkDirectory:
-    d = LinkDirectory(Path(root), FP, 1 << 30)
+    d = LinkDirectory(Path(root), FP, 1 << 30, key=TEST_KEY)
     d.open()
     return d
 
@@ -93,9 +94,9 @@ def _check_files(root: Path) -> int:
         if p.name.startswith(TMP_PREFIX):
             continue  # a write in progress (the one name readers never open)
         try:
-            header, base = read_header(p, FP)
+            header, base = read_header(p, FP, TEST_KEY)
             dst = {k: torch.empty_like(t) for k, t in _parts(header.start, header.end).items()}
-            read_parts(p, header, base, dst)
+            read_parts(p, header, base, dst, TEST_KEY)
         except FileNotFoundError:
             continue  # evicted between listing and opening
         want = _parts(header.start, header.end)
@@ -158,7 +159,7 @@ def _reader(root: str, stop, out) -> None:
             refs.append(LinkRef(next_id, h.start, h.end))
             next_id += 1
         try:
-            stage_chain(store, refs, [str(p) for p, _, _ in chain], FP)
+            stage_chain(store, refs, [str(p) for p, _, _ in chain], FP, key=TEST_KEY)
         except DiskReadError as e:
             assert e.problem in ("gone", "truncated", "io_error"), e
             failed += 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.core.link_bytes import fill_seeded, restored_bytes
+from tests.keys import KEY_FILE, TEST_KEY
 from vllm_hybridcache.core import (
     EndAnchors,
     IdSource,
@@ -50,14 +51,15 @@ class Life:
         self.layout = layout
         self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
                                  next_id=ids)
-        self.directory = LinkDirectory(root, FP, 1 << 30)
+        self.directory = LinkDirectory(root, FP, 1 << 30, key=TEST_KEY)
         self.directory.open()
         self.disk = DiskTier(layout, self.directory, _cuts, next_id=ids, promote=self.tree.adopt)
         self.ram_anchors = EndAnchors(layout, 8, 1 << 30, next_id=ids)
         self.disk_anchors = DiskAnchors(self.disk, tags=tags)
         self.cache = SnapshotCache([self.tree, self.disk, self.ram_anchors, self.disk_anchors])
         self.store = LinkStore(layout, pin_memory=False)
-        self.target = DiskTarget(str(root), FP, 1 << 30, 0, 0.0, spill=True, drain_s=30.0)
+        self.target = DiskTarget(str(root), FP, 1 << 30, 0, 0.0, spill=True, drain_s=30.0,
+                                 key_file=str(KEY_FILE))
 
     def anchor(self, tokens: np.ndarray, domain: bytes = DOM, seed: int = 0, tag=None):
         """Reserve (with its draft tag, if any), fill with seeded bytes and commit an end
@@ -100,7 +102,7 @@ def test_a_spilled_anchor_resumes_the_next_life_byte_for_byte(spilled, layout):
     assert (res.hit, res.tier, res.kind, res.tokens) == (True, "disk", "anchor", len(TURN))
     assert not life.cache.cold_exact(res)  # session-exact: the request publishes nothing shared
     assert life.cache.begin_restore(res)
-    stage_chain(life.store, res.plan.chain, life.cache.sources(res), FP)
+    stage_chain(life.store, res.plan.chain, life.cache.sources(res), FP, key=TEST_KEY)
     assert life.restore_bytes(res.plan.chain) == expected
     life.cache.end_restore(res, True, 0.01)
     assert [a.link_id for a in life.cache.drain_dropped()] == list(res.plan.link_ids)
@@ -120,7 +122,7 @@ def test_negative_control_a_flipped_byte_fails_the_read(spilled, layout):
     res = life.cache.lookup(nxt, DOM, len(nxt) - 1)
     assert res.tier == "disk" and life.cache.begin_restore(res)
     with pytest.raises(DiskReadError) as err:
-        stage_chain(life.store, res.plan.chain, life.cache.sources(res), FP)
+        stage_chain(life.store, res.plan.chain, life.cache.sources(res), FP, key=TEST_KEY)
     assert err.value.problem == "checksum"
     life.cache.end_restore(res, False)
     life.cache.invalidate([LinkAddr("disk", "anchor", res.plan.deepest)])
@@ -237,5 +239,6 @@ def test_clearing_anchors_tells_the_writers_index_and_keeps_tree_links(tmp_path,
     assert again.cache.clear("disk", "anchor") == 1
     assert not list(tmp_path.rglob("a-*/*.link")) and len(again.disk_anchors) == 0
     forget, clear_all = again.disk.take_writer_ops()
-    assert [Path(p).name for p in forget] == [f"{job.digest.hex()}-{job.end}.link"]
+    assert [Path(p) for p in forget] == [again.directory.path_for(DOM, job.end, job.digest,
+                                                                   "anchor")]
     assert not clear_all and again.disk.lookup(TURN, DOM).tokens == 64  # tree link kept

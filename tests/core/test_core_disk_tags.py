@@ -17,6 +17,7 @@ from tests.core.test_core_disk_spill import DOM as SDOM
 from tests.core.test_core_disk_spill import FP as SFP
 from tests.core.test_core_disk_spill import TURN, Life
 from tests.core.test_core_disk_tier import DOM, FP, PROMPT, Engine, _cuts, _files
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk.linkfile import (
     FORMAT_VERSION,
     LinkFileHeader,
@@ -100,15 +101,15 @@ def test_codec_round_trips_the_tags_of_every_route():
 def test_the_tag_is_in_the_file_and_a_restart_restores_the_same_bytes(tagged, layout):
     root, expected = tagged
     for p in _files(root):
-        h, _ = read_header(p, FP)
-        assert h.format == FORMAT_VERSION == 2
+        h, _ = read_header(p, FP, TEST_KEY)
+        assert h.format == FORMAT_VERSION == 3
         assert CODEC.decode(h.tag) == _step_tag(h.end)
     e = TaggedEngine(root, layout)
     keys = e.cache.keys(np.concatenate([PROMPT, [7, 8, 9]]))
     res = e.cache.lookup(keys, DOM, len(keys) - 1, _fits)
     assert (res.hit, res.tier, res.tokens, res.shortened) == (True, "disk", 256, False)
     assert e.cache.begin_restore(res)
-    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP)
+    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP, key=TEST_KEY)
     assert e.restore_bytes(res.plan.chain) == expected
     e.cache.end_restore(res, True, 0.01)
     # promoted with their tags: RAM serves the next lookup under the same predicate
@@ -160,19 +161,22 @@ def test_a_tag_no_file_can_carry_is_not_written(tmp_path, layout):
 
 
 def test_files_of_the_format_before_tags_are_counted_misses(tagged, layout):
-    """A format-1 file (no tag field) is refused as `format` at the start-up scan and deleted
-    with the links above it: a counted miss, not an error."""
+    """A format-1 file (no tag field; here with a valid CRC and MAC, so only its format is
+    wrong) is refused as `format` at the start-up scan and deleted with the links above it: a
+    counted miss, not an error."""
     root, _ = tagged
     p = sorted(_files(root), key=lambda q: int(q.stem.rsplit("-", 1)[1]))[0]  # the root link
     raw = p.read_bytes()
     import struct
     import zlib
 
-    magic, hlen, _ = struct.unpack("<8sII", raw[:16])
-    h = msgspec.msgpack.decode(raw[16:16 + hlen], type=LinkFileHeader)
+    pre = struct.Struct("<8sII32s")
+    magic, hlen, _, _ = pre.unpack(raw[:pre.size])
+    h = msgspec.msgpack.decode(raw[pre.size:pre.size + hlen], type=LinkFileHeader)
     old = msgspec.msgpack.encode(msgspec.structs.replace(h, format=1))
     assert len(old) == hlen
-    p.write_bytes(struct.pack("<8sII", magic, hlen, zlib.crc32(old)) + old + raw[16 + hlen:])
+    maced = struct.pack("<8sII", magic, hlen, zlib.crc32(old))
+    p.write_bytes(maced + TEST_KEY.mac(maced, old) + old + raw[pre.size + hlen:])
     e = TaggedEngine(root, layout)
     assert e.directory.stats.refused == {"format": 1}
     assert _files(root) == []                      # the chain above it went with it
@@ -240,14 +244,14 @@ def test_a_tagged_anchor_is_spilled_with_its_tag_and_read_back_under_the_predica
     LinkWriter(life.target).drain([(job, life.parts(job.link_id))], 30.0)
     life.directory.close()
     (f,) = tmp_path.rglob("a-*/*.link")
-    h, _ = read_header(f, SFP)
+    h, _ = read_header(f, SFP, TEST_KEY)
     assert h.kind == "anchor" and ANCHOR_CODEC.decode(h.tag) == Rebuilt()
     again = Life(tmp_path, layout, tags=ANCHOR_CODEC)
     nxt = np.concatenate([TURN, [4, 5]])
     res = again.cache.lookup(nxt, SDOM, len(nxt) - 1, _anchor_fits(nxt))
     assert (res.hit, res.tier, res.kind, res.tokens) == (True, "disk", "anchor", len(TURN))
     assert again.cache.begin_restore(res)
-    stage_chain(again.store, res.plan.chain, again.cache.sources(res), SFP)
+    stage_chain(again.store, res.plan.chain, again.cache.sources(res), SFP, key=TEST_KEY)
     assert again.restore_bytes(res.plan.chain) == expected
     again.cache.end_restore(res, True, 0.01)
     again.cache.sanity_check()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.core.link_bytes import fill_seeded, restored_bytes
+from tests.keys import KEY_FILE, TEST_KEY
 from vllm_hybridcache.core import (
     DiskTier,
     IdSource,
@@ -45,12 +46,12 @@ class Engine:
         ids = IdSource()
         self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
                                  next_id=ids)
-        self.directory = LinkDirectory(root, fp, budget)
+        self.directory = LinkDirectory(root, fp, budget, key=TEST_KEY)
         self.directory.open()
         self.disk = DiskTier(layout, self.directory, _cuts, next_id=ids, promote=self.tree.adopt)
         self.cache = SnapshotCache([self.tree, self.disk])
         self.store = LinkStore(layout, pin_memory=False)
-        self.target = DiskTarget(str(root), fp, budget, 0, 0.0)
+        self.target = DiskTarget(str(root), fp, budget, 0, 0.0, key_file=str(KEY_FILE))
         self._writer: LinkWriter | None = None
         self.layout = layout
 
@@ -121,7 +122,7 @@ def test_restart_round_trip_restores_the_same_bytes(written, layout):
     assert e.cache.begin_restore(res)
     sources = e.cache.sources(res)
     assert len(sources) == 3
-    stage_chain(e.store, res.plan.chain, sources, FP)
+    stage_chain(e.store, res.plan.chain, sources, FP, key=TEST_KEY)
     assert e.restore_bytes(res.plan.chain) == expected
     e.cache.end_restore(res, True, 0.01)
     # promoted: the RAM tree adopted the staged links, nothing is dropped, and the next lookup
@@ -149,7 +150,7 @@ def test_promotion_adopts_only_where_the_tree_would_put_a_link(written, layout):
     res = e.cache.lookup(keys, DOM)
     assert (res.tier, res.tokens) == ("disk", 256)
     assert e.cache.begin_restore(res)
-    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP)
+    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP, key=TEST_KEY)
     e.cache.end_restore(res, True)
     ids = res.plan.link_ids
     assert [a.link_id for a in e.cache.drain_dropped()] == [ids[1]]
@@ -182,7 +183,7 @@ def test_negative_control_other_bytes_are_caught(written, layout, tmp_path_facto
     keys = e.cache.keys(PROMPT)
     res = e.cache.lookup(keys, DOM)
     assert res.hit and e.cache.begin_restore(res)
-    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP)
+    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP, key=TEST_KEY)
     assert e.restore_bytes(res.plan.chain) != expected
 
 
@@ -204,9 +205,9 @@ def test_a_flipped_byte_is_a_counted_miss_and_deletes_the_longer_links(written, 
     victim = files[128]
     from vllm_hybridcache.core.disk.linkfile import read_header
 
-    header, base = read_header(victim, FP)
+    header, base = read_header(victim, FP, TEST_KEY)
     entry = {"section": header.parts[0], "view": header.parts[-1]}.get(part)
-    offset = 20 if entry is None else base + entry.offset + entry.nbytes // 2
+    offset = 60 if entry is None else base + entry.offset + entry.nbytes // 2
     raw = bytearray(victim.read_bytes())
     raw[offset] ^= 0x40
     victim.write_bytes(bytes(raw))
@@ -220,7 +221,7 @@ def test_a_flipped_byte_is_a_counted_miss_and_deletes_the_longer_links(written, 
     else:  # headers are fine: the parts' CRC fails while staging
         assert res.tokens == 256 and e.cache.begin_restore(res)
         with pytest.raises(DiskReadError) as err:
-            stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP)
+            stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP, key=TEST_KEY)
         assert err.value.problem == "checksum"
         assert err.value.link_id == res.plan.chain[1].link_id
         assert len(e.store) == 0  # the root link staged before it was dropped again
@@ -236,7 +237,7 @@ def test_a_flipped_byte_is_a_counted_miss_and_deletes_the_longer_links(written, 
     res = e.cache.lookup(keys, DOM)
     assert (res.tier, res.tokens) == ("disk", 64)
     assert e.cache.begin_restore(res)
-    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP)  # still serves
+    stage_chain(e.store, res.plan.chain, e.cache.sources(res), FP, key=TEST_KEY)  # still serves
 
 
 def test_truncated_file_foreign_file_and_unrelated_file(written, layout):
@@ -270,11 +271,11 @@ def test_a_file_truncated_after_the_lookup_fails_the_read(written, layout):
     src = e.cache.sources(res)
     Path(src[2]).write_bytes(Path(src[2]).read_bytes()[:5000])
     with pytest.raises(DiskReadError) as err:
-        stage_chain(e.store, res.plan.chain, src, FP)
+        stage_chain(e.store, res.plan.chain, src, FP, key=TEST_KEY)
     assert err.value.problem == "truncated"
     Path(src[1]).unlink()
     with pytest.raises(DiskReadError) as err:
-        stage_chain(e.store, res.plan.chain, src, FP)
+        stage_chain(e.store, res.plan.chain, src, FP, key=TEST_KEY)
     assert err.value.problem == "gone" and len(e.store) == 0
 
 
@@ -316,12 +317,12 @@ def test_writer_drops_writes_when_behind_and_keeps_buffers_busy(tmp_path, layout
 
     def slow_dir(target):
         gate.wait(10)
-        d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes)
+        d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes, key=TEST_KEY)
         d.open()
         return d
 
-    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 0, 0.0), max_queue=2,
-                   directory=slow_dir)
+    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 0, 0.0, key_file=str(KEY_FILE)),
+                   max_queue=2, directory=slow_dir)
     keys = PromptKeys(PROMPT)
     store = LinkStore(layout, pin_memory=False)
     accepted = []
@@ -348,7 +349,8 @@ def test_writer_without_a_directory_skips_and_counts(tmp_path, layout):
     def broken(target):
         raise PermissionError("read-only")
 
-    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 0, 0.0), directory=broken)
+    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 0, 0.0, key_file=str(KEY_FILE)),
+                   directory=broken)
     keys = PromptKeys(PROMPT)
     store = LinkStore(layout, pin_memory=False)
     b = store.allocate(1, layout.view_rows(0, 64))
@@ -369,11 +371,12 @@ def test_a_full_file_system_skips_writes_and_counts_them(tmp_path, layout):
 
     def directory(target):
         d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
-                          min_free_bytes=1 << 30, free_bytes=lambda p: free["bytes"])
+                          min_free_bytes=1 << 30, free_bytes=lambda p: free["bytes"], key=TEST_KEY)
         d.open()
         return d
 
-    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 1 << 30, 0.0), directory=directory)
+    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 1 << 30, 0.0,
+                              key_file=str(KEY_FILE)), directory=directory)
     keys = PromptKeys(PROMPT)
     store = LinkStore(layout, pin_memory=False)
 
@@ -394,7 +397,8 @@ def test_a_full_file_system_skips_writes_and_counts_them(tmp_path, layout):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     free["bytes"] = 1 << 40
-    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 1 << 30, 0.0), directory=directory)
+    w = LinkWriter(DiskTarget(str(tmp_path), FP, 1 << 30, 1 << 30, 0.0,
+                              key_file=str(KEY_FILE)), directory=directory)
     real = directory_mod.write_link_file
     directory_mod.write_link_file = enospc
     try:
@@ -410,9 +414,10 @@ _WRITER_SCRIPT = """
 import sys, numpy as np, torch
 from pathlib import Path
 from vllm_hybridcache.core.disk import LinkDirectory
+from vllm_hybridcache.core.auth import key_from_file
 from vllm_hybridcache.core.keys import PromptKeys
 root, fp, dom = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
-d = LinkDirectory(root, fp, 1 << 40)
+d = LinkDirectory(root, fp, 1 << 40, key=key_from_file(sys.argv[4], "disk"))
 d.open()
 i = 0
 while True:
@@ -439,18 +444,18 @@ def test_kill_9_during_writes_never_leaves_a_torn_link_file(tmp_path):
     for delay in (0.8, 1.3):
         root = tmp_path / f"run-{delay}"
         proc = subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(root), FP.hex(),
-                                 DOM.hex()], stdout=subprocess.PIPE)
+                                 DOM.hex(), str(KEY_FILE)], stdout=subprocess.PIPE)
         assert proc.stdout is not None
         proc.stdout.readline()  # one file is written: the loop is running
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        d = LinkDirectory(root, FP, 1 << 40, tmp_max_age_s=0)
+        d = LinkDirectory(root, FP, 1 << 40, tmp_max_age_s=0, key=TEST_KEY)
         d.open()
         assert d.stats.refused == {} and len(d) >= 1
         for path in _files(root):
-            header, base = read_header(path, FP)
+            header, base = read_header(path, FP, TEST_KEY)
             dst = {"a": torch.empty(1 << 20), "b": torch.empty(64, 256)}
-            read_parts(path, header, base, dst)  # raises on any torn or damaged part
+            read_parts(path, header, base, dst, TEST_KEY)  # raises on any torn or damaged part
             assert float(dst["a"][0]) == float(dst["b"][-1, -1])
         assert not list(root.rglob(".tmp-*"))  # swept (age limit 0 here)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk.directory import LOCK_NAME, LinkDirectory
 from vllm_hybridcache.core.disk.linkfile import LinkFileProblem
 from vllm_hybridcache.core.keys import PromptKeys
@@ -30,7 +31,7 @@ class Clock:
 
 
 def _dir(root, budget=1 << 30, fp=FP, **kw) -> LinkDirectory:
-    d = LinkDirectory(root, fp, budget, **kw)
+    d = LinkDirectory(root, fp, budget, **kw, key=TEST_KEY)
     d.open()
     return d
 
@@ -95,9 +96,9 @@ def test_a_damaged_header_deletes_the_file_and_its_longer_links(tmp_path):
     keys = PromptKeys(PROMPT)
     p128 = d.path_for(DOM, 128, keys.digest(128))
     with open(p128, "r+b") as f:
-        f.seek(30)
+        f.seek(60)
         b = f.read(1)
-        f.seek(30)
+        f.seek(60)
         f.write(bytes([b[0] ^ 0xFF]))
     chain = d.lookup(keys, DOM, CUTS, 399)
     assert [h.end for _, h, _ in chain] == [64]  # falls back to the deepest sound chain
@@ -156,7 +157,7 @@ def test_a_sweep_between_creating_and_locking_our_folder_is_survived(tmp_path, m
 
     real_fcntl = fcntl
     real_flock = fcntl.flock
-    d = LinkDirectory(tmp_path, FP, 1 << 30)
+    d = LinkDirectory(tmp_path, FP, 1 << 30, key=TEST_KEY)
     sweeps = []
 
     def flock_after_a_sweep(fd, op):

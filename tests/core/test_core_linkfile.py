@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk.linkfile import (
     ALIGN,
     LinkFileError,
@@ -36,7 +37,7 @@ def _write(path: Path, parts=None, start: int = 64, end: int = 128, **kw) -> dic
                 parent_digest=b"p" * 16 if start else b"", start=start, end=end,
                 tokens=np.arange(start, end), rows=3, parts=parts or _parts(), created=1.5)
     args.update(kw)
-    write_link_file(path, **args)
+    write_link_file(path, **args, key=TEST_KEY)
     return args
 
 
@@ -48,13 +49,13 @@ def test_round_trip_is_bit_exact(tmp_path):
     path = tmp_path / "a.link"
     parts = _parts()
     _write(path, parts)
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     assert (header.start, header.end, header.rows) == (64, 128, 3)
     assert header.domain == DOMAIN and header.parent_digest == b"p" * 16
     assert header.token_ids().tolist() == list(range(64, 128))
     assert base % ALIGN == 0 and all(e.offset % ALIGN == 0 for e in header.parts)
     out = _empty_like(parts)
-    n = read_parts(path, header, base, out)
+    n = read_parts(path, header, base, out, TEST_KEY)
     assert n == sum(t.numel() * t.element_size() for t in parts.values())
     for k, v in parts.items():
         assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
@@ -72,7 +73,7 @@ def test_a_flipped_byte_in_any_part_is_caught(tmp_path, part):
     path = tmp_path / "a.link"
     parts = _parts()
     _write(path, parts)
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     entry = next(e for e in header.parts if e.name == part)
     with open(path, "r+b") as f:
         f.seek(base + entry.offset + entry.nbytes // 2)
@@ -80,7 +81,7 @@ def test_a_flipped_byte_in_any_part_is_caught(tmp_path, part):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(LinkFileError) as e:
-        read_parts(path, header, base, _empty_like(parts))
+        read_parts(path, header, base, _empty_like(parts), TEST_KEY)
     assert e.value.problem is LinkFileProblem.CHECKSUM and part in str(e.value)
 
 
@@ -88,12 +89,12 @@ def test_a_flipped_header_byte_is_caught(tmp_path):
     path = tmp_path / "a.link"
     _write(path)
     with open(path, "r+b") as f:
-        f.seek(40)
+        f.seek(60)
         b = f.read(1)
-        f.seek(40)
+        f.seek(60)
         f.write(bytes([b[0] ^ 0x80]))
     with pytest.raises(LinkFileError) as e:
-        read_header(path, FP)
+        read_header(path, FP, TEST_KEY)
     assert e.value.problem is LinkFileProblem.CHECKSUM
 
 
@@ -103,11 +104,11 @@ def test_truncated_file_is_refused(tmp_path):
     size = path.stat().st_size
     os.truncate(path, size - 10)
     with pytest.raises(LinkFileError) as e:
-        read_header(path, FP)
+        read_header(path, FP, TEST_KEY)
     assert e.value.problem is LinkFileProblem.TRUNCATED
     os.truncate(path, 20)
     with pytest.raises(LinkFileError) as e:
-        read_header(path, FP)
+        read_header(path, FP, TEST_KEY)
     assert e.value.problem is LinkFileProblem.TRUNCATED
 
 
@@ -115,12 +116,12 @@ def test_foreign_fingerprint_and_unrelated_files_are_refused(tmp_path):
     path = tmp_path / "a.link"
     _write(path)
     with pytest.raises(LinkFileError) as e:
-        read_header(path, b"g" * 32)
+        read_header(path, b"g" * 32, TEST_KEY)
     assert e.value.problem is LinkFileProblem.FOREIGN
     other = tmp_path / "notes.txt"
     other.write_bytes(b"hello, not a link file at all")
     with pytest.raises(LinkFileError) as e:
-        read_header(other, FP)
+        read_header(other, FP, TEST_KEY)
     assert e.value.problem is LinkFileProblem.NOT_A_LINK
 
 
@@ -128,16 +129,16 @@ def test_reader_must_ask_for_exactly_the_stored_parts(tmp_path):
     path = tmp_path / "a.link"
     parts = _parts()
     _write(path, parts)
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     fewer = _empty_like(parts)
     fewer.pop("attn.1")
     with pytest.raises(LinkFileError) as e:
-        read_parts(path, header, base, fewer)
+        read_parts(path, header, base, fewer, TEST_KEY)
     assert e.value.problem is LinkFileProblem.MISMATCH
     wrong = _empty_like(parts)
     wrong["attn.1"] = torch.empty(2, 1000, dtype=torch.uint8)
     with pytest.raises(LinkFileError) as e:
-        read_parts(path, header, base, wrong)
+        read_parts(path, header, base, wrong, TEST_KEY)
     assert e.value.problem is LinkFileProblem.MISMATCH
 
 
@@ -163,9 +164,9 @@ def test_rewrite_replaces_atomically(tmp_path):
     _write(path, _parts(0))
     parts1 = _parts(1)
     _write(path, parts1)
-    header, base = read_header(path, FP)
+    header, base = read_header(path, FP, TEST_KEY)
     out = _empty_like(parts1)
-    read_parts(path, header, base, out)
+    read_parts(path, header, base, out, TEST_KEY)
     assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
                for k, v in parts1.items())
 
@@ -185,7 +186,7 @@ def test_the_crc_of_link_files_is_zlibs_crc32(tmp_path):
         assert crc.crc32(buf) == zlib.crc32(buf)
     p = tmp_path / "x.link"
     _write(p)
-    h, base = read_header(p, FP)
+    h, base = read_header(p, FP, TEST_KEY)
     raw = p.read_bytes()
     for e in h.parts:
         assert zlib.crc32(raw[base + e.offset:base + e.offset + e.nbytes]) == e.crc32

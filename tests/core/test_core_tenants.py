@@ -18,6 +18,7 @@ import torch
 
 from tests.cluster.fakes import Clock, FakeCluster, FakeTransport
 from tests.core.link_bytes import fill_seeded, restored_bytes
+from tests.keys import CLUSTER_KEY, KEY_FILE, TEST_KEY
 from vllm_hybridcache.core import (
     EndAnchors,
     IdSource,
@@ -39,7 +40,9 @@ from vllm_hybridcache.core.tiers.cluster import (
     ClusterAnchors,
     ClusterTier,
     anchor_block,
+    block_locator,
     link_payload,
+    locator,
 )
 from vllm_hybridcache.core.tiers.disk import DiskAnchors, DiskTier
 
@@ -71,14 +74,14 @@ class World:
         self.tree = SnapshotTree(layout, TreeConfig(budget_bytes=1 << 30, memory_floor_bytes=0),
                                  next_id=ids, clock=self.clock)
         self.anchors = EndAnchors(layout, 8, 1 << 30, next_id=ids)
-        self.dir = LinkDirectory(root / "disk", FP, 1 << 30)
+        self.dir = LinkDirectory(root / "disk", FP, 1 << 30, key=TEST_KEY)
         self.dir.open()
         self.disk = DiskTier(layout, self.dir, cuts_of, next_id=ids, promote=self.tree.adopt)
         self.disk_anchors = DiskAnchors(self.disk)
         self.transport = FakeTransport(cluster, "me")
         self.remote = ClusterTier(layout, FP, self.transport, cuts_of, root / "stage", 1 << 30,
                                   10.0, next_id=ids, promote=self.tree.adopt, clock=self.clock,
-                                  owner="me")
+                                  owner="me", key=CLUSTER_KEY)
         self.remote_anchors = ClusterAnchors(
             self.remote, local=lambda k, d, lim: self.anchors.lookup(k, d, lim).tokens)
         self.cache = SnapshotCache([self.tree, self.disk, self.remote, self.anchors,
@@ -98,7 +101,7 @@ class World:
         of the RAM links and anchor."""
         keys = self.cache.keys(prompt)
         gen = torch.Generator().manual_seed(seed)
-        writer = LinkDirectory(self.root / "disk", FP, 1 << 30)
+        writer = LinkDirectory(self.root / "disk", FP, 1 << 30, key=TEST_KEY)
         writer.open()
         peer = FakeTransport(self.cluster, "peer")
         ids = set()
@@ -116,9 +119,10 @@ class World:
                                 parent_digest=job.parent_digest, start=job.start, end=job.end,
                                 tokens=np.frombuffer(job.tokens, dtype=np.int64),
                                 rows=job.rows, parts=parts, nbytes=0)
-            payload = link_payload(job, FP, parts, self.root)
-            peer.publish(FP, domain, job.digest, job.parent_digest, job.start, job.end,
-                         payload)
+            payload = link_payload(job, FP, parts, self.root, CLUSTER_KEY)
+            parent = locator(CLUSTER_KEY, FP, domain, job.parent_digest) if job.start else b""
+            peer.publish(locator(CLUSTER_KEY, FP, domain, job.digest), parent, job.start,
+                         job.end, payload)
         r = self.cache.reserve("anchor", keys, ANCHOR_END, domain)
         assert r.link_id is not None
         fill_seeded(self.store, r.link_id, self.layout.view_rows(0, ANCHOR_END), gen)
@@ -132,9 +136,10 @@ class World:
                             rows=job.rows, parts=parts, nbytes=0, kind=ANCHOR)
         self.disk_anchors.note_spilled(domain, ANCHOR_END, job.digest)
         mine = self.remote_anchors.anchor_job(r.link_id, keys, domain, ANCHOR_END)
-        block = keys.digest(anchor_block(ANCHOR_END))
-        self.transport.publish_anchor(FP, domain, mine.digest, block, ANCHOR_END,
-                                      link_payload(mine, FP, parts, self.root))
+        block = block_locator(CLUSTER_KEY, FP, domain, keys.digest(anchor_block(ANCHOR_END)))
+        self.transport.publish_anchor(locator(CLUSTER_KEY, FP, domain, mine.digest), block,
+                                      ANCHOR_END,
+                                      link_payload(mine, FP, parts, self.root, CLUSTER_KEY))
         writer.close()
         return ids
 
@@ -213,7 +218,7 @@ def _files(w: World) -> dict[bytes, list[str]]:
 
     out: dict[bytes, list[str]] = {}
     for p in sorted((w.root / "disk").rglob("*.link")):
-        header, _ = read_header(p, FP)
+        header, _ = read_header(p, FP, TEST_KEY)
         out.setdefault(tenant_of(header.domain), []).append(f"{header.kind}:{header.end}")
     return out
 
@@ -240,7 +245,8 @@ def test_clearing_a_tenant_leaves_the_others_in_every_tier(tmp_path, layout):
     assert n == 3 + 1 + 3 + 1 + 3
     assert {a.link_id for a in w.cache.drain_dropped()} == a_ids
     assert w.remote_anchors.withdraw_tenant(tenant_tag("tenant-a")) == 1
-    assert {k[1] for k in w.cluster.anchors} == {B}  # this replica's publication of A went
+    b_anchor = locator(CLUSTER_KEY, FP, B, keys.digest(ANCHOR_END))
+    assert set(w.cluster.anchors) == {b_anchor}  # this replica's publication of A went
     files = _files(w)
     assert tenant_tag("tenant-a") not in files
     assert sorted(files[tenant_tag("tenant-b")]) == ["anchor:320", "tree:128", "tree:256",
@@ -328,7 +334,8 @@ def test_the_writer_deletes_a_cleared_tenants_writes_that_land_later(tmp_path, l
             seed))
         assert w.cache.commit(r.addr)
         jobs.append(w.disk.write_job(w.tree.link_record(r.link_id)))
-    writer = LinkWriter(DiskTarget(str(w.root / "disk"), FP, 1 << 30, 0, 0.0))
+    writer = LinkWriter(DiskTarget(str(w.root / "disk"), FP, 1 << 30, 0, 0.0,
+                                   key_file=str(KEY_FILE)))
     for job in jobs:
         assert writer.submit(job, w.parts(job.link_id))
     writer.clear_tenant(tenant_tag("tenant-a"), TREE)
@@ -346,7 +353,8 @@ def test_the_writer_without_the_clear_keeps_the_file(tmp_path, layout):
     fill_seeded(w.store, r.link_id, layout.view_rows(0, 64), torch.Generator().manual_seed(1))
     assert w.cache.commit(r.addr)
     job = w.disk.write_job(w.tree.link_record(r.link_id))
-    writer = LinkWriter(DiskTarget(str(w.root / "disk"), FP, 1 << 30, 0, 0.0))
+    writer = LinkWriter(DiskTarget(str(w.root / "disk"), FP, 1 << 30, 0, 0.0,
+                                   key_file=str(KEY_FILE)))
     assert writer.submit(job, w.parts(job.link_id))
     assert writer.close(30)
     assert list(_files(w)) == [tenant_tag("tenant-a")]
@@ -364,7 +372,7 @@ def test_clear_domains_finds_files_another_instance_wrote(tmp_path, layout):
     assert w.dir.clear_domains(in_tenant(tenant_tag("tenant-a")), TREE) == 3
     assert sorted(_files(w)[tenant_tag("tenant-a")]) == ["anchor:320"]  # anchors: own kind
     assert w.dir.clear_domains(in_tenant(tenant_tag("tenant-a")), ANCHOR) == 1
-    again = LinkDirectory(w.root / "disk", FP, 1 << 30)
+    again = LinkDirectory(w.root / "disk", FP, 1 << 30, key=TEST_KEY)
     again.open()
     assert len(again) == 4  # B's files
     w.dir.clear_domains(in_tenant(tenant_tag("tenant-b")), TREE)

@@ -51,6 +51,7 @@ from benchmarks.servers import (
     running_servers,
 )
 from demo.conversation import demo_sessions
+from tests.keys import KEY_FILE, TEST_KEY
 from tests.serving.conftest import (
     ADMIN,
     GRID,
@@ -118,10 +119,10 @@ def _all_links_verify(disk: Path) -> int:
         if p.name.startswith(TMP_PREFIX):
             continue
         raw = p.read_bytes()
-        _, hlen, _ = _PRE.unpack(raw[:_PRE.size])
+        _, hlen, _, _ = _PRE.unpack(raw[:_PRE.size])
         fp = msgspec.msgpack.decode(raw[_PRE.size:_PRE.size + hlen],
                                     type=LinkFileHeader).fingerprint
-        header, base = read_header(p, fp)
+        header, base = read_header(p, fp, TEST_KEY)
         for e in header.parts:
             assert zlib.crc32(raw[base + e.offset:base + e.offset + e.nbytes]) == e.crc32, p
         n += 1
@@ -134,6 +135,7 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
     # step mode on purpose (INNER_CAPTURES 0): the expected hits are the grid and message-end
     # cuts (`expected_hit`), as in the folder's shared server (tests/serving/conftest.py)
     for k, v in (("GRID", GRID), ("MESSAGE_END_MIN", MESSAGE_END_MIN), ("DISK_DIR", disk),
+                 ("DISK_KEY_FILE", KEY_FILE),
                  ("SESSION_ANCHORS", 0), ("DISK_WRITE_FIRST_TOKENS", 0),
                  ("INNER_CAPTURES", 0)):
         mp.setenv(f"VLLM_HYBRIDCACHE_{k}", str(v))

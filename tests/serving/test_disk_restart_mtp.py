@@ -53,6 +53,7 @@ import torch
 
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 from tests.connector.test_end_anchors import greedy_gate
+from tests.keys import KEY_FILE, TEST_KEY
 from tests.serving.conftest import ADMIN, KEY, cache_stats
 from tests.serving.test_disk_session_spill import OUT, _complete, _turn
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
@@ -118,7 +119,7 @@ def _clear_ram(srv) -> None:
 def _fingerprint(path: Path) -> bytes:
     """The fingerprint a link file's header names (read without verifying it)."""
     raw = path.read_bytes()
-    _, hlen, _ = _PRE.unpack(raw[:_PRE.size])
+    _, hlen, _, _ = _PRE.unpack(raw[:_PRE.size])
     return msgspec.msgpack.decode(raw[_PRE.size:_PRE.size + hlen],
                                   type=LinkFileHeader).fingerprint
 
@@ -139,9 +140,9 @@ def _corrupt_states(path: Path) -> None:
     sections, which hold token ids, are left alone) and every CRC valid: a bad restore no
     check can see."""
     fp = _fingerprint(path)
-    h, base = read_header(path, fp)
+    h, base = read_header(path, fp, TEST_KEY)
     parts = {e.name: torch.empty(e.nbytes, dtype=torch.uint8) for e in h.parts}
-    read_parts(path, h, base, parts)
+    read_parts(path, h, base, parts, TEST_KEY)
     states = [n for n in parts if ".linear_attn#" in n and n.endswith(("#0", "#1"))]
     assert states, sorted(parts)
     for n in states:
@@ -149,7 +150,7 @@ def _corrupt_states(path: Path) -> None:
     write_link_file(path, fingerprint=h.fingerprint, domain=h.domain, digest=h.digest,
                     parent_digest=h.parent_digest, start=h.start, end=h.end,
                     tokens=h.token_ids(), rows=h.rows, parts=parts, created=h.created,
-                    kind=h.kind, tag=h.tag)
+                    kind=h.kind, tag=h.tag, key=TEST_KEY)
 
 
 def _start_together(*servers: tuple[ExitStack, object]) -> list:
@@ -175,6 +176,7 @@ def test_mtp_route_survives_a_restart_and_never_crosses_the_ar_route(embedded_mo
     disk = tmp_path / "disk"
     mp = pytest.MonkeyPatch()
     for k, v in (("GRID", GRID), ("MESSAGE_END_IDS", -1), ("DISK_DIR", disk),
+                 ("DISK_KEY_FILE", KEY_FILE),
                  ("DISK_WRITE_FIRST_TOKENS", 0)):  # every committed tree link is written
         mp.setenv(f"VLLM_HYBRIDCACHE_{k}", str(v))
     ar = ServerSettings(model_path=str(embedded_model("flash-next-tiny")), served_name="tiny",
@@ -203,7 +205,7 @@ def test_mtp_route_survives_a_restart_and_never_crosses_the_ar_route(embedded_mo
             tree_m = _route_files(disk, fp_m)
             assert sorted(tree_m) == SYS_CUTS
             for end, path in tree_m.items():  # tagged, with the hidden row: the MTP route
-                h, _ = read_header(path, _fingerprint(path))
+                h, _ = read_header(path, _fingerprint(path), TEST_KEY)
                 assert h.tag == ("DraftStep", (end - GRID,)), h.tag
                 assert DRAFT_INPUT in {e.name for e in h.parts}
             m1_stack.close()  # SIGTERM: the drain writes the live end anchors
@@ -212,7 +214,7 @@ def test_mtp_route_survives_a_restart_and_never_crosses_the_ar_route(embedded_mo
             anchors_m = _route_files(disk, fp_m, anchors=True)
             n2 = len(c2) + OUT - 1                      # the conversation's live anchor
             assert sorted(anchors_m) == sorted([n2, len(SYS + T1) + OUT - 1])
-            h, _ = read_header(anchors_m[n2], _fingerprint(anchors_m[n2]))
+            h, _ = read_header(anchors_m[n2], _fingerprint(anchors_m[n2]), TEST_KEY)
             assert h.kind == "anchor" and h.tag == ("RebuiltAnchor", ())
             assert {DRAFT_INPUT, DRAFT_PASS} <= {e.name for e in h.parts}
 
@@ -263,7 +265,7 @@ def test_mtp_route_survives_a_restart_and_never_crosses_the_ar_route(embedded_mo
                 assert st.get("hits", 0) == 0 and st.get("restores", 0) == 0, (kind, st)
             for end in SYS_CUTS:  # the same names; untagged, no hidden row: the AR route
                 assert tree_a[end].name == tree_m[end].name
-                h, _ = read_header(tree_a[end], _fingerprint(tree_a[end]))
+                h, _ = read_header(tree_a[end], _fingerprint(tree_a[end]), TEST_KEY)
                 assert h.tag is None and DRAFT_INPUT not in {e.name for e in h.parts}
                 assert h.fingerprint != _fingerprint(tree_m[end])
             ar_bytes = {end: tree_a[end].read_bytes() for end in SYS_CUTS}

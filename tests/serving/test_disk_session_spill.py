@@ -24,6 +24,7 @@ import requests
 
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 from tests.connector.test_end_anchors import greedy_gate
+from tests.keys import KEY_FILE
 from tests.serving.conftest import KEY, cache_stats
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,7 @@ def test_live_conversations_resume_at_their_end_anchors_after_a_restart(embedded
     disk = tmp_path / "disk"
     mp = pytest.MonkeyPatch()
     for k, v in (("GRID", GRID), ("MESSAGE_END_IDS", -1), ("DISK_DIR", disk),
+                 ("DISK_KEY_FILE", KEY_FILE),
                  ("DISK_WRITE_FIRST_TOKENS", 0)):  # every tree link written: life 2 counts them
         mp.setenv(f"VLLM_HYBRIDCACHE_{k}", str(v))
     settings = ServerSettings(model_path=str(embedded_model("flash-next-tiny")),

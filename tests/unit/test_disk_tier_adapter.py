@@ -65,6 +65,56 @@ def test_an_unusable_disk_dir_is_a_clear_start_up_error(tmp_path):
     assert str(blocker) in str(err.value)
 
 
+def test_a_disk_dir_others_can_write_or_holding_the_key_stops_the_start_up(tmp_path):
+    """The folder is the engine's own (issue 29): a 0777 folder, or the disk key inside it,
+    stops the start-up with an error that names the fix; nothing is written there."""
+    import os
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(RuntimeError, match=f"chmod 700 {root}"):
+        _side(root)
+    assert list(root.iterdir()) == []
+    os.chmod(root, 0o700)
+    with pytest.raises(RuntimeError, match="inside disk_dir"):
+        _side(root, disk_key_file=str(root / "disk.key"))
+    assert list(root.iterdir()) == []
+    _side(root, disk_key_file=str(tmp_path / "disk.key"))  # the key beside it: fine
+    assert (tmp_path / "disk.key").stat().st_mode & 0o777 == 0o600  # created on first start
+
+
+def test_files_written_under_another_disk_key_are_a_counted_miss(tmp_path):
+    """A restart with another disk key (another installation's, a lost key file): the files
+    the first life wrote are never served; each is refused as `unauthenticated`, counted in the
+    disk tier's misses and deleted, and the prompt is a plain miss (prefilled cold)."""
+    side, worker = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "a.key")), _worker()
+    _, plan = _commit_link(side, worker, 128)
+    worker.save(plan)
+    assert worker._writer.close(30)
+    assert len(list((tmp_path / "disk").rglob("*-128.link"))) == 1
+    side.disk.dir.close()  # the first life ends (its lock on its folder goes)
+    side2 = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "b.key"))
+    # keyed names: the new key looks elsewhere, and the old key's folder is swept as foreign
+    req = _request("b", [*TOKENS, 1, 2])
+    assert side2.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not list((tmp_path / "disk").rglob("*-128.link"))
+    # the first life's file planted where the new key looks: refused and counted
+    side3 = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "a.key"))
+    _, plan = _commit_link(side3, worker := _worker(), 128)
+    worker.save(plan)
+    assert worker._writer.close(30)
+    (src,) = (tmp_path / "disk").rglob("*-128.link")
+    side4 = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "b.key"))
+    dst = side4.disk.dir.path_for(side3._track(_request("w", TOKENS)).domain, 128,
+                                  side4.cache.keys(TOKENS).digest(128))
+    dst.parent.mkdir(mode=0o700, exist_ok=True)
+    dst.write_bytes(src.read_bytes())
+    assert side4.get_num_new_matched_tokens(_request("c", [*TOKENS, 1, 2]), 0) == (0, False)
+    assert side4.cache.stats()[("disk", "tree")].misses.get("unauthenticated") == 1
+    assert not dst.exists()
+
+
 def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     side, worker = _side(tmp_path), _worker()
     assert side.cache.routes() == [("ram", "tree"), ("disk", "tree"), ("ram", "anchor"),
@@ -89,7 +139,7 @@ def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     side2.update_state_after_alloc(req, BLOCKS, 128)
     (load,) = side2.build_plan(_no_steps()).loads
     assert (load.tier, load.kind) == ("disk", "tree") and len(load.sources) == 1
-    assert load.fingerprint == side2._disk_target.fingerprint
+    assert load.origin.fingerprint == side2._disk_target.fingerprint
     side2.apply_report(_report(loaded={"b": 0.01}))
     st = side2.cache.stats()[("disk", "tree")]
     assert (st.hits, st.restores, st.tokens_served) == (1, 1, 128)
@@ -205,7 +255,7 @@ def _tenants_on_disk(side, root) -> dict[str, int]:
     names = {tenant_tag(s): s for s in ("tenant-a", "tenant-b")}
     out: dict[str, int] = {}
     for p in root.rglob("*.link"):
-        header, _ = read_header(p, side._disk_target.fingerprint)
+        header, _ = read_header(p, side._disk_target.fingerprint, side.disk.dir.key)
         name = names[tenant_of(header.domain)]
         out[name] = out.get(name, 0) + 1
     return out
@@ -394,7 +444,7 @@ def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, d
     (load,) = side2.build_plan(_no_steps()).loads
     seen: list[bool] = []
     monkeypatch.setattr(worker_side, "stage_chain",
-                        lambda store, chain, sources, fp, d, *defer: seen.append(d) or 0)
+                        lambda store, chain, sources, fp, d, *defer, **kw: seen.append(d) or 0)
     fresh = _worker()
     fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
     fresh._stage(load)

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild
 from vllm_hybridcache.core import LinkAddr, LinkRef
+from vllm_hybridcache.core.disk.reader import SourceOrigin
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.cluster import ClusterTarget
 
@@ -37,10 +38,11 @@ class LoadJob:
     chain: tuple[LinkRef, ...]
     block_ids: list[list[int]]                 # per KV-cache group
     fail: str | None = None
-    # files to read into the store under the chain's ids before restoring (a disk hit), one
-    # per chain link, and the fingerprint their headers must carry; () for RAM hits
+    # files to read into the store under the chain's ids before restoring (a disk or cluster
+    # hit), one per chain link, and where they come from (fingerprint, key, folder); () and
+    # None for RAM hits
     sources: tuple[str, ...] = ()
-    fingerprint: bytes = b""
+    origin: SourceOrigin | None = None
     # MTP route: rebuild each link's boundary draft row for this prompt (adapter/draft_rows.py)
     draft: DraftRebuild | None = None
     # attention K/V in place: the first tokens vLLM's shared blocks already hold; the view
@@ -129,6 +131,10 @@ class StepReport(KVConnectorWorkerMetadata):
     lost_links: set[LinkAddr] = field(default_factory=set)     # payload missing on a worker
     workers: int = 1
     disk: dict | None = None
+    # staged files a worker refused as it read their parts, by (tier, kind) and problem (a
+    # LinkFileProblem value: checksum, unauthenticated, ...), for tiers that count them
+    # themselves (the disk tier's writer counts its own)
+    refused: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
         assert isinstance(other, StepReport)
@@ -143,4 +149,8 @@ class StepReport(KVConnectorWorkerMetadata):
             out.failed_loads |= src.failed_loads
             out.lost_links |= src.lost_links
             out.disk = src.disk if src.disk is not None else out.disk
+            for k, probs in src.refused.items():
+                acc = out.refused.setdefault(k, {})
+                for problem, n in probs.items():
+                    acc[problem] = acc.get(problem, 0) + n
         return out

@@ -47,9 +47,12 @@ from vllm_hybridcache.core import (
     SnapshotTree,
     Tier,
 )
+from vllm_hybridcache.core.auth import KeyFileError, key_from_file
 from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
+from vllm_hybridcache.core.disk.folder import own_folder
+from vllm_hybridcache.core.disk.reader import SourceOrigin
 from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
@@ -430,6 +433,8 @@ class SchedulerSide:
         self.disk_anchors: DiskAnchors | None = None
         self.spill: SpillBook | None = None  # session spill: the anchors RAM may hand to disk
         self._disk_target: DiskTarget | None = None
+        # the tiers whose hits are staged files: where they come from, for the load jobs
+        self._origins: dict[str, SourceOrigin] = {}
         self._disk_warm: list[tuple[int, int]] = []
         self._disk_writes: list[WriteJob] = []
         self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
@@ -449,8 +454,9 @@ class SchedulerSide:
             if settings.cluster_address and self.reason_inactive is None:
                 from vllm_hybridcache.cluster.engine import open_cluster_tier
 
-                self.cluster, self._cluster_target = open_cluster_tier(
+                self.cluster, self._cluster_target, origin = open_cluster_tier(
                     vllm_config, layout, self.segmentation, settings, ids, tree)
+                self._origins[Tier.CLUSTER.value] = origin
                 tiers.append(self.cluster)
             ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
             tiers.append(ram_anchors)
@@ -527,26 +533,33 @@ class SchedulerSide:
                 f"{pc.pipeline_parallel_size}): each worker holds a shard of every link. Unset "
                 "VLLM_HYBRIDCACHE_DISK_DIR / disk_dir to run without it.")
         root = Path(settings.disk_dir).expanduser()
+        key_file = settings.disk_key_path()
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root = own_folder(root, key_file)  # 0700 when created; refused when others write it
+            key = key_from_file(key_file, "disk", create=True)
             fp = engine_fingerprint(
                 vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
                 msgspec.json.encode(self.segmentation).decode(), kernel_backend(vllm_config),
                 memo_file=root / WEIGHTS_MEMO)
             directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
-                                      settings.disk_min_free_bytes, float(settings.disk_ttl_s))
+                                      settings.disk_min_free_bytes, float(settings.disk_ttl_s),
+                                      key=key, key_file=key_file)
             directory.open()
             probe = directory.dir / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
-        except OSError as e:
+        except (OSError, KeyFileError) as e:
             raise RuntimeError(
                 f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "
-                "give a writable folder or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir") from e
+                "give a folder of your own (or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir)"
+            ) from e
         self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
                                        settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                       spill=spill, drain_s=float(settings.spill_timeout_s),
+                                       key_file=str(key_file), spill=spill,
+                                       drain_s=float(settings.spill_timeout_s),
                                        direct_reads=settings.disk_direct_reads)
+        self._origins[Tier.DISK.value] = SourceOrigin(fp.digest, str(key_file), "disk",
+                                                      str(root))
         # sent once, with the first plan (StepPlan.disk_warm)
         self._disk_warm = directory.warm_spans(POOL_BYTES)
         if spill:
@@ -751,11 +764,7 @@ class SchedulerSide:
                 self._count_in_place(res, in_place)
             entry.restoring = res
             sources = self.cache.sources(res)
-            fp = b""
-            if sources and res.tier == Tier.CLUSTER and self._cluster_target is not None:
-                fp = self._cluster_target.fingerprint
-            elif sources and self._disk_target:
-                fp = self._disk_target.fingerprint
+            origin = self._origins.get(res.tier) if sources else None
             draft = None
             if res.kind == LinkKind.TREE:
                 draft = entry.draft_rebuild(res.plan.chain, int(request.prompt_token_ids[-1]))
@@ -763,7 +772,7 @@ class SchedulerSide:
                 draft = entry.anchor_rebuild(int(request.prompt_token_ids[res.tokens]))
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
-                                       sources=sources, fingerprint=fp, draft=draft,
+                                       sources=sources, origin=origin, draft=draft,
                                        in_place=in_place))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup
@@ -1006,6 +1015,11 @@ class SchedulerSide:
                 self._end_restore(req_id, entry, True, seconds)
         if report.disk is not None and self.disk is not None:
             self.disk.absorb_worker(report.disk)
+        for (tier, kind), problems in report.refused.items():
+            counter = getattr(self.cache.tier(tier, kind), "note_refused", None)
+            if counter is not None:
+                for problem, n in problems.items():
+                    counter(problem, n)
 
     def _offer_to_disk(self, addr: LinkAddr) -> None:
         """A RAM tree link just committed: queue its file write when the disk tier admits it

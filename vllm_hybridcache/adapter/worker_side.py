@@ -15,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -173,10 +174,19 @@ class WorkerSide:
             # MTP route (the draft rebuild reads every link's sections now) nor from the
             # cluster tier's staging folder (its files do not stay)
             defer = job.tier == Tier.DISK and job.draft is None
-            stage_chain(self.store, job.chain, job.sources, job.fingerprint, direct, defer)
+            origin = job.origin
+            if origin is None:
+                raise DiskReadError(job.chain[0].link_id if job.chain else -1, "mismatch",
+                                    "a load with files but no origin")
+            stage_chain(self.store, job.chain, job.sources, origin.fingerprint, direct, defer,
+                        key=origin.key(), root=Path(origin.root))
         except DiskReadError as e:
-            if self._writer is not None:
-                self._writer.note_read_failure(e.problem)
+            if job.tier == Tier.DISK:
+                if self._writer is not None:
+                    self._writer.note_read_failure(e.problem)
+            else:
+                probs = self._report.refused.setdefault((job.tier, job.kind), {})
+                probs[e.problem] = probs.get(e.problem, 0) + 1
             raise
 
     def _disk_plan(self, plan: StepPlan) -> None:

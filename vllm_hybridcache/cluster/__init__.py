@@ -5,7 +5,7 @@ is in core/tiers/cluster.py and imports no Ray; this package is the one place th
 Ray. See docs/cluster.md.
 """
 
-from .directory import DIRECTORY_NAME, NAMESPACE, directory_handle
+from .directory import DIRECTORY_NAME, NAMESPACE, DirectoryClient, DirectoryRefused
 from .transport import RayTransport
 
-__all__ = ["DIRECTORY_NAME", "NAMESPACE", "RayTransport", "directory_handle"]
+__all__ = ["DIRECTORY_NAME", "NAMESPACE", "DirectoryClient", "DirectoryRefused", "RayTransport"]

@@ -1,4 +1,5 @@
-"""The cluster's link directory: one named Ray actor, keyed by (fingerprint, domain, digest).
+"""The cluster's link directory: one named Ray actor per cluster secret, keyed by locators, that
+answers only callers holding the secret.
 
 Why an actor: Ray already provides a cluster-wide, addressable, single-threaded place to keep a
 small table; a replica finds it by name. Each entry names the link's segment, its size, the
@@ -7,59 +8,84 @@ kept inside a list so Ray passes the reference itself rather than the object: ho
 keeps the payload alive for as long as its owner lives (Ray loses an object with its owner,
 which a fetch reports as a lost owner).
 
+What it knows and who may ask (docs/security.md):
+- Entries are keyed by *locators* (core/tiers/cluster.py `locator`): keyed digests of
+  (fingerprint, domain, digest). The table holds no fingerprint, domain, prompt digest or
+  token id; nobody without the cluster secret can tell whose prefix an entry is, or compute
+  where a given prefix would be.
+- Every call, reads included, goes through `call(body, mac, refs)`: `body` (msgpack: the
+  operation, its arguments, the ids of the object refs passed along, a timestamp and a nonce)
+  carries a MAC keyed by the directory key (`LinkKey.directory_key`, derived from the cluster
+  secret; the actor holds only that key, so it can neither forge a payload nor compute a
+  locator). A call whose MAC fails, whose timestamp is more than SKEW_S off, or whose nonce was
+  seen is refused (`DirectoryRefused`): a Ray client without the secret can neither publish,
+  forget nor enumerate. The actor's name carries a keyed digest of the secret, so clusters with
+  different secrets never share a directory.
+- The directory key reaches the actor as its creation argument, which Ray keeps in its control
+  store: a member of the Ray cluster who reads it there could call the directory (delete or
+  list locators), never forge a payload a replica accepts (payloads carry MACs under another
+  key derived from the secret) nor learn a prefix.
+
 End anchors live in a table of their own (a session-exact state never answers a tree lookup),
-keyed the same way and indexed by their key block digest (core/tiers/cluster.py
-`anchor_block`): a lookup does not know an anchor's length, so it sends the digests at its
-prompt's block boundaries and gets the anchors indexed under them.
+indexed by the locator of their key block digest (`block_locator`): a lookup does not know an
+anchor's length, so it sends the locators at its prompt's block boundaries and gets the
+anchors indexed under them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import time
+from collections import OrderedDict
 from typing import Any
 
+import msgspec
 import ray
+
+from vllm_hybridcache.core.auth import LinkKey
 
 DIRECTORY_NAME = "hybridcache-directory"
 NAMESPACE = "hybridcache"
+SKEW_S = 300.0  # how far a call's timestamp may be from the directory's clock
+NONCES_MAX = 1 << 16  # nonces of recent calls kept (a replayed call is refused)
+_PERSON = b"hc-dir-call"
 
-Key = tuple[bytes, bytes, bytes]  # (fingerprint, domain, digest)
+# (parent locator, start, end, nbytes, owner, [payload ref])
+Entry = tuple[bytes, int, int, int, str, list[Any]]
 
 
-class LinkDirectory:
-    """The table itself (plain Python: unit-testable without Ray)."""
+class DirectoryRefused(Exception):
+    """A directory call without a valid MAC, too old, or replayed."""
+
+
+class ClusterDirectory:
+    """The table itself (plain Python: unit-testable without Ray), keyed by locators."""
 
     def __init__(self) -> None:
-        # key -> (parent digest, start, end, nbytes, owner, [payload ref])
-        self._entries: dict[Key, tuple[bytes, int, int, int, str, list[Any]]] = {}
-        # end anchors: key -> (block digest, end, nbytes, owner, [payload ref]), and
-        # (fingerprint, domain, block digest) -> their digests
-        self._anchors: dict[Key, tuple[bytes, int, int, str, list[Any]]] = {}
-        self._blocks: dict[Key, set[bytes]] = {}
+        self._entries: dict[bytes, Entry] = {}
+        # end anchors: locator -> (block locator, end, nbytes, owner, [payload ref]), and
+        # block locator -> the anchors' locators
+        self._anchors: dict[bytes, tuple[bytes, int, int, str, list[Any]]] = {}
+        self._blocks: dict[bytes, set[bytes]] = {}
 
-    def publish(self, fingerprint: bytes, domain: bytes, digest: bytes, parent_digest: bytes,
-                start: int, end: int, nbytes: int, owner: str, ref: list[Any]) -> None:
-        self._entries[(fingerprint, domain, digest)] = (parent_digest, start, end, nbytes,
-                                                       owner, ref)
+    def publish(self, locator: bytes, parent: bytes, start: int, end: int, nbytes: int,
+                owner: str, ref: list[Any]) -> None:
+        self._entries[locator] = (parent, start, end, nbytes, owner, ref)
 
-    def locate(self, fingerprint: bytes, domain: bytes, digests: list[bytes]
-               ) -> list[tuple[bytes, bytes, int, int, int, str, list[Any]]]:
-        out = []
-        for d in digests:
-            e = self._entries.get((fingerprint, domain, d))
-            if e is not None:
-                out.append((d, *e))
-        return out
+    def locate(self, locators: list[bytes]) -> list[tuple[bytes, bytes, int, int, int, str,
+                                                          list[Any]]]:
+        return [(loc, *self._entries[loc]) for loc in locators if loc in self._entries]
 
-    def forget(self, fingerprint: bytes, domain: bytes, digests: list[bytes],
-               owner: str | None = None) -> int:
+    def forget(self, locators: list[bytes], owner: str | None = None) -> int:
         """Remove entries (only `owner`'s when given: a replica withdrawing its own links
         never removes a newer copy another replica published)."""
         n = 0
-        for d in digests:
-            k = (fingerprint, domain, d)
-            e = self._entries.get(k)
+        for loc in locators:
+            e = self._entries.get(loc)
             if e is not None and (owner is None or e[4] == owner):
-                del self._entries[k]
+                del self._entries[loc]
                 n += 1
         return n
 
@@ -69,56 +95,51 @@ class LinkDirectory:
         for k in gone:
             del self._entries[k]
         anchors = [k for k, e in self._anchors.items() if e[3] == owner]
-        for fp, dom, d in anchors:
-            self.forget_anchors(fp, dom, [d])
+        self.forget_anchors(anchors)
         return len(gone) + len(anchors)
 
     # ------------------------------------------------------------------ end anchors
-    def publish_anchor(self, fingerprint: bytes, domain: bytes, digest: bytes, block: bytes,
-                       end: int, nbytes: int, owner: str, ref: list[Any]) -> None:
-        key = (fingerprint, domain, digest)
-        self.forget_anchors(fingerprint, domain, [digest])
-        self._anchors[key] = (block, end, nbytes, owner, ref)
-        self._blocks.setdefault((fingerprint, domain, block), set()).add(digest)
+    def publish_anchor(self, locator: bytes, block: bytes, end: int, nbytes: int, owner: str,
+                       ref: list[Any]) -> None:
+        self.forget_anchors([locator])
+        self._anchors[locator] = (block, end, nbytes, owner, ref)
+        self._blocks.setdefault(block, set()).add(locator)
 
-    def locate_anchors(self, fingerprint: bytes, domain: bytes, blocks: list[bytes], limit: int
+    def locate_anchors(self, blocks: list[bytes], limit: int
                        ) -> list[tuple[bytes, bytes, int, int, int, str, list[Any]]]:
         """Anchors of at most `limit` tokens indexed under one of `blocks`, in the shape of
         `locate`'s entries (roots: no parent, start 0)."""
         out = []
         for b in blocks:
-            for d in self._blocks.get((fingerprint, domain, b), ()):
-                _, end, nbytes, owner, ref = self._anchors[(fingerprint, domain, d)]
+            for loc in self._blocks.get(b, ()):
+                _, end, nbytes, owner, ref = self._anchors[loc]
                 if end <= limit:
-                    out.append((d, b"", 0, end, nbytes, owner, ref))
+                    out.append((loc, b"", 0, end, nbytes, owner, ref))
         return out
 
-    def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: list[bytes],
-                       owner: str | None = None) -> int:
+    def forget_anchors(self, locators: list[bytes], owner: str | None = None) -> int:
         """Remove anchors (only `owner`'s when given)."""
         n = 0
-        for d in digests:
-            k = (fingerprint, domain, d)
-            e = self._anchors.get(k)
+        for loc in locators:
+            e = self._anchors.get(loc)
             if e is None or (owner is not None and e[3] != owner):
                 continue
-            del self._anchors[k]
-            bk = (fingerprint, domain, e[0])
-            ds = self._blocks.get(bk)
+            del self._anchors[loc]
+            ds = self._blocks.get(e[0])
             if ds is not None:
-                ds.discard(d)
+                ds.discard(loc)
                 if not ds:
-                    del self._blocks[bk]
+                    del self._blocks[e[0]]
             n += 1
         return n
 
-    def anchors_of(self, owner: str) -> list[tuple[Key, tuple[bytes, int, int, list[Any]]]]:
-        """Every end anchor of one replica (key, (block digest, end, nbytes, [ref]))."""
+    def anchors_of(self, owner: str) -> list[tuple[bytes, tuple[bytes, int, int, list[Any]]]]:
+        """Every end anchor of one replica (locator, (block locator, end, nbytes, [ref]))."""
         return [(k, (e[0], e[1], e[2], e[4])) for k, e in self._anchors.items()
                 if e[3] == owner]
 
-    def entries_of(self, owner: str) -> list[tuple[Key, tuple[bytes, int, int, int, list[Any]]]]:
-        """Every entry of one replica (key, (parent digest, start, end, nbytes, [ref]))."""
+    def entries_of(self, owner: str) -> list[tuple[bytes, tuple[bytes, int, int, int, list[Any]]]]:
+        """Every entry of one replica (locator, (parent locator, start, end, nbytes, [ref]))."""
         return [(k, (e[0], e[1], e[2], e[3], e[5])) for k, e in self._entries.items()
                 if e[4] == owner]
 
@@ -136,11 +157,85 @@ class LinkDirectory:
         return out
 
 
-DirectoryActor = ray.remote(num_cpus=0, max_restarts=0)(LinkDirectory)
+OPERATIONS = frozenset({"publish", "locate", "forget", "forget_owner", "publish_anchor",
+                        "locate_anchors", "forget_anchors", "anchors_of", "entries_of",
+                        "stats"})
+_REF_ARG = {"publish", "publish_anchor"}  # calls whose last argument is the payload ref list
 
 
-def directory_handle() -> Any:
-    """The cluster's directory actor, created by the first replica that asks (detached, so it
-    outlives that replica; it goes with the cluster)."""
-    return DirectoryActor.options(name=DIRECTORY_NAME, namespace=NAMESPACE, get_if_exists=True,
-                                  lifetime="detached").remote()
+def _ref_ids(refs: list[Any]) -> list[bytes]:
+    return [r.binary() if hasattr(r, "binary") else bytes(r) for r in refs]
+
+
+def sign_call(key: bytes, op: str, args: list[Any], refs: list[Any],
+              clock=time.time) -> tuple[bytes, bytes]:
+    """The (body, mac) of a directory call (see the module docstring)."""
+    body = msgspec.msgpack.encode([op, args, _ref_ids(refs), float(clock()), os.urandom(16)])
+    return body, hashlib.blake2b(body, key=key, digest_size=32, person=_PERSON).digest()
+
+
+class AuthenticatedDirectory:
+    """A ClusterDirectory that answers only `call`s MACed with its key (module docstring)."""
+
+    def __init__(self, key: bytes, clock=time.time) -> None:
+        self._key = bytes(key)
+        self._clock = clock
+        self._table = ClusterDirectory()
+        self._nonces: OrderedDict[bytes, float] = OrderedDict()
+        self.refused = 0
+
+    def call(self, body: bytes, mac: bytes, refs: list[Any]) -> Any:
+        want = hashlib.blake2b(body, key=self._key, digest_size=32, person=_PERSON).digest()
+        if not hmac.compare_digest(want, mac):
+            return self._refuse("its MAC does not match this directory's key")
+        try:
+            op, args, ref_ids, stamp, nonce = msgspec.msgpack.decode(body)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            return self._refuse("malformed")
+        now = self._clock()
+        if (op not in OPERATIONS or not isinstance(args, list)
+                or ref_ids != _ref_ids(refs) or abs(now - float(stamp)) > SKEW_S):
+            return self._refuse("malformed, stale or with other object refs")
+        if nonce in self._nonces:
+            return self._refuse("replayed")
+        self._nonces[nonce] = now
+        while self._nonces and (len(self._nonces) > NONCES_MAX
+                                or now - next(iter(self._nonces.values())) > 2 * SKEW_S):
+            self._nonces.popitem(last=False)
+        if op in _REF_ARG:
+            args = [*args, list(refs)]
+        return getattr(self._table, op)(*args)
+
+    def _refuse(self, why: str) -> Any:
+        self.refused += 1
+        raise DirectoryRefused(f"directory call refused: {why}")
+
+
+DirectoryActor = ray.remote(num_cpus=0, max_restarts=0)(AuthenticatedDirectory)
+
+
+class DirectoryClient:
+    """A caller of the directory that holds the cluster secret (replica, front, launcher).
+
+    `call(op, *args, refs=...)` returns an ObjectRef of the answer (`ray.get` it, or not for a
+    fire-and-forget call); a refused call raises DirectoryRefused on `ray.get`.
+    """
+
+    def __init__(self, key: LinkKey) -> None:
+        self.key = key
+        self.name = f"{DIRECTORY_NAME}-{key.name(b'directory-actor', size=8)}"
+        self._handle: Any = None
+
+    def handle(self) -> Any:
+        """The cluster's directory actor for this secret, created by the first replica that
+        asks (detached, so it outlives that replica; it goes with the cluster)."""
+        if self._handle is None:
+            self._handle = DirectoryActor.options(
+                name=self.name, namespace=NAMESPACE, get_if_exists=True,
+                lifetime="detached").remote(self.key.directory_key)
+        return self._handle
+
+    def call(self, op: str, *args: Any, refs: list[Any] | None = None) -> Any:
+        refs = list(refs or [])
+        body, mac = sign_call(self.key.directory_key, op, list(args), refs)
+        return self.handle().call.remote(body, mac, refs)

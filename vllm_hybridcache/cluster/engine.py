@@ -19,7 +19,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from vllm_hybridcache.core.auth import KeyFileError, key_from_file
 from vllm_hybridcache.core.disk.directory import ANCHOR
+from vllm_hybridcache.core.disk.reader import SourceOrigin
 from vllm_hybridcache.core.disk.writer import WriteJob
 from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.core.tiers.cluster import (
@@ -27,9 +29,12 @@ from vllm_hybridcache.core.tiers.cluster import (
     ClusterTarget,
     ClusterTier,
     anchor_block,
+    block_locator,
     link_payload,
+    locator,
 )
 
+from .directory import DirectoryRefused
 from .transport import RayTransport
 
 logger = logging.getLogger("vllm_hybridcache")
@@ -47,9 +52,11 @@ def _scratch(prefix: str) -> Path:
 
 
 def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
-                      ) -> tuple[ClusterTier, ClusterTarget]:
-    """The scheduler's cluster tier and the target its workers publish to, or a start-up error
-    naming why the cluster cannot be reached (a tier asked for is never silently off)."""
+                      ) -> tuple[ClusterTier, ClusterTarget, SourceOrigin]:
+    """The scheduler's cluster tier, the target its workers publish to and where its hits'
+    files come from, or a start-up error naming why the cluster cannot be used (a tier asked
+    for is never silently off): no cluster secret, a secret file that must not be used, an
+    unreachable cluster, a directory that refuses the secret."""
     from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
 
     pc = vllm_config.parallel_config
@@ -59,27 +66,47 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
             f"for now (tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
             f"{pc.pipeline_parallel_size}). Unset VLLM_HYBRIDCACHE_CLUSTER_ADDRESS to run "
             "without it.")
+    if not settings.cluster_secret_file:
+        raise RuntimeError(
+            "hybridcache: the cluster tier (cluster_address) needs the cluster secret every "
+            "replica shares: set VLLM_HYBRIDCACHE_CLUSTER_SECRET_FILE / cluster_secret_file to "
+            "a file holding it (e.g. `openssl rand -hex 32 > secret; chmod 600 secret`; the "
+            "local launcher makes one). Payloads are authenticated with it (docs/security.md)")
+    secret_file = str(Path(settings.cluster_secret_file).expanduser())
+    try:
+        key = key_from_file(secret_file, "cluster")
+    except (OSError, KeyFileError) as e:
+        raise RuntimeError(f"hybridcache: cluster_secret_file {secret_file!r} is not usable "
+                           f"({type(e).__name__}: {e})") from e
     fp = engine_fingerprint(
         vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
         msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
-    transport = RayTransport(settings.cluster_address)
+    transport = RayTransport(settings.cluster_address, key)
     try:
         transport.connect()
+    except DirectoryRefused as e:
+        raise RuntimeError(
+            f"hybridcache: the cluster directory at {settings.cluster_address!r} refuses this "
+            f"replica's calls ({e}): its secret ({secret_file}) is not the one the directory "
+            "was created with; give every replica the same cluster_secret_file") from e
     except Exception as e:
         raise RuntimeError(
             f"hybridcache: the Ray cluster at cluster_address {settings.cluster_address!r} is not "
             f"reachable ({type(e).__name__}: {e}); start one (`ray start --head`) or unset "
             "VLLM_HYBRIDCACHE_CLUSTER_ADDRESS") from e
     owner = settings.cluster_replica or f"{socket.gethostname()}:{os.getpid()}"
+    stage = _scratch("hybridcache-cluster-")
     tier = ClusterTier(layout, fp.digest, transport, remote_cuts(vllm_config, segmentation),
-                       _scratch("hybridcache-cluster-"), settings.cluster_budget_bytes,
+                       stage, settings.cluster_budget_bytes,
                        float(settings.cluster_timeout_s), next_id=ids, promote=tree.adopt,
                        owner=owner,
                        baseline=lambda keys, domain, limit: tree.lookup(keys, domain,
-                                                                        limit).tokens)
-    logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s)",
-                settings.cluster_address, owner, fp.hex[:16])
-    return tier, ClusterTarget(settings.cluster_address, fp.digest, owner)
+                                                                        limit).tokens,
+                       key=key)
+    logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s, secret %s)",
+                settings.cluster_address, owner, fp.hex[:16], key.key_id)
+    return (tier, ClusterTarget(settings.cluster_address, fp.digest, owner, secret_file),
+            SourceOrigin(fp.digest, secret_file, "cluster", str(stage)))
 
 
 def open_cluster_anchors(tier: ClusterTier, anchors) -> ClusterAnchors:
@@ -118,25 +145,29 @@ class Publisher:
 
     def __init__(self, target: ClusterTarget) -> None:
         self.target = target
-        self.transport = RayTransport(target.address, owner=target.owner)
+        self.key = key_from_file(target.secret_file, "cluster")
+        self.transport = RayTransport(target.address, self.key, owner=target.owner)
         self._tmp = _scratch("hybridcache-publish-")
-        # link id -> (kind, domain, digest)
-        self._published: dict[int, tuple[str, bytes, bytes]] = {}
+        # link id -> (kind, locator)
+        self._published: dict[int, tuple[str, bytes]] = {}
         self.published = 0
         self.failed = 0
 
     def publish(self, job: WriteJob, parts: dict[str, Any]) -> None:
         try:
-            payload = link_payload(job, self.target.fingerprint, parts, self._tmp)
+            fp = self.target.fingerprint
+            payload = link_payload(job, fp, parts, self._tmp, self.key)
+            loc = locator(self.key, fp, job.domain, job.digest)
             if job.kind == ANCHOR:
                 keys = PromptKeys(np.frombuffer(job.tokens, dtype=np.int64))
-                self.transport.publish_anchor(self.target.fingerprint, job.domain, job.digest,
-                                              keys.digest(anchor_block(job.end)), job.end,
-                                              payload)
+                block = block_locator(self.key, fp, job.domain,
+                                      keys.digest(anchor_block(job.end)))
+                self.transport.publish_anchor(loc, block, job.end, payload)
             else:
-                self.transport.publish(self.target.fingerprint, job.domain, job.digest,
-                                       job.parent_digest, job.start, job.end, payload)
-            self._published[job.link_id] = (job.kind, job.domain, job.digest)
+                parent = (locator(self.key, fp, job.domain, job.parent_digest)
+                          if job.start else b"")
+                self.transport.publish(loc, parent, job.start, job.end, payload)
+            self._published[job.link_id] = (job.kind, loc)
             self.published += 1
         except Exception as e:
             self.failed += 1
@@ -148,11 +179,11 @@ class Publisher:
         for lid in link_ids:
             k = self._published.pop(lid, None)
             if k is not None:
-                kind, domain, digest = k
+                kind, loc = k
                 withdraw = (self.transport.withdraw_anchor if kind == ANCHOR
                             else self.transport.withdraw)
                 try:
-                    withdraw(self.target.fingerprint, domain, digest)
+                    withdraw(loc)
                 except Exception as e:
                     logger.warning("hybridcache: cluster withdraw failed: %s", e)
 

@@ -6,6 +6,11 @@ cluster tier on, so links move between them), waits until every one answers, the
 front (front.py) as a Ray Serve ingress deployment on `--port`: routing, retries, summed
 `/v1/cache/stats`, `/metrics` with a `replica` label. Ctrl-C (or SIGTERM) stops the front and
 the replicas. See docs/cluster.md.
+
+The cluster secret (docs/security.md): `--secret-file` (or VLLM_HYBRIDCACHE_CLUSTER_SECRET_FILE)
+names a file every node holds at that path; without one, a local cluster (no `--address`) gets
+a fresh secret in a private folder (0700, the file 0600) that lives as long as the launcher,
+and a remote cluster is refused (the launcher cannot hand a secret to other nodes safely).
 """
 
 from __future__ import annotations
@@ -14,18 +19,23 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
 import requests
 from ray import serve
 
-from .directory import NAMESPACE, directory_handle
+from vllm_hybridcache.core.auth import key_from_file, new_secret
+
+from .directory import NAMESPACE, DirectoryClient
 from .front import Front
 from .owners import OwnerBookActor
 from .routing import Policy, Router
@@ -33,7 +43,8 @@ from .server_replica import server_replica_actor
 
 logger = logging.getLogger("vllm_hybridcache")
 
-_OWN_ENV = ("VLLM_HYBRIDCACHE_CLUSTER_ADDRESS", "VLLM_HYBRIDCACHE_CLUSTER_REPLICA")
+SECRET_ENV = "VLLM_HYBRIDCACHE_CLUSTER_SECRET_FILE"
+_OWN_ENV = ("VLLM_HYBRIDCACHE_CLUSTER_ADDRESS", "VLLM_HYBRIDCACHE_CLUSTER_REPLICA", SECRET_ENV)
 
 
 class LaunchError(RuntimeError):
@@ -54,15 +65,17 @@ class Cluster:
     def __init__(self, model: str, replicas: int = 2, serve_args: Sequence[str] = (),
                  cpus_per_replica: float = 1, gpus_per_replica: float = 0,
                  startup_timeout_s: float = 900.0, plugin: bool = True,
-                 cluster_tier: bool = True) -> None:
+                 cluster_tier: bool = True, secret_file: str | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if not ray.is_initialized():
             raise RuntimeError("join a Ray cluster first (join_ray)")
-        self.directory = directory_handle()
-        ray.get(self.directory.stats.remote(), timeout=60)
+        self._secret_dir: Path | None = None
+        self.secret_file = secret_file or self._local_secret()
+        self.directory = DirectoryClient(key_from_file(self.secret_file, "cluster"))
+        ray.get(self.directory.call("stats"), timeout=60)
         Actor = server_replica_actor(cpus_per_replica, gpus_per_replica)
-        env = replica_env()
+        env = {**replica_env(), SECRET_ENV: self.secret_file}
         self.actors: dict[str, Any] = {
             f"r{i}": Actor.remote(f"r{i}", model, list(serve_args), env, plugin, cluster_tier)
             for i in range(replicas)}
@@ -99,7 +112,8 @@ class Cluster:
         if self.book is None:
             self.book = OwnerBookActor.remote()
         serve.run(FrontDeployment.bind(self.endpoints, self.actors, policy.value,
-                                       max_imbalance, health_interval_s, self.book),
+                                       max_imbalance, health_interval_s, self.book,
+                                       self.secret_file),
                   name=APP_NAME, route_prefix="/")
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.url = f"http://{shown}:{port}"
@@ -129,6 +143,24 @@ class Cluster:
         if self.book is not None:
             ray.kill(self.book)
             self.book = None
+        if self._secret_dir is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
+            self._secret_dir = None
+
+    def _local_secret(self) -> str:
+        """A fresh cluster secret for replicas on this machine only (module docstring)."""
+        nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        if len(nodes) > 1:
+            raise LaunchError(
+                f"the Ray cluster has {len(nodes)} nodes: give every replica the same cluster "
+                f"secret with --secret-file (or {SECRET_ENV}), a file that exists at that path "
+                "on every node (e.g. `openssl rand -hex 32 > secret; chmod 600 secret`)")
+        self._secret_dir = Path(tempfile.mkdtemp(prefix="hybridcache-secret-"))  # 0700
+        path = self._secret_dir / "cluster.secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(new_secret() + b"\n")
+        return str(path)
 
 
 APP_NAME = "hybridcache"
@@ -147,9 +179,11 @@ class FrontDeployment:
     """
 
     def __init__(self, endpoints: dict[str, str], actors: dict[str, Any], policy: str,
-                 max_imbalance: int, health_interval_s: float, book: Any = None) -> None:
+                 max_imbalance: int, health_interval_s: float, book: Any = None,
+                 secret_file: str | None = None) -> None:
         self.actors = actors
-        self.directory = directory_handle()
+        self.directory = (DirectoryClient(key_from_file(secret_file, "cluster"))
+                          if secret_file else None)
         self.book = book
         router = Router(list(endpoints), Policy(policy), max_imbalance,
                         on_owner=self.keep_owner if book is not None else None)
@@ -179,7 +213,9 @@ class FrontDeployment:
 
     async def forget(self, name: str) -> None:
         """Remove a dead replica's links from the directory."""
-        n = await self.directory.forget_owner.remote(name)
+        if self.directory is None:
+            return
+        n = await self.directory.call("forget_owner", name)
         logger.warning("hybridcache: %d links of replica %s left the directory", n, name)
 
     def __serve_build_asgi_app__(self):
@@ -219,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--address", default=None,
                    help="Ray cluster to join (host:port or auto); default: a local one")
+    p.add_argument("--secret-file", default=os.environ.get(SECRET_ENV) or None,
+                   help="the cluster secret's file, at this path on every node (default: "
+                        f"${SECRET_ENV}; a local cluster without one gets a fresh secret)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--cpus-per-replica", type=float, default=1)
@@ -250,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = Cluster(model, args.replicas, serve_args, args.cpus_per_replica,
                           args.gpus_per_replica, args.startup_timeout,
-                          plugin=not args.no_plugin, cluster_tier=not args.no_cluster_tier)
+                          plugin=not args.no_plugin, cluster_tier=not args.no_cluster_tier,
+                          secret_file=args.secret_file)
     except LaunchError as e:
         print(f"vllm-hybridcache cluster: error: {e}", file=sys.stderr)
         ray.shutdown()

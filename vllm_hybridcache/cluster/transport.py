@@ -1,5 +1,8 @@
 """RayTransport: the cluster tier's ClusterTransport (core/tiers/cluster.py) on Ray.
 
+Every directory call is signed with the cluster secret (directory.py `DirectoryClient`); the
+arguments are locators (core/tiers/cluster.py), never fingerprints, domains or digests.
+
 Scheduler side (EngineCore process): `locate` asks the directory actor and `fetch` pulls the
 payload objects to this node, both without waiting: each returns a Pending whose `done` polls
 Ray with a zero timeout (`ray.wait(..., timeout=0, fetch_local=True)`), so the scheduler loop
@@ -7,7 +10,8 @@ never blocks on the network. Worker side: `publish` puts a payload into the obje
 process owns it) and registers it; `withdraw` removes it when the link leaves the worker's
 store. End anchors have their own calls (`locate_anchors`, `publish_anchor`, ...: the
 directory keeps them apart). Ray errors become ClusterError reasons: a dead owner
-`owner_lost`, a lost object `object_lost`, anything else `unreachable`.
+`owner_lost`, a lost object `object_lost`, a refused call `unauthenticated`, anything else
+`unreachable`.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from typing import Any
 import ray
 import ray.exceptions as rex
 
+from vllm_hybridcache.core.auth import LinkKey
 from vllm_hybridcache.core.tiers.cluster import ClusterError, ClusterMiss, RemoteEntry
 
-from .directory import NAMESPACE, directory_handle
+from .directory import NAMESPACE, DirectoryClient, DirectoryRefused
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -37,6 +42,8 @@ def connect(address: str) -> None:
 
 
 def _reason(e: BaseException) -> ClusterMiss:
+    if isinstance(e, DirectoryRefused):
+        return ClusterMiss.UNAUTHENTICATED
     if isinstance(e, rex.OwnerDiedError):
         return ClusterMiss.OWNER_LOST
     if isinstance(e, (rex.ObjectLostError, rex.ObjectFetchTimedOutError,
@@ -65,7 +72,7 @@ class _Pending:
     def result(self) -> Any:
         try:
             return self._convert(ray.get(self._refs, timeout=0))
-        except rex.RayError as e:
+        except (rex.RayError, DirectoryRefused) as e:
             raise ClusterError(_reason(e), f"{type(e).__name__}: {e}") from e
 
 
@@ -80,107 +87,102 @@ class _Failed:
         raise self._err
 
 
+def _entries(vals: list[Any]) -> list[RemoteEntry]:
+    return [RemoteEntry(loc, parent, start, end, nbytes, owner, h[0])
+            for loc, parent, start, end, nbytes, owner, h in vals[0]]
+
+
 class RayTransport:
     """The directory and payload movement of one replica process (see the module docstring).
 
+    key: the cluster secret's LinkKey (signs every directory call);
     owner: this replica's name in the directory (its links are listed under it).
     """
 
-    def __init__(self, address: str, owner: str | None = None) -> None:
+    def __init__(self, address: str, key: LinkKey, owner: str | None = None) -> None:
         self.address = address
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
-        self._dir: Any = None
-        self._held: dict[tuple[bytes, bytes, bytes], Any] = {}  # published payload refs
-        self._held_anchors: dict[tuple[bytes, bytes, bytes], Any] = {}
+        self._client = DirectoryClient(key)
+        self._joined = False
+        self._held: dict[bytes, Any] = {}  # published payload refs, by locator
+        self._held_anchors: dict[bytes, Any] = {}
 
-    def _directory(self) -> Any:
-        if self._dir is None:
+    def _call(self, op: str, *args: Any, refs: list[Any] | None = None) -> Any:
+        if not self._joined:
             connect(self.address)
-            self._dir = directory_handle()
-        return self._dir
+            self._joined = True
+        return self._client.call(op, *args, refs=refs)
 
     def connect(self) -> None:
-        """Join the cluster and find (or create) the directory now (start-up checks)."""
-        ray.get(self._directory().stats.remote(), timeout=60)
+        """Join the cluster and find (or create) the directory now (start-up checks: a
+        directory that refuses this replica's secret raises DirectoryRefused)."""
+        ray.get(self._call("stats"), timeout=60)
 
     # ------------------------------------------------------------------ scheduler side
-    def locate(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> Any:
+    def locate(self, locators: Sequence[bytes]) -> Any:
         try:
-            ref = self._directory().locate.remote(fingerprint, domain, list(digests))
+            ref = self._call("locate", list(locators))
         except rex.RayError as e:
             return _Failed(ClusterError(_reason(e), str(e)))
-        return _Pending([ref], lambda vals: [
-            RemoteEntry(d, parent, start, end, nbytes, owner, h[0])
-            for d, parent, start, end, nbytes, owner, h in vals[0]])
+        return _Pending([ref], _entries)
 
     def fetch(self, entries: Sequence[RemoteEntry]) -> Any:
         return _Pending([e.handle for e in entries], lambda vals: [bytes(v) for v in vals])
 
-    def forget(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> None:
+    def forget(self, locators: Sequence[bytes]) -> None:
         try:
-            self._directory().forget.remote(fingerprint, domain, list(digests))
+            self._call("forget", list(locators), None)
         except rex.RayError as e:
             raise ClusterError(_reason(e), str(e)) from e
 
-    def locate_anchors(self, fingerprint: bytes, domain: bytes, blocks: Sequence[bytes],
-                       limit: int) -> Any:
+    def locate_anchors(self, blocks: Sequence[bytes], limit: int) -> Any:
         try:
-            ref = self._directory().locate_anchors.remote(fingerprint, domain, list(blocks),
-                                                          int(limit))
+            ref = self._call("locate_anchors", list(blocks), int(limit))
         except rex.RayError as e:
             return _Failed(ClusterError(_reason(e), str(e)))
-        return _Pending([ref], lambda vals: [
-            RemoteEntry(d, parent, start, end, nbytes, owner, h[0])
-            for d, parent, start, end, nbytes, owner, h in vals[0]])
+        return _Pending([ref], _entries)
 
-    def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes],
-                       owner: str | None = None) -> None:
+    def forget_anchors(self, locators: Sequence[bytes], owner: str | None = None) -> None:
         """Fire and forget; with `owner`: only that replica's anchors, and wait for the answer
         (a clear returns only once what it cleared is no longer located)."""
         try:
-            ref = self._directory().forget_anchors.remote(fingerprint, domain, list(digests),
-                                                          owner)
+            ref = self._call("forget_anchors", list(locators), owner)
             if owner is not None:
                 ray.get(ref, timeout=30)
-        except rex.RayError as e:
+        except (rex.RayError, DirectoryRefused) as e:
             raise ClusterError(_reason(e), str(e)) from e
 
     # ------------------------------------------------------------------ worker side
-    def publish(self, fingerprint: bytes, domain: bytes, digest: bytes, parent_digest: bytes,
-                start: int, end: int, payload: bytes) -> None:
+    def publish(self, locator: bytes, parent: bytes, start: int, end: int,
+                payload: bytes) -> None:
         """Put a payload in the object store (owned by this process) and list it."""
-        d = self._directory()
         ref = ray.put(payload)
-        self._held[(fingerprint, domain, digest)] = ref
-        d.publish.remote(fingerprint, domain, digest, parent_digest, start, end, len(payload),
-                         self.owner, [ref])
+        self._held[locator] = ref
+        self._call("publish", locator, parent, start, end, len(payload), self.owner, refs=[ref])
 
-    def withdraw(self, fingerprint: bytes, domain: bytes, digest: bytes) -> None:
+    def withdraw(self, locator: bytes) -> None:
         """Stop offering a link (it left this worker's store)."""
-        if self._held.pop((fingerprint, domain, digest), None) is not None:
-            self._directory().forget.remote(fingerprint, domain, [digest], self.owner)
+        if self._held.pop(locator, None) is not None:
+            self._call("forget", [locator], self.owner)
 
-    def publish_anchor(self, fingerprint: bytes, domain: bytes, digest: bytes, block: bytes,
-                       end: int, payload: bytes) -> None:
+    def publish_anchor(self, locator: bytes, block: bytes, end: int, payload: bytes) -> None:
         """Put an end anchor's payload in the object store and list it under `block` (the
-        digest of its prefix at `anchor_block(end)`)."""
-        d = self._directory()
+        locator of its prefix's digest at `anchor_block(end)`)."""
         ref = ray.put(payload)
-        self._held_anchors[(fingerprint, domain, digest)] = ref
-        d.publish_anchor.remote(fingerprint, domain, digest, block, end, len(payload),
-                                self.owner, [ref])
+        self._held_anchors[locator] = ref
+        self._call("publish_anchor", locator, block, end, len(payload), self.owner, refs=[ref])
 
-    def withdraw_anchor(self, fingerprint: bytes, domain: bytes, digest: bytes) -> None:
+    def withdraw_anchor(self, locator: bytes) -> None:
         """Stop offering an end anchor (it left this worker's store)."""
-        if self._held_anchors.pop((fingerprint, domain, digest), None) is not None:
-            self._directory().forget_anchors.remote(fingerprint, domain, [digest], self.owner)
+        if self._held_anchors.pop(locator, None) is not None:
+            self._call("forget_anchors", [locator], self.owner)
 
     def close(self) -> None:
         """Withdraw every link of this replica (a clean shutdown)."""
-        if self._dir is not None and (self._held or self._held_anchors):
+        if self._joined and (self._held or self._held_anchors):
             try:
-                ray.get(self._dir.forget_owner.remote(self.owner), timeout=5)
-            except rex.RayError as e:
+                ray.get(self._call("forget_owner", self.owner), timeout=5)
+            except (rex.RayError, DirectoryRefused) as e:
                 logger.warning("hybridcache: cluster directory not told of shutdown: %s", e)
         self._held.clear()
         self._held_anchors.clear()

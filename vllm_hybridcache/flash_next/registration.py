@@ -1,9 +1,17 @@
 """Registers Flash-Next with vLLM's model registry (lazy strings: nothing heavy is imported).
 
-On the CPU platform our implementation always replaces vLLM's in-tree Qwen4Exp (which runs on
-datacenter CUDA/ROCm only). On GPUs the switch `VLLM_HYBRIDCACHE_FLASH_NEXT_IMPL` picks:
-"hybridcache" (ours, the default everywhere so the snapshot cache sees our state layout) or
-"vllm" (keep vLLM's in-tree implementation).
+Which implementation serves the `Qwen4Exp*` architectures is a choice made once per process
+and logged (`implementation()`), by `VLLM_HYBRIDCACHE_FLASH_NEXT_IMPL`:
+
+- `auto` (the default, also when unset): ours on the CPU platform and on ROCm RDNA GPUs
+  (gfx11xx, gfx12xx: Strix Halo, R9700, the boxes this project is for), where vLLM's in-tree
+  Qwen4Exp does not run (it targets datacenter CUDA and ROCm CDNA); vLLM's own everywhere else,
+  so installing the package never replaces a vLLM implementation that works;
+- `hybridcache`: ours on every platform;
+- `vllm`: vLLM's, except on the CPU platform, where vLLM's cannot run (ours then serves, and
+  the log line says why).
+
+The snapshot cache serves either: it learns the state layout from vLLM's KV-cache groups.
 
 vLLM 0.32 turns its own block prefix caching on for every generative hybrid model
 (`mamba_cache_mode="align"`: one recurrent state block per cached KV block). Our Flash-Next
@@ -17,9 +25,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from functools import cache
+from typing import Any, NamedTuple
 
 IMPL_ENV = "VLLM_HYBRIDCACHE_FLASH_NEXT_IMPL"
+CHOICES = ("auto", "hybridcache", "vllm")
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -31,16 +41,57 @@ ARCHITECTURES = {
 }
 
 
-def use_ours() -> bool:
-    """True when our implementation should serve Qwen4Exp architectures."""
-    choice = os.environ.get(IMPL_ENV, "hybridcache").strip().lower()
-    if choice not in ("hybridcache", "vllm"):
-        raise ValueError(f"{IMPL_ENV} must be 'hybridcache' or 'vllm', got {choice!r}")
+class Implementation(NamedTuple):
+    """Who serves Qwen4Exp architectures in this process, and why (for the log line)."""
+
+    ours: bool
+    reason: str
+
+
+def is_rdna(arch: str) -> bool:
+    """gfx11xx / gfx12xx: AMD's RDNA 3, 3.5 and 4 (gfx1250 is a CDNA part despite its name)."""
+    return arch.startswith(("gfx11", "gfx12")) and not arch.startswith("gfx125")
+
+
+def choose(choice: str, platform: str, arch: str) -> Implementation:
+    """The implementation for `choice` (an IMPL_ENV value) on `platform` ("cpu", "rocm",
+    "cuda", ...) with GPU architecture `arch` (a gfx name on ROCm, "" when unknown)."""
+    choice = (choice or "auto").strip().lower()
+    if choice not in CHOICES:
+        raise ValueError(f"{IMPL_ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if platform == "cpu":
+        why = "vLLM's own Qwen4Exp does not run on the CPU platform"
+        return Implementation(True, why + (f" ({IMPL_ENV}=vllm cannot apply)"
+                                           if choice == "vllm" else ""))
     if choice == "hybridcache":
-        return True
+        return Implementation(True, f"{IMPL_ENV}=hybridcache")
+    if choice == "vllm":
+        return Implementation(False, f"{IMPL_ENV}=vllm")
+    if platform == "rocm" and is_rdna(arch):
+        return Implementation(True, f"ROCm {arch} (RDNA), where vLLM's Qwen4Exp does not run")
+    return Implementation(False, f"{platform} {arch}".strip() + ": vLLM's own implementation "
+                          f"serves (set {IMPL_ENV}=hybridcache for ours)")
+
+
+@cache
+def implementation() -> Implementation:
+    """This process's choice (see the module docstring), logged once."""
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    from vllm_hybridcache.compat import rocm_gcn_arch
+
+    platform = ("cpu" if current_platform.is_cpu() else "rocm" if current_platform.is_rocm()
+                else "cuda" if current_platform.is_cuda() else str(current_platform.device_type))
+    impl = choose(os.environ.get(IMPL_ENV, ""), platform, rocm_gcn_arch())
+    logger.info("hybridcache: Flash-Next (Qwen4Exp*) served by %s: %s",
+                "vllm-hybridcache's implementation" if impl.ours else "vLLM's in-tree model",
+                impl.reason)
+    return impl
+
+
+def use_ours() -> bool:
+    """True when our implementation should serve Qwen4Exp architectures."""
+    return implementation().ours
 
 
 SERVING_ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")

@@ -12,8 +12,9 @@ The cost: a file still in the page cache (read in the life that wrote it) comes 
 device again; the restart this tier is for reads files the page cache no longer holds.
 
 Verification is the same as the buffered read's: every part named and sized as the header
-says, every byte of it read (a short read is `truncated`), and its CRC-32 over all its bytes
-compared with the header's before the caller may use it (`checksum`). A file system that
+says, every byte of it read (a short read is `truncated`), and its CRC-32 and MAC over all its
+bytes compared with the header's before the caller may use it (`checksum`, `unauthenticated`:
+linkfile.check_part; both are computed chunk by chunk as the bytes land). A file system that
 refuses direct I/O (tmpfs, some network and FUSE file systems) raises DirectIOUnsupported
 before anything is verified; the caller then reads the file the buffered way.
 """
@@ -31,8 +32,17 @@ from pathlib import Path
 
 import torch
 
+from ..auth import LinkKey
 from .crc import crc32
-from .linkfile import ALIGN, LinkFileError, LinkFileHeader, LinkFileProblem
+from .linkfile import (
+    ALIGN,
+    LinkFileError,
+    LinkFileHeader,
+    LinkFileProblem,
+    PartEntry,
+    check_part,
+    open_link,
+)
 
 __all__ = ["CHUNK", "DirectIOUnsupported", "helper", "read_parts_direct"]
 
@@ -92,8 +102,8 @@ def helper() -> ThreadPoolExecutor:
 
 
 def _dest(path: Path, header: LinkFileHeader, dst: Mapping[str, torch.Tensor]
-          ) -> list[tuple[int, int, int, memoryview, str]]:
-    """(offset in the payload, bytes, expected CRC-32, destination, name) per part, by offset;
+          ) -> list[tuple[int, int, PartEntry, memoryview, str]]:
+    """(offset in the payload, bytes, its header entry, destination, name) per part, by offset;
     raises `mismatch` unless `dst` names exactly the header's parts, each sized as stored, and
     `format` when parts overlap (the streaming below gives each byte to one part)."""
     entries = {e.name: e for e in header.parts}
@@ -109,7 +119,7 @@ def _dest(path: Path, header: LinkFileHeader, dst: Mapping[str, torch.Tensor]
         if mv.nbytes != e.nbytes:
             raise LinkFileError(LinkFileProblem.MISMATCH,
                                 f"{path}: part {name} is {e.nbytes} bytes, {mv.nbytes} wanted")
-        out.append((e.offset, e.nbytes, e.crc32, mv, name))
+        out.append((e.offset, e.nbytes, e, mv, name))
     out.sort(key=lambda p: p[0])
     for (o1, n1, *_), (o2, *_) in itertools.pairwise(out):
         if o2 < o1 + n1:
@@ -118,8 +128,10 @@ def _dest(path: Path, header: LinkFileHeader, dst: Mapping[str, torch.Tensor]
 
 
 def read_parts_direct(path: Path, header: LinkFileHeader, base: int,
-                      dst: Mapping[str, torch.Tensor]) -> int:
-    """Read every part named in `dst` into it with direct I/O and verify its CRC-32; returns the
+                      dst: Mapping[str, torch.Tensor], key: LinkKey,
+                      root: Path | None = None) -> int:
+    """Read every part named in `dst` into it with direct I/O and verify its CRC-32 and MAC
+    (`key`); `root`: the cache folder no symlink below which is followed. Returns the
     bytes read. Same contract as linkfile.read_parts: on LinkFileError the destinations may
     hold partial bytes and must not be used. DirectIOUnsupported: nothing verified, read the
     file the buffered way."""
@@ -132,7 +144,7 @@ def read_parts_direct(path: Path, header: LinkFileHeader, base: int,
     hi = base + max(off + n for off, n, *_ in parts)
     starts = list(range(lo, hi, CHUNK))
     try:
-        fd = os.open(path, os.O_RDONLY | _O_DIRECT | os.O_CLOEXEC)
+        fd = open_link(path, root, os.O_RDONLY | _O_DIRECT)
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise DirectIOUnsupported(e.errno, "direct I/O refused", str(path)) from e
@@ -149,6 +161,7 @@ def read_parts_direct(path: Path, header: LinkFileHeader, base: int,
         for k in range(AHEAD):
             submit(k)
         crcs = [0] * len(parts)
+        macs = [key.part_mac() for _ in parts]
         i = 0  # the first part not read to its end yet (parts are sorted, disjoint)
         for k, at in enumerate(starts):
             try:
@@ -177,12 +190,12 @@ def read_parts_direct(path: Path, header: LinkFileHeader, base: int,
                     out = mv[a - p_lo:b - p_lo]
                     out[:] = chunk[a - at:b - at]
                     crcs[i] = crc32(out, crcs[i])
+                    macs[i].update(out)
                 if p_hi > end:
                     break  # part i goes on in the next chunk
                 i += 1
-        for (_, _, want, _, name), got_crc in zip(parts, crcs, strict=True):
-            if got_crc != want:
-                raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {name}")
+        for (_, _, entry, mv, _), got_crc, mac in zip(parts, crcs, macs, strict=True):
+            check_part(path, entry, mv, key, crc=got_crc, mac=mac.digest())
         return sum(n for _, n, *_ in parts)
     finally:
         for f in pending.values():  # never hand a buffer back while a read still fills it

@@ -1,16 +1,24 @@
 """LinkDirectory: the files of the disk tier, on one directory that several engines may share.
 
-Layout: `ROOT/<fingerprint[:16] hex>/<domain[:16] hex>/<digest hex>-<end>.link` for tree links,
-`ROOT/<fingerprint[:16] hex>/a-<domain[:16] hex>/<digest hex>-<end>.link` for spilled end anchors
-(session-exact state, kept apart: a tree lookup never even stats an anchor's name, and every
-header names its kind). A file's name is a function of its key (kind, domain, end, digest),
-so any engine of the same fingerprint finds a link written by another one by asking for the
-name: a tree lookup stats the names of the prompt's cuts
+Layout: `ROOT/<F>/<D>/<N>-<end>.link` for tree links and `ROOT/<F>/a-<D>/<N>-<end>.link` for
+spilled end anchors (session-exact state, kept apart: a tree lookup never even stats an
+anchor's name, and every header names its kind), where F, D and N are keyed digests (the disk
+key's `LinkKey.name`, core/auth.py) of the fingerprint, of the domain, and of (domain, digest).
+Nobody without the disk key can tell from the names which domain (tenant, adapter) a folder
+belongs to, nor which prompt a file continues; the files themselves are 0600 in 0700 folders
+(folder.py) and authenticated (linkfile.py). A file's name is a function of its key (kind,
+domain, end, digest), so any engine of the same fingerprint and disk key finds a link written
+by another one by asking for the name: a tree lookup stats the names of the prompt's cuts
 (the segmentation is part of the fingerprint, so links only ever sit at cuts), then reads and
 verifies the headers of the chain it found. The in-memory index only serves accounting and
 eviction; it is rebuilt by `scan()` and corrected whenever a file turns out to be gone.
 
-Sharing rules (several servers on one box, data-parallel ranks):
+Every file and folder below ROOT is reached from ROOT's descriptor one component at a time
+without following a symlink (safeio.py): a symlinked file or folder is refused (`symlink`,
+counted like a damaged file; the symlink itself is removed), never read, written or deleted
+through.
+
+Sharing rules (several servers of one user on one box, data-parallel ranks):
 - every engine holds a shared `flock` on `ROOT/<fp>/.in-use` for its lifetime; a directory of
   another fingerprint is deleted at start only if an exclusive lock on its `.in-use` can be
   taken (nobody uses it), so two engines of different fingerprints can share ROOT;
@@ -27,6 +35,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..auth import LinkKey
 from ..keys import PromptKeys
+from .folder import own_folder
 from .linkfile import (
     TMP_PREFIX,
     LinkFileError,
@@ -43,6 +54,7 @@ from .linkfile import (
     read_header,
     write_link_file,
 )
+from .safeio import SymlinkRefused, dir_fd, relative_parts
 from .tags import EncodedTag
 
 __all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
@@ -107,18 +119,24 @@ class LinkDirectory:
         tmp_max_age_s: float = 600.0,
         clock: Callable[[], float] | None = None,
         free_bytes: Callable[[Path], int] | None = None,
+        *,
+        key: LinkKey,
+        key_file: Path | None = None,
     ) -> None:
         """ttl_s: 0 = files never expire. free_bytes: free space of the file system holding a
-        path (default shutil.disk_usage); injected by tests."""
-        self.root = Path(root)
+        path (default shutil.disk_usage); injected by tests. key: the disk key (authenticates
+        and names the files); key_file: where it is kept (`open` refuses one inside `root`)."""
+        self.root = Path(os.path.abspath(Path(root).expanduser()))
         self.fingerprint = fingerprint
+        self.key = key
+        self.key_file = key_file
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
         self.ttl_s = ttl_s
         self.tmp_max_age_s = tmp_max_age_s
         self._clock = clock or time.time
         self._free = free_bytes or (lambda p: shutil.disk_usage(p).free)
-        self.dir = self.root / fingerprint[:8].hex()
+        self.dir = self.root / key.name(b"fingerprint", fingerprint, size=8)
         self._index: dict[Path, DiskLink] = {}
         # indexed path -> indexed files whose parent it is (eviction takes leaves only: a
         # chain is usable only while every link below its end is on disk)
@@ -133,9 +151,11 @@ class LinkDirectory:
     def open(self) -> None:
         """Create the directory, lock it shared, sweep what is not ours, index our files.
 
-        Raises OSError (read-only or missing parent, permissions) for the caller to turn into a
-        clear start-up error or a tier that stays off.
+        Raises OSError (read-only or missing parent, permissions; UnsafeFolder for a folder
+        others could write, folder.py) for the caller to turn into a clear start-up error or a
+        tier that stays off.
         """
+        own_folder(self.root, self.key_file)
         self._lock_fd = self._lock_shared()
         self._sweep_foreign()
         self.scan()
@@ -151,9 +171,11 @@ class LinkDirectory:
         """
         path = self.dir / LOCK_NAME
         for _ in range(LOCK_ATTEMPTS):
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._mkdir(self.dir)
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                with dir_fd(self.dir) as d:
+                    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600, dir_fd=d)
             except FileNotFoundError:
                 continue  # the folder was removed between mkdir and open
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -178,13 +200,16 @@ class LinkDirectory:
             self._lock_fd = None
 
     def _sweep_foreign(self) -> None:
-        for d in self.root.iterdir():
-            if not d.is_dir() or d == self.dir or d.name.startswith("."):
+        with os.scandir(self.root) as it:
+            found = [self.root / e.name for e in it
+                     if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+        for d in found:
+            if d == self.dir:
                 continue
-            if not (d / LOCK_NAME).exists():
-                continue  # not a fingerprint directory of ours: an unrelated folder is left alone
-            try:
-                fd = os.open(d / LOCK_NAME, os.O_RDWR)
+            try:  # not a fingerprint directory of ours without it: left alone
+                with dir_fd(d) as dfd:
+                    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 dir_fd=dfd)
             except OSError:
                 continue
             try:
@@ -200,9 +225,31 @@ class LinkDirectory:
                 os.close(fd)
 
     def _files(self) -> Iterator[Path]:
-        for sub in self.dir.iterdir():
-            if sub.is_dir():
-                yield from sub.iterdir()
+        """Every entry of every domain folder; a symlink where a folder or file should be is
+        refused (removed and counted, never followed)."""
+        with os.scandir(self.dir) as it:
+            subs = list(it)
+        for sub in subs:
+            if sub.is_symlink():
+                self._refuse_symlink(Path(sub.path))
+            elif sub.is_dir(follow_symlinks=False):
+                try:
+                    with dir_fd(self.dir, sub.name) as d, os.scandir(d) as it:
+                        entries = [(e.name, e.is_symlink()) for e in it]
+                except (FileNotFoundError, SymlinkRefused):
+                    continue  # removed or swapped meanwhile: the next scan sees it
+                for name, link in entries:
+                    p = Path(sub.path) / name
+                    if link:
+                        self._refuse_symlink(p)
+                    else:
+                        yield p
+
+    def _refuse_symlink(self, path: Path) -> None:
+        """Remove a symlink planted in the folder (never what it points to) and count it."""
+        problem = LinkFileProblem.SYMLINK.value
+        self.stats.refused[problem] = self.stats.refused.get(problem, 0) + 1
+        self._unlink(path)
 
     def scan(self) -> None:
         """Rebuild the index from the files (headers only); delete damaged files and stale
@@ -210,19 +257,18 @@ class LinkDirectory:
         now = self._clock()
         index: dict[Path, DiskLink] = {}
         for p in list(self._files()):
-            try:
-                st = p.stat()
-            except FileNotFoundError:
+            st = self._lstat(p)
+            if st is None:
                 continue
             if p.name.startswith(TMP_PREFIX):
                 if now - st.st_mtime > self.tmp_max_age_s:
-                    p.unlink(missing_ok=True)
+                    self._unlink(p)
                     self.stats.swept_temporaries += 1
                 continue
             if not p.name.endswith(SUFFIX):
                 continue  # an unrelated file: never read, never deleted
             try:
-                header, _ = read_header(p, self.fingerprint)
+                header, _ = read_header(p, self.fingerprint, self.key, self.root)
             except LinkFileError as e:
                 self._refuse(p, e.problem)
                 continue
@@ -253,7 +299,7 @@ class LinkDirectory:
     def _parent_path(self, path: Path, header: LinkFileHeader) -> Path | None:
         if header.start == 0:
             return None
-        return path.parent / f"{header.parent_digest.hex()}-{header.start}{SUFFIX}"
+        return self.path_for(header.domain, header.start, header.parent_digest, header.kind)
 
     def _add(self, entry: DiskLink) -> None:
         self._index[entry.path] = entry
@@ -266,8 +312,76 @@ class LinkDirectory:
 
     # ------------------------------------------------------------------ names
     def path_for(self, domain: bytes, end: int, digest: bytes, kind: str = TREE) -> Path:
-        sub = domain[:8].hex() if kind == TREE else ANCHOR_PREFIX + domain[:8].hex()
-        return self.dir / sub / f"{digest.hex()}-{end}{SUFFIX}"
+        """Where the link of (kind, domain, end, digest) lives (names keyed: module docstring)."""
+        folder = self.key.name(b"domain", domain, size=8)
+        sub = folder if kind == TREE else ANCHOR_PREFIX + folder
+        return self.dir / sub / f"{self.key.name(b'link', domain, digest)}-{end}{SUFFIX}"
+
+    # ------------------------------------------------------------------ safe file operations
+    def _mkdir(self, path: Path) -> None:
+        """Create the folder `path` below ROOT (mode 0700) unless it exists; never through a
+        symlink (SymlinkRefused when a component is one)."""
+        parts = relative_parts(self.root, path)
+        with dir_fd(self.root, *parts[:-1]) as d:
+            try:
+                os.mkdir(parts[-1], 0o700, dir_fd=d)
+            except FileExistsError:
+                pass
+
+    def _lstat(self, path: Path) -> os.stat_result | None:
+        """The file's own status (None when it is missing or a folder on its way is a
+        symlink: such a path names nothing this directory uses)."""
+        parts = relative_parts(self.root, path)
+        try:
+            with dir_fd(self.root, *parts[:-1]) as d:
+                return os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
+        except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
+            return None
+
+    def has_file(self, path: Path) -> bool:
+        """Whether `path` is a regular file reached without a symlink. A symlink found on the
+        way (planted in the folder) is refused: removed and counted, never followed."""
+        st = self._lstat(path)
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return True
+        link = self._first_symlink(path)
+        if link is not None:
+            self._refuse_symlink(link)
+        return False
+
+    def _first_symlink(self, path: Path) -> Path | None:
+        """The first component of `path` below ROOT that is a symlink (None: none is)."""
+        parts = relative_parts(self.root, path)
+        for i in range(len(parts)):
+            try:
+                with dir_fd(self.root, *parts[:i]) as d:
+                    st = os.stat(parts[i], dir_fd=d, follow_symlinks=False)
+            except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
+                return None
+            if stat.S_ISLNK(st.st_mode):
+                return self.root.joinpath(*parts[:i + 1])
+        return None
+
+    def _unlink(self, path: Path) -> None:
+        """Remove `path` itself: a file, or the first symlink on its way (what a symlink
+        points to is never touched)."""
+        target = self._first_symlink(path) or path
+        parts = relative_parts(self.root, target)
+        try:
+            with dir_fd(self.root, *parts[:-1]) as d:
+                os.unlink(parts[-1], dir_fd=d)
+        except (FileNotFoundError, SymlinkRefused, NotADirectoryError, IsADirectoryError):
+            pass
+
+    def _stamp(self, path: Path, t: float) -> None:
+        """Set a file's mtime to its last use (best effort: a file gone, read-only or reached
+        through a symlink is skipped)."""
+        parts = relative_parts(self.root, path)
+        try:
+            with dir_fd(self.root, *parts[:-1]) as d:
+                os.utime(parts[-1], (t, t), dir_fd=d, follow_symlinks=False)
+        except OSError:
+            pass
 
     def anchors(self) -> list[DiskLink]:
         """The spilled end anchors this index knows (the disk anchor tier's candidates)."""
@@ -286,26 +400,32 @@ class LinkDirectory:
         link's encoded draft tag on a speculative route (tags.py).
         """
         path = self.path_for(domain, end, digest, kind)
-        if path.exists():
+        if self.has_file(path):
             return True
         if nbytes > self.budget_bytes:
             return self._skip("too_large")
         if not self._make_room(nbytes):
             return self._skip("budget")
-        path.parent.mkdir(exist_ok=True)
+        try:
+            self._mkdir(path.parent)
+        except SymlinkRefused:
+            self._refuse_symlink(path.parent)
+            return self._skip("symlink")
         if self._free(self.dir) - nbytes < self.min_free_bytes:
             return self._skip("min_free")
         try:
             written = write_link_file(
-                path, fingerprint=self.fingerprint, domain=domain, digest=digest,
+                path, key=self.key, fingerprint=self.fingerprint, domain=domain, digest=digest,
                 parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
-                parts=parts, created=self._clock(), kind=kind, tag=tag)
+                parts=parts, created=self._clock(), kind=kind, tag=tag, root=self.root)
+        except LinkFileError:  # a symlink planted on the way
+            return self._skip("symlink")
         except OSError as e:
             return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
                               else "io_error")
-        parent = None if start == 0 else path.parent / f"{parent_digest.hex()}-{start}{SUFFIX}"
+        parent = None if start == 0 else self.path_for(domain, start, parent_digest, kind)
         now = self._clock()
-        _stamp(path, now)  # mtime = last use, in this directory's clock
+        self._stamp(path, now)  # mtime = last use, in this directory's clock
         self._add(DiskLink(path, parent, end, written, now, 0, kind, domain, digest, start))
         self.stats.writes += 1
         self.stats.write_bytes += written
@@ -345,7 +465,7 @@ class LinkDirectory:
             if best and cut <= best[-1][1].end:
                 break
             path = self.path_for(domain, cut, keys.digest(cut))
-            if not path.exists():
+            if not self.has_file(path):
                 continue
             chain = self._chain(path, keys, domain)
             if not chain:
@@ -366,7 +486,7 @@ class LinkDirectory:
         chain: list[tuple[Path, LinkFileHeader, int]] = []
         while True:
             try:
-                header, base = read_header(path, self.fingerprint)
+                header, base = read_header(path, self.fingerprint, self.key, self.root)
             except LinkFileError as e:
                 self._refuse(path, e.problem, descendants=[p for p, _, _ in chain])
                 return []
@@ -397,7 +517,7 @@ class LinkDirectory:
                 continue
             path = self.path_for(domain, end, digest, ANCHOR)
             try:
-                header, base = read_header(path, self.fingerprint)
+                header, base = read_header(path, self.fingerprint, self.key, self.root)
             except LinkFileError as e:
                 self._refuse(path, e.problem)
                 continue
@@ -429,7 +549,7 @@ class LinkDirectory:
         engine's) sees it before it evicts or expires the file."""
         entry = self._index.get(path)
         now = self._clock()
-        _stamp(path, now)
+        self._stamp(path, now)
         if entry is not None:
             entry.hits += 1
             entry.last_used = now
@@ -461,7 +581,7 @@ class LinkDirectory:
         return len(order)
 
     def _delete(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+        self._unlink(path)
         self._forget(path)
         if self.on_delete is not None:
             self.on_delete(path)
@@ -506,10 +626,9 @@ class LinkDirectory:
 
     def _refresh(self, entry: DiskLink) -> None:
         """Take a use stamped on the file by another process (touch) into the index."""
-        try:
-            entry.last_used = max(entry.last_used, entry.path.stat().st_mtime)
-        except FileNotFoundError:
-            pass  # gone: the caller's delete only forgets it
+        st = self._lstat(entry.path)
+        if st is not None:  # else gone: the caller's delete only forgets it
+            entry.last_used = max(entry.last_used, st.st_mtime)
 
     def delete(self, paths: list[Path]) -> int:
         """Delete files (and every indexed file that chains through them), e.g. ones another
@@ -543,7 +662,7 @@ class LinkDirectory:
             is_anchor = p.parent.name.startswith(ANCHOR_PREFIX)
             if (p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
                     and (kind is None or (kind == ANCHOR) == is_anchor)):
-                p.unlink(missing_ok=True)
+                self._unlink(p)
                 self._forget(p)
                 if kind == ANCHOR and self.on_delete is not None:
                     self.on_delete(p)  # another index of these files (the writer's) forgets it
@@ -573,16 +692,16 @@ class LinkDirectory:
                 domain, file_kind = entry.domain, entry.kind
             else:
                 try:
-                    header, _ = read_header(p, self.fingerprint)
+                    header, _ = read_header(p, self.fingerprint, self.key, self.root)
                 except (LinkFileError, FileNotFoundError):
                     continue
                 domain, file_kind = header.domain, header.kind
             if file_kind == kind and domains(domain):
-                p.unlink(missing_ok=True)
+                self._unlink(p)
                 self._forget(p)
                 n += 1
         for entry in [e for e in self._index.values()
-                      if e.kind == kind and domains(e.domain) and not e.path.exists()]:
+                      if e.kind == kind and domains(e.domain) and self._lstat(e.path) is None]:
             self._forget(entry.path)
         self._account()
         return n
@@ -603,11 +722,3 @@ class LinkDirectory:
             assert kids and all(k in self._index and self._index[k].parent == parent
                                 for k in kids), parent
         assert self.stats.bytes == sum(e.nbytes for e in self._index.values())
-
-
-def _stamp(path: Path, t: float) -> None:
-    """Set a file's mtime to its last use (best effort: a file gone or read-only is skipped)."""
-    try:
-        os.utime(path, (t, t))
-    except OSError:
-        pass

@@ -12,10 +12,10 @@ The read covers the payload rounded up to whole pages (direct I/O reads whole bl
 ends where its last part ends, so the last request is cut short by the end of the file), and
 only the payload's real length counts. Verification is the other reads' (linkfile.read_parts):
 every part named and sized as the header says, the file long enough for all of them
-(`truncated`), each part's CRC-32 over the bytes in the buffer, the ones the engine gets
-(`checksum`); on either error the buffer's bytes must not be used. A file system that refuses
-direct I/O (tmpfs, some FUSE and network file systems) is read with the same one request
-through the page cache; the reason is logged once per device.
+(`truncated`), each part's CRC-32 and MAC over the bytes in the buffer, the ones the engine
+gets (`checksum`, `unauthenticated`); on any error the buffer's bytes must not be used. A
+file system that refuses direct I/O (tmpfs, some FUSE and network file systems) is read with
+the same one request through the page cache; the reason is logged once per device.
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ from pathlib import Path
 
 import torch
 
-from .crc import crc32
-from .linkfile import ALIGN, LinkFileError, LinkFileHeader, LinkFileProblem
+from ..auth import LinkKey
+from .linkfile import (
+    ALIGN,
+    LinkFileError,
+    LinkFileHeader,
+    LinkFileProblem,
+    check_part,
+    open_link,
+)
 
 __all__ = ["DIRECT_FALLBACKS", "fits_in_place", "read_in_place", "read_payload",
            "split_point", "verify_payload"]
@@ -98,10 +105,10 @@ def _read_span(fd: int, out: memoryview, at: int) -> int:
     return got
 
 
-def _read(path: Path, out: memoryview, at: int, direct: bool) -> int:
+def _read(path: Path, out: memoryview, at: int, direct: bool, root: Path | None) -> int:
     if direct and _O_DIRECT:
         try:
-            fd = os.open(path, os.O_RDONLY | _O_DIRECT | os.O_CLOEXEC)
+            fd = open_link(path, root, os.O_RDONLY | _O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -117,7 +124,7 @@ def _read(path: Path, out: memoryview, at: int, direct: bool) -> int:
                 os.close(fd)
     elif direct:
         _note_fallback(path, "no O_DIRECT on this platform")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_link(path, root)
     try:
         return _read_span(fd, out, at)
     finally:
@@ -149,42 +156,43 @@ def split_point(header: LinkFileHeader, first: Collection[str]) -> int | None:
 
 
 def read_payload(path: Path, header: LinkFileHeader, base: int, buf: torch.Tensor,
-                 direct: bool, names: Collection[str] | None = None) -> int:
+                 direct: bool, names: Collection[str] | None = None,
+                 root: Path | None = None) -> int:
     """Read the payload of the file at `path` (it starts at `base`, page-aligned) into `buf`
     with one request, direct I/O when `direct` and the file system takes it; nothing is
     verified yet (`verify_payload`). `buf` must pass `fits_in_place`. `names`: only the span
     of the payload that holds these parts (`_span`), each byte where the whole payload's read
-    puts it. Returns the bytes of the parts read; raises LinkFileError (`truncated`) or
-    OSError."""
+    puts it. `root`: the cache folder no symlink below which is followed. Returns the bytes
+    of the parts read; raises LinkFileError (`truncated`, `symlink`) or OSError."""
     lo, hi = _span(header, names)
     mv = memoryview(buf.numpy()).cast("B")
-    got = _read(path, mv[lo:_round_up(hi)], base + lo, direct)
+    got = _read(path, mv[lo:_round_up(hi)], base + lo, direct, root)
     if got < hi - lo:
         raise LinkFileError(LinkFileProblem.TRUNCATED,
                             f"{path}: {lo + got} payload bytes, {hi} wanted")
     return sum(e.nbytes for e in header.parts if names is None or e.name in names)
 
 
-def verify_payload(path: Path, header: LinkFileHeader, buf: torch.Tensor,
+def verify_payload(path: Path, header: LinkFileHeader, buf: torch.Tensor, key: LinkKey,
                    names: Collection[str] | None = None) -> None:
-    """Every part's (`names`: these parts') CRC-32 over its bytes in `buf`, as `read_payload`
-    left them; LinkFileError (`checksum`) at the first that differs. Only reads `buf`: it may
-    run on another thread while the next file is read, as long as `buf` is not handed back
-    before it returns."""
+    """Every part's (`names`: these parts') CRC-32 and MAC over its bytes in `buf`, as
+    `read_payload` left them; LinkFileError (`checksum`, `unauthenticated`) at the first that
+    differs. Only reads `buf`: it may run on another thread while the next file is read, as
+    long as `buf` is not handed back before it returns."""
     mv = memoryview(buf.numpy()).cast("B")
     for e in header.parts:
         if names is not None and e.name not in names:
             continue
-        if crc32(mv[e.offset:e.offset + e.nbytes]) != e.crc32:
-            raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {e.name}")
+        check_part(path, e, mv[e.offset:e.offset + e.nbytes], key)
 
 
 def read_in_place(path: Path, header: LinkFileHeader, base: int, buf: torch.Tensor,
-                  direct: bool, names: Collection[str] | None = None) -> int:
+                  direct: bool, names: Collection[str] | None = None, *, key: LinkKey,
+                  root: Path | None = None) -> int:
     """`read_payload` then `verify_payload`: the payload (`names`: the span holding these
     parts) read into `buf` and every part read checked. Returns the bytes of the parts read;
-    raises LinkFileError (`truncated`, `checksum`: `buf` then holds bytes that must not be
-    used) or OSError."""
-    n = read_payload(path, header, base, buf, direct, names)
-    verify_payload(path, header, buf, names)
+    raises LinkFileError (`truncated`, `checksum`, `unauthenticated`: `buf` then holds bytes
+    that must not be used) or OSError."""
+    n = read_payload(path, header, base, buf, direct, names, root)
+    verify_payload(path, header, buf, key, names)
     return n

@@ -1,30 +1,41 @@
-"""Link files: one snapshot link as a self-contained, verifiable file (the disk tier's format).
+"""Link files: one snapshot link as a self-contained, authenticated file (the disk tier's format,
+and the cluster tier's payload).
 
 A link file holds everything a restore needs without the engine that wrote it: the format
 version, the fingerprint of the engine that computed the state (weights by content, dtypes,
 state layout, kernel backend, ISA, versions, segmentation), the link's domain, its key digest
 and its parent's, the token ids of its own segment [start, end), its draft tag on a speculative
 (MTP) route (tags.py: which prompts its draft rows fit), and its parts (every section at `end`,
-the view rows since the parent), each with a CRC-32. On Flash-Next's MTP route one section is
-the target's hidden row at the boundary (adapter/draft_rows.py), checksummed like the others.
+the view rows since the parent), each with a CRC-32 and a MAC. On Flash-Next's MTP route one
+section is the target's hidden row at the boundary (adapter/draft_rows.py), checked like the
+others.
 
-Format 2 added the draft tag; a file of format 1 is refused as `format` (a counted miss, the
-file deleted), never read with a tag it does not have.
+Authentication (format 3): the header carries a MAC (keyed BLAKE2b, core/auth.py) over the
+prelude and the header bytes, and each part entry the MAC of that part's bytes, keyed by the
+secret of the tier that wrote it (the disk key, or the cluster secret). A CRC-32 only catches
+corruption: anyone can compute one, so a forged file with valid CRCs was once served as
+cold-exact. Now a reader checks the header's CRC (fast corruption check), then its MAC, before
+it decodes the header; and each part's CRC, then its MAC, before any byte of it may reach the
+engine. A file that fails a MAC is `unauthenticated` (a counted miss; the file is deleted). A
+file of an older format (2 had no MACs) is refused as `format`, never read.
 
 Layout (little endian):
 
-    magic  b"HCLINK\\x00\\x01"            8 bytes
+    magic  b"HCLINK\\x00\\x02"            8 bytes (\\x01: formats 1-2, refused)
     header length, header CRC-32          2 x u32
+    header MAC                            32 bytes, over magic, length and header
     header                                msgpack (LinkFileHeader)
     zero padding to a multiple of ALIGN
     parts                                 each at header.parts[i].offset (ALIGN-aligned),
                                           relative to the end of the padded header
 
 Why this shape: a reader learns from the first few KiB whether the file is one it may read at
-all (magic, format, fingerprint, domain, tokens) before it touches payload bytes, and every part
-is verified on its own, so a flipped byte anywhere is found before any byte reaches the engine.
-Files are written under a temporary name in the same directory, fsynced, renamed over the final
-name and the directory fsynced: a reader (or a crash) never sees a torn file under a final name.
+all (magic, MAC, format, fingerprint, domain, tokens) before it touches payload bytes, and
+every part is verified on its own, so a flipped byte anywhere is found before any byte reaches
+the engine, and a part read later (a deferred section) is checked then. Files are created
+0600 under a temporary name in the same folder (opened without following a symlink below the
+cache folder: safeio.py), fsynced, renamed over the final name and the folder fsynced: a reader
+(or a crash) never sees a torn file under a final name.
 """
 
 from __future__ import annotations
@@ -40,26 +51,35 @@ import msgspec
 import numpy as np
 import torch
 
+from ..auth import MAC_BYTES, LinkKey
 from .crc import crc32
+from .safeio import SymlinkRefused, dir_fd, open_below, relative_parts
 from .tags import EncodedTag
 
 __all__ = [
+    "ALIGN",
     "FORMAT_VERSION",
+    "MAGIC",
+    "TMP_PREFIX",
     "LinkFileError",
     "LinkFileHeader",
     "LinkFileProblem",
     "PartEntry",
+    "check_part",
     "fsync_dir",
+    "open_link",
     "read_header",
     "read_parts",
     "write_link_file",
 ]
 
-MAGIC = b"HCLINK\x00\x01"
-FORMAT_VERSION = 2  # 2: the draft tag (MTP route)
+MAGIC = b"HCLINK\x00\x02"
+_MAGIC_FAMILY = MAGIC[:7]  # earlier preludes (\x01: formats 1 and 2) share it: `format`
+FORMAT_VERSION = 3  # 2: the draft tag (MTP route); 3: MACs over the header and every part
 ALIGN = 4096  # page aligned parts: direct I/O and mmap friendly
 TMP_PREFIX = ".tmp-"
-_PRE = struct.Struct("<8sII")
+_PRE = struct.Struct(f"<8sII{MAC_BYTES}s")
+_PRE_MACED = struct.Struct("<8sII")  # the part of the prelude its MAC covers
 
 
 class LinkFileProblem(StrEnum):
@@ -70,7 +90,9 @@ class LinkFileProblem(StrEnum):
     FOREIGN = "foreign"  # another engine fingerprint
     TRUNCATED = "truncated"  # shorter than its header says
     CHECKSUM = "checksum"  # a header or part CRC-32 does not match
+    UNAUTHENTICATED = "unauthenticated"  # a header or part MAC does not match: another key
     MISMATCH = "mismatch"  # the header does not describe what the reader asked for
+    SYMLINK = "symlink"  # a symlink (or not a regular file) where a link file or folder was
 
 
 class LinkFileError(Exception):
@@ -82,12 +104,13 @@ class LinkFileError(Exception):
 
 
 class PartEntry(msgspec.Struct, frozen=True, array_like=True):
-    """One part's place in the payload and its CRC-32."""
+    """One part's place in the payload, its CRC-32 and its MAC (LinkKey.part_mac)."""
 
     name: str
     offset: int
     nbytes: int
     crc32: int
+    mac: bytes
 
 
 class LinkFileHeader(msgspec.Struct, frozen=True):
@@ -135,16 +158,43 @@ def _round_up(n: int) -> int:
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or unlink in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def check_part(path: Path, entry: PartEntry, data: memoryview, key: LinkKey,
+               crc: int | None = None, mac: bytes | None = None) -> None:
+    """Verify one part's bytes (`data`, as the engine will get them): CRC-32 first (a cheap
+    corruption check), then the MAC. `crc`/`mac`: already computed while the bytes streamed
+    in (direct reads). Raises LinkFileError (`checksum`, `unauthenticated`)."""
+    if (crc32(data) if crc is None else crc) != entry.crc32:
+        raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {entry.name}")
+    if mac is None:
+        h = key.part_mac()
+        h.update(data)
+        mac = h.digest()
+    if not LinkKey.equal(mac, entry.mac):
+        raise LinkFileError(LinkFileProblem.UNAUTHENTICATED, f"{path}: part {entry.name}")
+
+
+def open_link(path: Path, root: Path | None = None, flags: int = os.O_RDONLY,
+              mode: int = 0o600) -> int:
+    """A descriptor of the link file `path`, never through a symlink below `root` (default:
+    its own folder, so only the file itself is checked); LinkFileError `symlink` for one."""
+    try:
+        return open_below(Path(root) if root is not None else Path(path).parent, Path(path),
+                          flags, mode)
+    except SymlinkRefused as e:
+        raise LinkFileError(LinkFileProblem.SYMLINK, str(path)) from e
+
+
 def write_link_file(
     path: Path,
     *,
+    key: LinkKey,
     fingerprint: bytes,
     domain: bytes,
     digest: bytes,
@@ -157,12 +207,15 @@ def write_link_file(
     created: float = 0.0,
     kind: str = "tree",
     tag: EncodedTag | None = None,
+    root: Path | None = None,
 ) -> int:
-    """Write one link atomically at `path`; returns the bytes written.
+    """Write one link atomically at `path` (mode 0600), authenticated with `key`; returns the
+    bytes written.
 
     `tokens` are the link's own token ids [start, end); `parts` maps part names to contiguous
     tensors (sections at `end`, view rows since the parent), written in the mapping's order;
-    `tag`: the link's encoded draft tag (tags.py), None off a speculative route.
+    `tag`: the link's encoded draft tag (tags.py), None off a speculative route; `root`: the
+    cache folder `path` lies below (no symlink below it is followed; default its own folder).
     """
     toks = np.ascontiguousarray(tokens, dtype=np.int64)
     if not 0 <= start < end or toks.shape != (end - start,):
@@ -173,18 +226,25 @@ def write_link_file(
     entries: list[PartEntry] = []
     offset = 0
     for name, mv in views.items():
-        entries.append(PartEntry(name, offset, mv.nbytes, crc32(mv)))
+        h = key.part_mac()
+        h.update(mv)
+        entries.append(PartEntry(name, offset, mv.nbytes, crc32(mv), h.digest()))
         offset = _round_up(offset + mv.nbytes)
     header = msgspec.msgpack.encode(LinkFileHeader(
         FORMAT_VERSION, fingerprint, domain, digest, parent_digest, start, end, toks.tobytes(),
         rows, tuple(entries), created, kind, tag))
-    pre = _PRE.pack(MAGIC, len(header), crc32(header))
-    head = pre + header
+    maced = _PRE_MACED.pack(MAGIC, len(header), crc32(header))
+    head = _PRE.pack(MAGIC, len(header), crc32(header), key.mac(maced, header)) + header
     head += b"\0" * (_round_up(len(head)) - len(head))
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}-{path.name}")
+    path = Path(path)
+    root = Path(root) if root is not None else path.parent
+    folder = relative_parts(root, path)[:-1]
+    tmp_name = f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}-{path.name}"
+    tmp = path.with_name(tmp_name)
     written = 0
+    fd = open_link(tmp, root, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(head)
             written = len(head)
             for entry, mv in zip(entries, views.values(), strict=True):
@@ -195,31 +255,46 @@ def write_link_file(
                 written += pad + mv.nbytes
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with dir_fd(root, *folder) as d:
+            os.replace(tmp_name, path.name, src_dir_fd=d, dst_dir_fd=d)
+            os.fsync(d)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            with dir_fd(root, *folder) as d:
+                os.unlink(tmp_name, dir_fd=d)
+        except OSError:
+            pass
         raise
-    fsync_dir(path.parent)
     return written
 
 
-def read_header(path: Path, fingerprint: bytes) -> tuple[LinkFileHeader, int]:
+def read_header(path: Path, fingerprint: bytes, key: LinkKey,
+                root: Path | None = None) -> tuple[LinkFileHeader, int]:
     """The verified header of a link file and the payload's offset in the file.
 
-    Raises LinkFileError for anything but a complete link file of this format and fingerprint;
-    OSError passes through (a file removed by a concurrent sweep is the caller's miss).
+    Checks, in order: the magic, the header's CRC-32 and MAC (before its bytes are decoded),
+    the format and the fingerprint. Raises LinkFileError for anything but a complete link file
+    of this format and fingerprint written with `key`; OSError passes through (a file removed
+    by a concurrent sweep is the caller's miss). `root`: as for `write_link_file`.
     """
-    with open(path, "rb") as f:
+    fd = open_link(path, root)
+    with os.fdopen(fd, "rb") as f:
         pre = f.read(_PRE.size)
-        if len(pre) < _PRE.size or pre[:8] != MAGIC:
+        if len(pre) < len(_MAGIC_FAMILY) or pre[:7] != _MAGIC_FAMILY:
             raise LinkFileError(LinkFileProblem.NOT_A_LINK, str(path))
-        _, hlen, hcrc = _PRE.unpack(pre)
+        if pre[:8] != MAGIC:
+            raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: an earlier format")
+        if len(pre) < _PRE.size:
+            raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: prelude cut short")
+        _, hlen, hcrc, hmac = _PRE.unpack(pre)
         raw = f.read(hlen)
         size = os.fstat(f.fileno()).st_size
     if len(raw) < hlen:
         raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: header cut short")
     if crc32(raw) != hcrc:
         raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: header")
+    if not LinkKey.equal(key.mac(pre[:_PRE_MACED.size], raw), hmac):
+        raise LinkFileError(LinkFileProblem.UNAUTHENTICATED, f"{path}: header")
     try:
         header = msgspec.msgpack.decode(raw, type=LinkFileHeader)
     except msgspec.DecodeError as e:
@@ -236,9 +311,10 @@ def read_header(path: Path, fingerprint: bytes) -> tuple[LinkFileHeader, int]:
 
 
 def read_parts(
-    path: Path, header: LinkFileHeader, base: int, dst: Mapping[str, torch.Tensor]
+    path: Path, header: LinkFileHeader, base: int, dst: Mapping[str, torch.Tensor],
+    key: LinkKey, root: Path | None = None,
 ) -> int:
-    """Read every part named in `dst` into it (same byte size) and verify its CRC-32.
+    """Read every part named in `dst` into it (same byte size) and verify its CRC-32 and MAC.
 
     On any mismatch raises LinkFileError; the destination may then hold partial bytes, so the
     caller must not use it. Returns the bytes read.
@@ -248,7 +324,8 @@ def read_parts(
         raise LinkFileError(LinkFileProblem.MISMATCH,
                             f"{path}: parts {sorted(entries)} != {sorted(dst)}")
     n = 0
-    with open(path, "rb", buffering=0) as f:
+    fd = open_link(path, root)
+    with os.fdopen(fd, "rb", buffering=0) as f:
         for name, t in dst.items():
             e = entries[name]
             out = _as_writable_bytes(t)
@@ -259,8 +336,7 @@ def read_parts(
             got = f.readinto(out)
             if got != e.nbytes:
                 raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: part {name}")
-            if crc32(out) != e.crc32:
-                raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {name}")
+            check_part(path, e, out, key)
             n += got
     return n
 
@@ -269,3 +345,5 @@ def _as_writable_bytes(t: torch.Tensor) -> memoryview:
     if not t.is_contiguous():
         raise ValueError("destination parts must be contiguous")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+

@@ -2,25 +2,25 @@
 
 Why through the store: a restore from RAM is the path every exactness test covers, so a disk
 hit is made into one. The worker reads each file of the chain into store buffers under the ids
-the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32, seals them, and
+the disk tier handed out (core/tiers/disk.py), checks every part's CRC-32 and MAC (keyed by
+the tier's secret: the disk key, or the cluster secret for staged payloads), seals them, and
 restores with `LinkStore.restore` as for a RAM hit. Nothing is restored unless every file of
 the chain passed.
 
 Each link is allocated page-aligned (`LinkStore.allocate(page_aligned=True)`: laid out as its
 file lays out its payload, in a reused buffer from the store's pool), and the file is read with
 one request straight into it (inplace.py), with direct I/O when the `disk_direct_reads` setting
-asks for it and the file system takes it, then every part's CRC-32 checked there (on helper
-threads, two files at a time). No copy
-follows: the restore reads those buffers, and promotion keeps them as the RAM links. A file
-whose parts lie elsewhere than the store's layout (another order) is read part by part
-instead: `readinto` per part (linkfile.read_parts) or, with direct reads, through bounce
-buffers (direct.py). All paths check the same things. The buffers get a huge-page hint first
-(hugepages.py: pages still to fault in take 2 MiB at a time). A disk hit reads only the
-views of every link but the deepest (`defer_sections`): their sections, the recurrent states
-the restore does not need, are read from the same file when a promoted link is first needed
-whole (`LinkStore.defer`). A starting worker warms the
-pool for the files found at start-up (`warm_read_buffers`), so a restart's first hits do
-not read into fresh pages.
+asks for it and the file system takes it, then every part's CRC-32 and MAC checked there (on
+helper threads, two files at a time). No copy follows: the restore reads those buffers, and
+promotion keeps them as the RAM links. A file whose parts lie elsewhere than the store's layout
+(another order) is read part by part instead: `readinto` per part (linkfile.read_parts) or,
+with direct reads, through bounce buffers (direct.py). All paths check the same things. The
+buffers get a huge-page hint first (hugepages.py: pages still to fault in take 2 MiB at a
+time). A disk hit reads only the views of every link but the deepest (`defer_sections`): their
+sections, the recurrent states the restore does not need, are read from the same file when a
+promoted link is first needed whole (`LinkStore.defer`). A starting worker warms the pool for
+the files found at start-up (`warm_read_buffers`), so a restart's first hits do not read into
+fresh pages.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
+import msgspec
 import torch
 
+from ..auth import LinkKey, key_from_file
 from ..store import LinkStore, MissingLinkError
 from ..tiers.base import LinkRef
 from .direct import DirectIOUnsupported, helper, read_parts_direct
@@ -40,7 +42,24 @@ from .hugepages import advise_huge_pages
 from .inplace import fits_in_place, read_in_place, split_point
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
-__all__ = ["DiskReadError", "read_verified", "stage_chain", "warm_read_buffers"]
+__all__ = ["DiskReadError", "SourceOrigin", "read_verified", "stage_chain",
+           "warm_read_buffers"]
+
+
+class SourceOrigin(msgspec.Struct, frozen=True):
+    """Where a load's files come from and how the worker verifies them (sent with the load):
+    the fingerprint their headers must carry, the key file of the secret that authenticates
+    them (read by the worker itself: the secret never travels in a plan) and its purpose
+    ("disk" or "cluster", core/auth.py), and the folder they lie below (no symlink below it
+    is followed)."""
+
+    fingerprint: bytes
+    key_file: str
+    purpose: str
+    root: str
+
+    def key(self) -> LinkKey:
+        return key_from_file(self.key_file, self.purpose)
 
 
 class DiskReadError(MissingLinkError):
@@ -53,23 +72,27 @@ class DiskReadError(MissingLinkError):
 
 
 def read_verified(path: Path, header: LinkFileHeader, base: int,
-                  parts: dict[str, torch.Tensor], direct: bool = False) -> int:
-    """Every part of the file into `parts`, each CRC-32 checked: with direct I/O when `direct`
-    and the file system takes it, else buffered. Returns the bytes read; LinkFileError (the
-    destinations then hold partial bytes) or OSError otherwise."""
+                  parts: dict[str, torch.Tensor], direct: bool = False, *, key: LinkKey,
+                  root: Path | None = None) -> int:
+    """Every part of the file into `parts`, each CRC-32 and MAC checked: with direct I/O when
+    `direct` and the file system takes it, else buffered. Returns the bytes read; LinkFileError
+    (the destinations then hold partial bytes) or OSError otherwise."""
     if direct:
         try:
-            return read_parts_direct(path, header, base, parts)
+            return read_parts_direct(path, header, base, parts, key, root)
         except DirectIOUnsupported:
             pass  # nothing was verified: the buffered read starts over
-    return read_parts(path, header, base, parts)
+    return read_parts(path, header, base, parts, key, root)
 
 
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
-                fingerprint: bytes, direct: bool = False, defer_sections: bool = False) -> int:
-    """Read `sources[i]` into the store as link `chain[i].link_id`, verified; returns the bytes
-    read. On any problem every link staged by this call is dropped and DiskReadError raised,
-    charged to the first file of the chain found at fault.
+                fingerprint: bytes, direct: bool = False, defer_sections: bool = False, *,
+                key: LinkKey, root: Path | None = None) -> int:
+    """Read `sources[i]` into the store as link `chain[i].link_id`, verified (header and parts
+    authenticated with `key`); returns the bytes read. On any problem every link staged by this
+    call is dropped and DiskReadError raised, charged to the first file of the chain found at
+    fault. `root`: the folder the files lie below (the disk tier's, the cluster staging
+    folder); no symlink below it is followed.
     `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`).
     `defer_sections`: of every link but the deepest, read and check only the views now, and
     leave the sections (its recurrent state, which a restore of this chain does not read) to
@@ -90,7 +113,7 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
     try:
         for ref, src in zip(chain, sources, strict=True):
             at, path = ref, Path(src)
-            header, base = read_header(path, fingerprint)
+            header, base = read_header(path, fingerprint, key, root)
             if (header.start, header.end) != (ref.start, ref.end):
                 raise LinkFileError(LinkFileProblem.MISMATCH,
                                     f"{path}: holds [{header.start}, {header.end}), the plan "
@@ -108,12 +131,12 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
             if fits_in_place(header, whole, parts):  # one read, no copy
                 now = tuple(bufs.views) if later else None
                 reads.append((ref, helper().submit(read_in_place, path, header, base, whole,
-                                                   direct, now)))
+                                                   direct, now, key=key, root=root)))
                 if later:
                     store.defer(ref.link_id, partial(read_in_place, path, header, base, whole,
-                                                     direct, later))
+                                                     direct, later, key=key, root=root))
             else:
-                n += read_verified(path, header, base, parts, direct)
+                n += read_verified(path, header, base, parts, direct, key=key, root=root)
                 store.seal(ref.link_id)
         for ref, read in reads:
             at = ref

@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
+from ..auth import key_from_file
 from ..keys import in_tenant
 from ..stats import SECONDS_BOUNDS, Histogram
 from .directory import TREE, LinkDirectory
@@ -58,6 +59,9 @@ class DiskTarget(msgspec.Struct, frozen=True):
     budget_bytes: int
     min_free_bytes: int
     ttl_s: float
+    # the disk key's file (core/auth.py): the worker reads the key itself, so the secret never
+    # travels in a plan
+    key_file: str
     spill: bool = False  # session spill: end anchors are written at shutdown and eviction
     drain_s: float = 10.0  # time limit of the shutdown drain
     direct_reads: bool = True  # a disk hit reads with direct I/O (core/disk/inplace.py)
@@ -313,19 +317,22 @@ class LinkWriter:
 
 def _size(path: Path) -> int | None:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return None
 
 
 def _target_path(target: DiskTarget, job: WriteJob) -> Path:
     """Where `job`'s file lands (LinkDirectory's naming, without opening the directory)."""
-    d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes)
+    d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
+                      key=key_from_file(target.key_file, "disk"))
     return d.path_for(job.domain, job.end, job.digest, job.kind)
 
 
 def _open_directory(target: DiskTarget) -> LinkDirectory:
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
-                      target.min_free_bytes, target.ttl_s)
+                      target.min_free_bytes, target.ttl_s,
+                      key=key_from_file(target.key_file, "disk"),
+                      key_file=Path(target.key_file))
     d.open()
     return d

@@ -1,10 +1,15 @@
 """ClusterTier: cold-exact links committed on another replica (tier `cluster`, kind `tree`).
 
 Scheduler side, metadata and decisions only. Replicas of one model publish their committed RAM
-tree links into a cluster-wide *directory* keyed by (engine fingerprint, domain, digest); each
-entry names the owner replica and an opaque handle to the payload (on Ray: an object in Ray's
-object store). The payload is a link file's bytes (core/disk/linkfile.py): self-contained, with
-the fingerprint, domain, digests, the link's own token ids and a CRC-32 per part. The transport
+tree links into a cluster-wide *directory* keyed by *locators*: keyed digests (the cluster
+secret's `LinkKey.name`, core/auth.py) of (engine fingerprint, domain, digest), so the
+directory and anyone who reads it learn nothing about whose prefix an entry holds, and nobody
+without the secret can compute where a link would be. Each entry names the owner replica and
+an opaque handle to the payload (on Ray: an object in Ray's object store). The payload is a
+link file's bytes (core/disk/linkfile.py): self-contained, with the fingerprint, domain,
+digests, the link's own token ids, a CRC-32 per part and MACs keyed by the cluster secret over
+the header and every part, so a payload forged by anyone without the secret (valid CRCs and
+all) is refused as `unauthenticated` before it is staged. The transport
 (directory + payload movement) is injected (`ClusterTransport`), so this module imports neither
 vLLM nor Ray; vllm_hybridcache/cluster/ provides the Ray one.
 
@@ -12,15 +17,15 @@ How a remote hit is served (docs/cluster.md):
 - `lookup` never blocks. The first lookup of a prefix starts a `locate` in the directory and
   answers `pending` (the scheduler asks again next step); once located, the chain's payloads
   are fetched (again pending); once fetched, each payload is staged as a link file in a local
-  folder, its header checked (format, fingerprint, CRC, domain, digests, rows) and its token ids
-  compared with the prompt's. Only then does the lookup answer a hit, whose plan names the
-  staged files as `sources`: the worker reads them into its RAM store with every part's CRC
-  checked (core/disk/reader.stage_chain) and restores them like a RAM hit.
+  folder, its header checked (MAC, format, fingerprint, CRC, domain, digests, rows) and its
+  token ids compared with the prompt's. Only then does the lookup answer a hit, whose plan
+  names the staged files as `sources`: the worker reads them into its RAM store with every
+  part's CRC and MAC checked (core/disk/reader.stage_chain) and restores them like a RAM hit.
 - Like the disk tier it is `slow`: served only when strictly deeper than RAM's hit.
-- A lost owner, a lost object, a timeout, a foreign fingerprint, a damaged payload, a token
-  mismatch, a full local budget: the lookup answers a miss (the request prefills cold) and the
-  failure is counted by its `ClusterMiss` reason; located entries that failed are removed
-  from the directory.
+- A lost owner, a lost object, a timeout, a foreign fingerprint, a damaged or unauthenticated
+  payload, a token mismatch, a full local budget: the lookup answers a miss (the request
+  prefills cold) and the failure is counted by its `ClusterMiss` reason; located entries
+  that failed are removed from the directory.
 - Staged bytes count against `budget_bytes` until the restore ends; a successful restore is
   promoted into the RAM tree (`promote`), whose budget then holds it.
 
@@ -54,6 +59,7 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 import numpy as np
 
+from ..auth import LinkKey
 from ..disk.linkfile import LinkFileError, LinkFileProblem, read_header, write_link_file
 from ..disk.writer import WriteJob
 from ..keys import BLOCK, Hasher, PromptKeys, blake2b_128, in_tenant
@@ -74,7 +80,7 @@ from .base import (
 
 __all__ = ["ClusterAnchors", "ClusterError", "ClusterMiss", "ClusterStats", "ClusterTarget",
            "ClusterTier", "ClusterTransport", "Pending", "RemoteEntry", "anchor_block",
-           "link_payload"]
+           "block_locator", "link_payload", "locator", "refusal_reason"]
 
 # promote(keys, domain, chain) -> ids the RAM tree adopted (SnapshotTree.adopt)
 Promote = Callable[[PromptKeys, bytes, Sequence[LinkRef]], list[int]]
@@ -95,6 +101,9 @@ class ClusterMiss(StrEnum):
     TIMEOUT = "timeout"            # the directory or the fetch did not answer in time
     FOREIGN = "foreign"            # a payload of another engine fingerprint
     CORRUPT = "corrupt"            # not a link, another format, a bad checksum, cut short
+    # a payload whose MAC fails (forged, or another cluster secret), or a directory that
+    # refuses this replica's calls (another secret)
+    UNAUTHENTICATED = "unauthenticated"
     VERIFY_FAILED = "verify_failed"  # the payload does not hold what the directory said
     BUDGET = "budget"              # staging it would exceed the local budget
     UNREACHABLE = "unreachable"    # the transport failed otherwise (directory down, ...)
@@ -108,11 +117,28 @@ class ClusterError(Exception):
         self.reason = reason
 
 
-class RemoteEntry(NamedTuple):
-    """One directory entry: a link held by replica `owner`; `handle` fetches its payload."""
+_REFUSALS = {LinkFileProblem.FOREIGN: ClusterMiss.FOREIGN,
+             LinkFileProblem.UNAUTHENTICATED: ClusterMiss.UNAUTHENTICATED,
+             LinkFileProblem.MISMATCH: ClusterMiss.VERIFY_FAILED}
 
-    digest: bytes
-    parent_digest: bytes
+
+def refusal_reason(problem: LinkFileProblem | str) -> ClusterMiss:
+    """The miss reason of a payload refused as a link file for `problem` (its header here, a
+    part in the worker): a MAC that fails is `unauthenticated`, another engine's `foreign`,
+    the rest (not a link, another format, a bad checksum, cut short, a symlink) `corrupt`."""
+    try:
+        return _REFUSALS.get(LinkFileProblem(problem), ClusterMiss.CORRUPT)
+    except ValueError:
+        return ClusterMiss.CORRUPT
+
+
+class RemoteEntry(NamedTuple):
+    """One directory entry: a link held by replica `owner`; `handle` fetches its payload.
+    `locator`/`parent_locator`: the keyed digests it and its parent are listed under
+    (`locator`; b"" for a root)."""
+
+    locator: bytes
+    parent_locator: bytes
     start: int
     end: int
     nbytes: int
@@ -131,22 +157,21 @@ class Pending(Protocol):
 class ClusterTransport(Protocol):
     """The directory and the payload movement (vllm_hybridcache/cluster/ on Ray)."""
 
-    def locate(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> Pending:
-        """Entries for those of `digests` the directory holds (result: list[RemoteEntry])."""
+    def locate(self, locators: Sequence[bytes]) -> Pending:
+        """Entries for those of `locators` the directory holds (result: list[RemoteEntry])."""
 
     def fetch(self, entries: Sequence[RemoteEntry]) -> Pending:
         """The payloads of `entries`, in order (result: list[bytes])."""
 
-    def forget(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes]) -> None:
+    def forget(self, locators: Sequence[bytes]) -> None:
         """Remove entries that failed (fire and forget)."""
 
-    def locate_anchors(self, fingerprint: bytes, domain: bytes, blocks: Sequence[bytes],
-                       limit: int) -> Pending:
-        """End anchors of at most `limit` tokens whose key block digest (`anchor_block`) is
-        one of `blocks` (result: list[RemoteEntry], each a root [0, end))."""
+    def locate_anchors(self, blocks: Sequence[bytes], limit: int) -> Pending:
+        """End anchors of at most `limit` tokens listed under one of the block locators
+        `blocks` (`block_locator` at `anchor_block`; result: list[RemoteEntry], each a root
+        [0, end))."""
 
-    def forget_anchors(self, fingerprint: bytes, domain: bytes, digests: Sequence[bytes],
-                       owner: str | None = None) -> None:
+    def forget_anchors(self, locators: Sequence[bytes], owner: str | None = None) -> None:
         """Remove end-anchor entries (fire and forget). With `owner`: only that replica's
         entries, and wait for the directory's answer (a clear: what it cleared is no longer
         located once it returns)."""
@@ -160,6 +185,18 @@ def anchor_block(end: int) -> int:
     then checked, and its token ids compared after the fetch. Anchors shorter than one block
     are not published."""
     return end // BLOCK * BLOCK
+
+
+def locator(key: LinkKey, fingerprint: bytes, domain: bytes, digest: bytes) -> bytes:
+    """Where a link of (fingerprint, domain, digest) is listed in the directory: a keyed
+    digest, so the directory holds no fingerprint, domain or prompt digest, and only holders
+    of the cluster secret can compute (or enumerate by guessing) a prefix's entries."""
+    return bytes.fromhex(key.name(b"locator", fingerprint, domain, digest))
+
+
+def block_locator(key: LinkKey, fingerprint: bytes, domain: bytes, block_digest: bytes) -> bytes:
+    """Where end anchors whose prefix has `block_digest` at their `anchor_block` are indexed."""
+    return bytes.fromhex(key.name(b"anchor-block", fingerprint, domain, block_digest))
 
 
 class ClusterStats(CacheStats, kw_only=True):
@@ -181,11 +218,13 @@ class ClusterStats(CacheStats, kw_only=True):
 class ClusterTarget(msgspec.Struct, frozen=True):
     """What a worker needs to publish links (sent with every step plan while the tier is on):
     the Ray address, this engine's fingerprint (every payload carries it), the replica's name
-    in the directory."""
+    in the directory, and the cluster secret's file (the worker reads the secret itself: it
+    never travels in a plan)."""
 
     address: str
     fingerprint: bytes
     owner: str
+    secret_file: str
 
 
 class _Stage(StrEnum):
@@ -212,13 +251,16 @@ class _Op:
     retired: bool = False  # no longer offered; files deleted when `active` drops to 0
 
 
-def link_payload(job: WriteJob, fingerprint: bytes, parts: dict[str, Any], tmp_dir: Path) -> bytes:
-    """A committed link's payload: exactly a link file's bytes (the disk tier's format), built
-    through a temporary file in `tmp_dir` (a RAM-backed folder is best) by the one writer the
-    disk tier uses, so both tiers share one format and one set of checks."""
+def link_payload(job: WriteJob, fingerprint: bytes, parts: dict[str, Any], tmp_dir: Path,
+                 key: LinkKey) -> bytes:
+    """A committed link's payload: exactly a link file's bytes (the disk tier's format),
+    authenticated with the cluster secret's `key`, built through a temporary file in `tmp_dir`
+    (a RAM-backed folder is best) by the one writer the disk tier uses, so both tiers share one
+    format and one set of checks."""
     path = Path(tmp_dir) / f"pub-{os.getpid()}-{uuid.uuid4().hex}.link"
     try:
-        write_link_file(path, fingerprint=fingerprint, domain=job.domain, digest=job.digest,
+        write_link_file(path, key=key, fingerprint=fingerprint, domain=job.domain,
+                        digest=job.digest,
                         parent_digest=job.parent_digest, start=job.start, end=job.end,
                         tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
                         parts=parts, created=time.time(), kind=job.kind)
@@ -235,6 +277,7 @@ class ClusterTier(CacheTier):
     stage_dir: a local folder (RAM-backed is best) where fetched payloads wait for the worker.
     budget_bytes: staged bytes held at once; a fetch that would exceed it is a `budget` miss.
     timeout_s: a locate or fetch not answered within it is a `timeout` miss.
+    key: the cluster secret's LinkKey (payload MACs, locators)
     owner: this replica's name in the directory (its own entries are never fetched).
     baseline: tokens RAM serves for a prompt here; a remote chain no deeper is not fetched.
     """
@@ -250,9 +293,10 @@ class ClusterTier(CacheTier):
                  next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
                  promote: Promote | None = None,
                  clock: Callable[[], float] = time.monotonic, owner: str | None = None,
-                 baseline: Baseline | None = None) -> None:
+                 baseline: Baseline | None = None, *, key: LinkKey) -> None:
         self.layout = layout
         self.fingerprint = fingerprint
+        self.key = key
         self.transport = transport
         self._cuts = cuts
         self.stage_dir = Path(stage_dir)
@@ -354,11 +398,14 @@ class ClusterTier(CacheTier):
 
     def _locate(self, domain: bytes, keys: PromptKeys, positions: list[int],
                 lim: int) -> Pending:
-        return self.transport.locate(self.fingerprint, domain,
-                                     [keys.digest(c) for c in positions])
+        return self.transport.locate([self._locator(domain, keys.digest(c))
+                                      for c in positions])
 
-    def _forget(self, domain: bytes, digests: list[bytes]) -> None:
-        self.transport.forget(self.fingerprint, domain, digests)
+    def _locator(self, domain: bytes, digest: bytes) -> bytes:
+        return locator(self.key, self.fingerprint, domain, digest)
+
+    def _forget(self, locators: list[bytes]) -> None:
+        self.transport.forget(locators)
 
     def _start(self, key: tuple[bytes, int, bytes], keys: PromptKeys, cuts: list[int],
                now: float, lim: int) -> _Op:
@@ -392,7 +439,8 @@ class ClusterTier(CacheTier):
                     return
                 self._locate_seconds.observe(max(0.0, now - op.started))
                 chain = self._chain([e for e in op.pending.result()
-                                     if self.owner is None or e.owner != self.owner], keys)
+                                     if self.owner is None or e.owner != self.owner], keys,
+                                    domain)
                 if chain and self._baseline is not None \
                         and chain[-1].end <= self._baseline(keys, domain, limit):
                     chain = []
@@ -427,16 +475,17 @@ class ClusterTier(CacheTier):
         if now - op.started > self.timeout_s:
             raise ClusterError(ClusterMiss.TIMEOUT, f"no answer in {self.timeout_s} s")
 
-    def _chain(self, entries: Sequence[RemoteEntry], keys: PromptKeys) -> list[RemoteEntry]:
+    def _chain(self, entries: Sequence[RemoteEntry], keys: PromptKeys,
+               domain: bytes) -> list[RemoteEntry]:
         """The deepest chain root -> deepest whose links all sit on this prompt's cuts (by
-        digest: a hint checked against the payload's own tokens before anything is served)."""
-        by_digest = {e.digest: e for e in entries}
+        locator: a hint checked against the payload's own tokens before anything is served)."""
+        by_locator = {e.locator: e for e in entries}
         for e in sorted(entries, key=lambda e: e.end, reverse=True):
-            if e.end > len(keys) or e.digest != keys.digest(e.end):
+            if e.end > len(keys) or e.locator != self._locator(domain, keys.digest(e.end)):
                 continue
             chain = [e]
             while chain[-1].start > 0:
-                parent = by_digest.get(chain[-1].parent_digest)
+                parent = by_locator.get(chain[-1].parent_locator)
                 if parent is None or parent.end != chain[-1].start:
                     break
                 chain.append(parent)
@@ -455,17 +504,18 @@ class ClusterTier(CacheTier):
             for e, data in zip(op.chain, payloads, strict=True):
                 path = self.stage_dir / f"{uuid.uuid4().hex}-{e.end}.link"
                 op.paths.append(path)
-                path.write_bytes(data)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
                 try:
-                    header, _ = read_header(path, self.fingerprint)
+                    header, _ = read_header(path, self.fingerprint, self.key, self.stage_dir)
                 except LinkFileError as err:
-                    reason = (ClusterMiss.FOREIGN if err.problem is LinkFileProblem.FOREIGN
-                              else ClusterMiss.CORRUPT)
-                    raise ClusterError(reason, str(err)) from err
+                    raise ClusterError(refusal_reason(err.problem), str(err)) from err
                 if (header.kind != self.kind.value or header.tag is not None
                         or header.domain != domain
-                        or header.digest != e.digest
-                        or header.parent_digest != e.parent_digest
+                        or header.digest != keys.digest(e.end)
+                        or header.parent_digest != (keys.digest(e.start) if e.start else b"")
                         or (header.start, header.end) != (e.start, e.end)
                         or header.rows != self.layout.view_rows(e.start, e.end)
                         or not np.array_equal(header.token_ids(), toks[e.start:e.end])):
@@ -480,13 +530,19 @@ class ClusterTier(CacheTier):
         self._count_failure(reason)
         if op.chain and reason not in (ClusterMiss.BUDGET, ClusterMiss.TIMEOUT):
             try:
-                self._forget(domain, [e.digest for e in op.chain])
+                self._forget([e.locator for e in op.chain])
             except ClusterError:
                 pass  # the directory is unreachable: it learns at the next failure
 
     def _count_failure(self, reason: ClusterMiss) -> None:
         misses = self._rec.s.misses
         misses[reason.value] = misses.get(reason.value, 0) + 1
+
+    def note_refused(self, problem: str, n: int = 1) -> None:
+        """Count staged files the worker refused as it read their parts (a part's checksum or
+        MAC): the restore failed and `invalidate` drops the chain's entries."""
+        for _ in range(n):
+            self._count_failure(refusal_reason(problem))
 
     def _expire(self, now: float) -> None:
         """Forget answers that are too old to trust (none found, failed, ready but unused)."""
@@ -637,10 +693,10 @@ class ClusterTier(CacheTier):
         """The worker refused a staged file: the remote entries of that chain are dropped."""
         n = 0
         for lid in link_ids:
-            for ids, (op, _, domain) in self._active.items():
+            for ids, (op, _, _) in self._active.items():
                 if lid in ids:
                     try:
-                        self._forget(domain, [e.digest for e in op.chain])
+                        self._forget([e.locator for e in op.chain])
                     except ClusterError:
                         pass
                     n += len(op.chain)
@@ -781,7 +837,8 @@ class ClusterAnchors(ClusterTier):
         super().__init__(tree.layout, tree.fingerprint, tree.transport, tree._cuts,
                          tree.stage_dir, tree.budget_bytes, tree.timeout_s,
                          next_id=tree._next_id, hasher=tree._hasher, promote=None,
-                         clock=tree._clock, owner=tree.owner, baseline=tree._baseline)
+                         clock=tree._clock, owner=tree.owner, baseline=tree._baseline,
+                         key=tree.key)
         self._local = local
         self._peers.append(tree)
         tree._peers.append(self)
@@ -799,17 +856,19 @@ class ClusterAnchors(ClusterTier):
 
     def _locate(self, domain: bytes, keys: PromptKeys, positions: list[int],
                 lim: int) -> Pending:
-        return self.transport.locate_anchors(self.fingerprint, domain,
-                                             [keys.digest(c) for c in positions], lim)
+        return self.transport.locate_anchors(
+            [block_locator(self.key, self.fingerprint, domain, keys.digest(c))
+             for c in positions], lim)
 
-    def _forget(self, domain: bytes, digests: list[bytes]) -> None:
-        self.transport.forget_anchors(self.fingerprint, domain, digests)
+    def _forget(self, locators: list[bytes]) -> None:
+        self.transport.forget_anchors(locators)
 
-    def _chain(self, entries: Sequence[RemoteEntry], keys: PromptKeys) -> list[RemoteEntry]:
-        """The deepest anchor whose digest at its end is the prompt's (a chain of one)."""
+    def _chain(self, entries: Sequence[RemoteEntry], keys: PromptKeys,
+               domain: bytes) -> list[RemoteEntry]:
+        """The deepest anchor whose locator at its end is the prompt's (a chain of one)."""
         for e in sorted(entries, key=lambda e: e.end, reverse=True):
-            if (e.start == 0 and not e.parent_digest and BLOCK <= e.end <= len(keys)
-                    and e.digest == keys.digest(e.end)):
+            if (e.start == 0 and not e.parent_locator and BLOCK <= e.end <= len(keys)
+                    and e.locator == self._locator(domain, keys.digest(e.end))):
                 return [e]
         return []
 
@@ -840,15 +899,12 @@ class ClusterAnchors(ClusterTier):
         (the RAM end anchors were cleared: the adapter calls this), waiting for the directory's
         answer, so that nothing cleared is located once the clear returns (the drops reach the
         worker, which withdraws them too, only with the next step). Returns how many."""
-        by_domain: dict[bytes, list[bytes]] = {}
-        for domain, digest in self._published:
-            by_domain.setdefault(domain, []).append(digest)
+        locators = [self._locator(domain, digest) for domain, digest in self._published]
         n = 0
-        for domain, digests in by_domain.items():
+        if locators:
             try:
-                self.transport.forget_anchors(self.fingerprint, domain, digests,
-                                              owner=self.owner or "")
-                n += len(digests)
+                self.transport.forget_anchors(locators, owner=self.owner or "")
+                n = len(locators)
             except ClusterError:
                 pass  # the directory is unreachable: nothing can be located there either
         self._published.clear()
@@ -860,17 +916,15 @@ class ClusterAnchors(ClusterTier):
         anchors of that tenant were cleared; the other tenants' stay published. Waits for the
         directory's answer like withdraw_all. Returns how many."""
         ours = in_tenant(tag)
-        by_domain: dict[bytes, list[bytes]] = {}
-        for domain, digest in [k for k in self._published if ours(k[0])]:
-            by_domain.setdefault(domain, []).append(digest)
-            lid = self._published.pop((domain, digest))
-            self._published_ids.pop(lid, None)
+        mine = [k for k in self._published if ours(k[0])]
+        for k in mine:
+            self._published_ids.pop(self._published.pop(k), None)
+        locators = [self._locator(domain, digest) for domain, digest in mine]
         n = 0
-        for domain, digests in by_domain.items():
+        if locators:
             try:
-                self.transport.forget_anchors(self.fingerprint, domain, digests,
-                                              owner=self.owner or "")
-                n += len(digests)
+                self.transport.forget_anchors(locators, owner=self.owner or "")
+                n = len(locators)
             except ClusterError:
                 pass  # the directory is unreachable: nothing can be located there either
         return n

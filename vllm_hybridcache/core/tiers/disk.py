@@ -241,7 +241,7 @@ class DiskTier(CacheTier):
             self.record_lookup(res)
             return False
         offered = [self._offered.pop(r.link_id, None) for r in res.plan.chain]
-        if any(o is None or not o[0].exists() for o in offered):
+        if any(o is None or not self.dir.has_file(o[0]) for o in offered):
             self.record_lookup(msgspec.structs.replace(
                 res, hit=False, tokens=0, plan=None, miss_reason=MissReason.EVICTED.value))
             return False
@@ -312,7 +312,7 @@ class DiskTier(CacheTier):
         except UnencodableTag:
             self._rec.skip(TagProblem.DRAFT_TAG.value)
             return None
-        if self.dir.path_for(record.domain, record.end, record.digest).exists():
+        if self.dir.has_file(self.dir.path_for(record.domain, record.end, record.digest)):
             return None
         if not self.admits(record.domain, record.end, record.digest):
             self._rec.skip("not_admitted")
