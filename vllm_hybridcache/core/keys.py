@@ -98,10 +98,10 @@ def make_domain(**fields: Any) -> bytes:
     tuples, dicts with str keys, msgspec structs).
 
     Layout: the first 16 bytes are the sha256 of every field (the salt included), the last 16
-    the tenant tag of the `cache_salt` field (`tenant_tag`; "" when absent). Digest first: the
-    disk tier names a domain's folder after the domain's first bytes, which must tell apart
-    two domains of one tenant (another adapter, another route). Tag last: `tenant_of(domain)`
-    names the tenant without the other fields, for a tenant's clear.
+    the tenant tag of the `cache_salt` field (`tenant_tag`; "" when absent). The digest comes
+    first so that a short prefix of a domain, wherever one is shown or used, still tells apart
+    two domains of one tenant (another adapter, another route); the tag is last, and
+    `tenant_of(domain)` names the tenant without the other fields, for a tenant's clear.
     """
     salt = fields.get(TENANT_FIELD, "")
     if salt is None:
