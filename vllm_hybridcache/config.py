@@ -347,10 +347,14 @@ def admin_key(settings: CacheSettings, environ: Mapping[str, str] | None = None)
     Read once, by the API server at start-up. A key asked for and not usable stops the start-up
     (SettingsError, naming the file or the variable, never the key): a server that silently ran
     without it would be either locked or open. Both set is refused too (which would win is a
-    guess). The key is stripped of surrounding whitespace (a file's last newline), must be
+    guess). The file follows the rules of every key file (core/auth.py `load_key_file`: no
+    symlink, owned by this user or root, not writable by group or others, a warning when they
+    may read it). The key is stripped of surrounding whitespace (a file's last newline), must be
     printable ASCII without spaces (what an HTTP header carries) and at least ADMIN_KEY_MIN
     characters long.
     """
+    from vllm_hybridcache.core.auth import KeyFileError, load_key_file
+
     environ = os.environ if environ is None else environ
     raw_env = environ.get(ADMIN_KEY_ENV, "")
     path = settings.admin_key_file
@@ -358,14 +362,19 @@ def admin_key(settings: CacheSettings, environ: Mapping[str, str] | None = None)
         raise SettingsError(f"both {ADMIN_KEY_ENV} and admin_key_file ({path}) are set; set "
                             "one of them")
     if path:
-        try:
-            raw = Path(path).expanduser().read_text(encoding="utf-8")
-        except OSError as e:
-            raise SettingsError(f"admin_key_file {path!r} cannot be read "
-                                f"({type(e).__name__}: {e.strerror})") from None
-        except UnicodeDecodeError:  # its message would quote the file's bytes
-            raise SettingsError(f"admin_key_file {path!r} is not UTF-8 text") from None
         where = f"admin_key_file {path!r}"
+        try:
+            data = load_key_file(Path(path))
+        except KeyFileError as e:  # its message names the file and the fix, never the key
+            raise SettingsError(f"{where}: {e}") from None
+        except OSError as e:
+            raise SettingsError(f"{where} cannot be read ({type(e).__name__}: {e.strerror})"
+                                ) from None
+        try:
+            raw = data.decode("ascii")
+        except UnicodeDecodeError:  # its message would quote the file's bytes
+            raise SettingsError(f"the admin key in {where} must be printable ASCII without "
+                                "spaces (an HTTP header carries it)") from None
     elif raw_env:
         raw, where = raw_env, ADMIN_KEY_ENV
     else:

@@ -215,6 +215,7 @@ def test_the_admin_key_comes_from_a_file_or_the_environment(tmp_path):
     key = "k" * 24
     f = tmp_path / "admin.key"
     f.write_text(key + "\n")
+    f.chmod(0o600)
     s = load_settings(environ={"VLLM_HYBRIDCACHE_ADMIN_KEY_FILE": str(f)})
     assert s.admin_key_file == str(f) and admin_key(s, environ={}) == key
     assert admin_key(CacheSettings(), environ={ADMIN_KEY_ENV: key}) == key
@@ -224,7 +225,7 @@ def test_the_admin_key_comes_from_a_file_or_the_environment(tmp_path):
 
 
 @pytest.mark.parametrize("content,message", [
-    ("short-key", "shorter than 16"),
+    ("short-key", "shorter than 16|at least 16"),
     ("two words but long enough", "without spaces"),
     ("ключ-ключ-ключ-ключ-ключ", "printable ASCII"),
 ])
@@ -233,6 +234,7 @@ def test_an_unusable_admin_key_is_a_clear_error_that_never_shows_it(tmp_path, co
 
     f = tmp_path / "admin.key"
     f.write_text(content)
+    f.chmod(0o600)
     for settings, env in ((CacheSettings(admin_key_file=str(f)), {}),
                           (CacheSettings(), {ADMIN_KEY_ENV: content})):
         with pytest.raises(SettingsError, match=message) as err:
@@ -241,9 +243,20 @@ def test_an_unusable_admin_key_is_a_clear_error_that_never_shows_it(tmp_path, co
     with pytest.raises(SettingsError, match="cannot be read"):
         admin_key(CacheSettings(admin_key_file=str(tmp_path / "missing")), environ={})
     f.write_bytes(b"\xff\xfe" + b"k" * 30)
-    with pytest.raises(SettingsError, match="not UTF-8") as err:
+    with pytest.raises(SettingsError, match="printable ASCII") as err:
         admin_key(CacheSettings(admin_key_file=str(f)), environ={})
     assert "kkk" not in str(err.value)
+    # the rules of every key file (core/auth.py): a file others may write is refused
+    f.write_text("k" * 30)
+    f.chmod(0o666)
+    with pytest.raises(SettingsError, match="writable by group or others") as err:
+        admin_key(CacheSettings(admin_key_file=str(f)), environ={})
+    assert "k" * 30 not in str(err.value)
+    link = tmp_path / "link.key"
+    f.chmod(0o600)
+    link.symlink_to(f)
+    with pytest.raises(SettingsError, match="symlink"):
+        admin_key(CacheSettings(admin_key_file=str(link)), environ={})
 
 
 def test_the_start_up_line_never_shows_the_admin_key(caplog):
