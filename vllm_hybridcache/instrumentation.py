@@ -13,8 +13,8 @@ slots:
 - copy totals: `after_load(job, seconds)` / `after_capture(job, seconds)` sum the copies a
   worker made (benchmarks read them);
 - restore corruption (`corruption`, a `RestoreCorruption`): `after_load` runs once the restore
-  has copied the state into the request's slot, after every check of the bytes passed (CRCs,
-  MACs, headers), so a corruption there is a wrong state that every checksum calls valid; it
+  has copied the state into the request's slot, after every check of the bytes passed (headers,
+  CRCs, any MAC), so a corruption there is a wrong state that every checksum calls valid; it
   proves that a comparison with a cold run catches one (the soak run's `restore_corruption`
   fault, the disk and image tests' negative controls).
 
@@ -311,15 +311,16 @@ class FaultInjection:
         counts["corrupted"] = 0 if corruption is None else corruption.corrupted
         return counts
 
-    def hybridcache_corrupt_restore(self, tag: str, tokens: str = "") -> bool:
+    def hybridcache_corrupt_restore(self, tag: str, tokens: str = "") -> dict[str, bool]:
         """Corrupt the next restore of the request whose id contains `tag`, if it restores
-        `tokens` tokens (empty: any depth); False when this worker has no connector. Ask a
-        request id with `X-Request-Id` or the body's `request_id`: vLLM's own id contains it."""
+        `tokens` tokens (empty: any depth); `armed` is False when this worker has no
+        connector. Ask a request id with `X-Request-Id` or the body's `request_id`: vLLM's own
+        id contains it. (A dict: the route sends any other result back as its str().)"""
         corruption = self._hybridcache_corruption()
         if corruption is None:
-            return False
+            return {"armed": False}
         corruption.arm(tag, int(tokens) if tokens else None)
-        return True
+        return {"armed": True}
 
     def hybridcache_corruption_result(self, tag: str) -> dict[str, Any] | None:
         """What the tagged request's restore was (`tier`, `kind`, `tokens`) and whether it was

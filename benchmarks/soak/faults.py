@@ -286,7 +286,8 @@ class FaultRunner:
                 break
             ids, cut = target
             tag = f"soak-corrupt-{uuid.uuid4().hex}"
-            if not all(self._rpc("hybridcache_corrupt_restore", tag, str(cut))):
+            if not all(r.get("armed") for r in self._rpc("hybridcache_corrupt_restore", tag,
+                                                          str(cut))):
                 return False, "a worker has no connector to corrupt restores in"
             body = {**tokens_body(ctx.model, [*ids[:cut], self._diverging_token(ids, cut)],
                                   ctx.max_tokens, None), "request_id": tag}
