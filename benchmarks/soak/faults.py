@@ -299,7 +299,7 @@ class FaultRunner:
                 self.corruptions += 1
                 rec.injected = "restore_corruption"
                 rec.restore = (f"{hit['tier']}/{hit['kind']} {hit['tokens']} tokens, "
-                               f"{hit['sections']} state sections")
+                               f"{hit['sections']} state sections, {hit['req_id']}")
                 flagged = rec.cause in FLAGGED
                 return rec.outcome != "unexpected_error" or flagged, (
                     f"injected ({rec.restore}); the answer: {rec.outcome} {rec.cause} "

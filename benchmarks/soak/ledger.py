@@ -40,7 +40,8 @@ class RequestRecord(msgspec.Struct):
     """`restore_corruption` when the worker says it corrupted this request's restore (the
     checker does not know it: the summary compares its verdict with this afterwards)."""
     restore: str = ""
-    """For an injected request, what the worker restored and corrupted (tier, kind, tokens)."""
+    """For an injected request, what the worker restored and corrupted (tier/kind, tokens,
+    sections) and vLLM's id of the request (to find it in the server's log)."""
 
 
 class FaultRecord(msgspec.Struct):
