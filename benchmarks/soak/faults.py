@@ -278,6 +278,10 @@ class FaultRunner:
         return self.rng.choice(pool) if pool else max(taken) + 1
 
     def restore_corruption(self) -> tuple[bool, str]:
+        """Send a request built to be restored at a known link, with the worker armed to
+        corrupt exactly that restore (module docstring); mark its record `injected` when the
+        worker says it did. The record was judged before that, like any other: whether the
+        check flagged it is the summary's business (report.corruptions)."""
         ctx = self.ctx
         tried: list[str] = []
         target = self._corruption_target()
@@ -286,14 +290,15 @@ class FaultRunner:
                 break
             ids, cut = target
             tag = f"soak-corrupt-{uuid.uuid4().hex}"
-            if not all(r.get("armed") for r in self._rpc("hybridcache_corrupt_restore", tag,
-                                                          str(cut))):
-                return False, "a worker has no connector to corrupt restores in"
+            armed = self._rpc("hybridcache_corrupt_restore", tag, str(cut))
+            if not armed or not all(isinstance(r, dict) and r.get("armed") for r in armed):
+                return False, f"the workers were not armed: {armed}"[:200]
             body = {**tokens_body(ctx.model, [*ids[:cut], self._diverging_token(ids, cut)],
                                   ctx.max_tokens, None), "request_id": tag}
             rec, _ = checked_request(ctx, self.http, body, "fault:restore_corruption",
                                      remember=False)
-            done = [x for x in self._rpc("hybridcache_corruption_result", tag) if x]
+            done = [x for x in self._rpc("hybridcache_corruption_result", tag)
+                    if isinstance(x, dict)]
             hit = next((x for x in done if x["corrupted"]), None)
             if hit is not None:
                 self.corruptions += 1
