@@ -200,9 +200,9 @@ def corrupt_state(worker: WorkerSide, job: LoadJob) -> int:
 
     Why this perturbation: it is decisive where a nudge is not. The tiny models have random
     weights, so their next-token distributions are flat (top-5 logprobs within a nat) and a
-    recurrent state's influence decays within some tens of tokens; measured on a prompt one
-    token past the restored link, 1 - x (like zeroing) moved the first token out of the cold
-    run's top 5 on qwen3-next-tiny (bf16) and flash-next-tiny (float32) alike. Every value
+    recurrent state's influence decays within some tens of tokens; measured on prompts one
+    token past the restored link, 1 - x (like zeroing) changed the first token of every one on
+    qwen3-next-tiny (bf16) and flash-next-tiny (float32) alike. Every value
     changes, and a zero state does not stay zero (as a zeroed one would equal a fresh
     request's). Integer sections (positions, counters some layers keep) are left alone: a
     wrong index could crash the kernel instead of giving a wrong answer. Attention K/V rows are
