@@ -136,8 +136,11 @@ def test_a_payload_forged_without_the_secret_is_refused_before_it_is_staged(pair
 def test_a_part_altered_with_its_crc_kept_is_refused_by_the_worker(pair, tmp_path):
     """The true header bytes (MAC valid) with parts altered so that every CRC-32 still
     matches: the scheduler's header check passes, the worker's read refuses the part by its
-    MAC (`unauthenticated`) before any byte reaches the store, and the refusal is counted
-    where the adapter reports it (`note_refused`). With CRCs only, this restored."""
+    MAC (`unauthenticated`) before any byte reaches the store, the refusal is counted where
+    the adapter reports it (`note_refused`) and the chain leaves the directory once the
+    adapter invalidates the refused link, after it ended the failed restore (before the fix,
+    `invalidate` looked among the active restores only, found none, and the payload stayed
+    listed). With CRCs only (1f3f6d5), this restored."""
     c, _a, b = pair
     h = max(c.objects)  # the deepest link's payload
     c.objects[h] = forge_keeping_header(c.objects[h], tmp_path, b.key)
@@ -149,11 +152,20 @@ def test_a_part_altered_with_its_crc_kept_is_refused_by_the_worker(pair, tmp_pat
                     root=b.tier.stage_dir)
     assert ei.value.problem == "unauthenticated"
     assert not any(b.store.has(r.link_id) for r in res.plan.chain)
+    # what the adapter does with the worker's report: the failed restore ends, the refusal
+    # is counted, the refused link is invalidated (in that order)
     b.cache.end_restore(res, False)
     b.tier.note_refused(ei.value.problem)
+    chain = [c.entries[k].locator for k in sorted(c.entries, key=lambda k: c.entries[k].end)]
+    assert b.tier.invalidate([res.plan.chain[-1].link_id]) == 3
     st = b.tier.stats()
     assert st.misses[ClusterMiss.UNAUTHENTICATED] == 1
-    assert st.restores == 0 and st.restores_failed == 1
+    assert st.restores == 0 and st.restores_failed == 1 and st.invalidated == 3
+    # the chain left the directory: no replica fetches the refused payload again
+    assert c.forgotten == chain and c.entries == {}
+    b.clock.t += 100
+    _, res = b.lookup(PROMPT)
+    assert not res.hit and b.tier.stats().fetches == 1
 
 
 @pytest.mark.parametrize("fault,reason", [("owner", ClusterMiss.OWNER_LOST),
