@@ -188,8 +188,9 @@ def test_open_cluster_tier_refuses_a_secret_file_that_must_not_be_used(monkeypat
 
 
 def test_open_cluster_tier_refuses_a_directory_that_refuses_its_secret(monkeypatch):
-    """The cluster's directory was created under another secret: the replica does not start
-    (a replica that could neither publish nor find anything would serve on silently)."""
+    """The cluster's directory was created under another secret (or this node's clock is
+    far off): the replica does not start, and the message names both causes (a replica that
+    could neither publish nor find anything would serve on silently)."""
     import vllm_hybridcache.adapter.fingerprint as fingerprint
 
     made = []
@@ -209,5 +210,5 @@ def test_open_cluster_tier_refuses_a_directory_that_refuses_its_secret(monkeypat
                               "cluster_secret_file": str(CLUSTER_SECRET_FILE)}, environ={})
     with pytest.raises(RuntimeError, match="refuses this replica's calls") as ei:
         _open(settings)
-    assert str(CLUSTER_SECRET_FILE) in str(ei.value)
+    assert str(CLUSTER_SECRET_FILE) in str(ei.value) and "clock" in str(ei.value)
     assert [(a, k.key_id) for a, k in made] == [("127.0.0.1:6379", CLUSTER_KEY.key_id)]
