@@ -9,16 +9,35 @@ output token: the prefill dominates), the medians and their ratio, the cached to
 the remote bytes and the remote fetch time (fetch issued to staged) as a fraction of the
 prefill the remote tokens saved, and how many moved turns gave the cold token and A's token
 (an anchor is session-exact: the greedy gate, not bit equality, holds it to a cold run).
-Run: python -m benchmarks.cluster_restore [--model qwen3-next-tiny]
+Both replicas share the cluster secret `--secret-file` (default: a fresh one in a private
+folder, removed at the end; the replicas run on this machine's local Ray).
+Run: python -m benchmarks.cluster_restore [--model qwen3-next-tiny] [--secret-file FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import uuid
+from pathlib import Path
+
+
+def _secret_file(given: str | None) -> tuple[str, Path | None]:
+    """The cluster secret's file, and the private folder made for it when none was given
+    (0700, the file 0600 with a new secret: core/auth.py `load_key_file`)."""
+    from vllm_hybridcache.core.auth import load_key_file
+
+    if given:
+        load_key_file(Path(given))  # refused here, before any replica starts
+        return given, None
+    folder = Path(tempfile.mkdtemp(prefix="hybridcache-bench-secret-"))
+    path = folder / "cluster.secret"
+    load_key_file(path, create=True)
+    return str(path), folder
 
 
 def main() -> None:
@@ -27,7 +46,18 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=5)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--grid", type=int, default=256)
+    ap.add_argument("--secret-file", default=None,
+                    help="the cluster secret's file (default: a fresh one, removed at the end)")
     args = ap.parse_args()
+    secret, secret_dir = _secret_file(args.secret_file)
+    try:
+        _run(args, secret)
+    finally:
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, secret: str) -> None:
 
     import ray
 
@@ -41,8 +71,8 @@ def main() -> None:
     engine = {"max_model_len": 8192, "max_num_batched_tokens": 2048, "enforce_eager": True,
               "seed": 0}
     Replica = replica_actor(num_cpus=1)
-    a, b = (Replica.remote(model, n, {"grid": args.grid, "message_end_min": 64}, engine)
-            for n in ("A", "B"))
+    settings = {"grid": args.grid, "message_end_min": 64, "cluster_secret_file": secret}
+    a, b = (Replica.remote(model, n, settings, engine) for n in ("A", "B"))
     try:
         ray.get([a.stats.remote(), b.stats.remote()])
         cold_s, warm_s, cached, lengths = [], [], [], []

@@ -11,7 +11,12 @@ slots:
   of every request whose prefill ends in that step, and the worker calls `on_prefill_end` with
   the sha256 of every state part (exactness tests compare warm runs with cold runs on these);
 - copy totals: `after_load(job, seconds)` / `after_capture(job, seconds)` sum the copies a
-  worker made (benchmarks read them).
+  worker made (benchmarks read them);
+- restore corruption (`corruption`, a `RestoreCorruption`): `after_load` runs once the restore
+  has copied the state into the request's slot, after every check of the bytes passed (headers,
+  CRCs, any MAC), so a corruption there is a wrong state that every checksum calls valid; it
+  proves that a comparison with a cold run catches one (the soak run's `restore_corruption`
+  fault, the disk and image tests' negative controls).
 
 How it gets in:
 - an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): `instrument(llm)` sets both slots
@@ -24,8 +29,8 @@ How it gets in:
   passes the object in directly;
 - a server (`vllm serve`): started with `--worker-extension-cls
   vllm_hybridcache.instrumentation.FaultInjection` and `VLLM_SERVER_DEV_MODE=1`, its workers
-  fail restores on demand through vLLM's `POST /collective_rpc` (the soak runner,
-  benchmarks/soak). Without that flag no worker has the methods.
+  fail or corrupt restores on demand through vLLM's `POST /collective_rpc` (the soak runner,
+  benchmarks/soak; the disk and image tests). Without that flag no worker has the methods.
 """
 
 from __future__ import annotations
@@ -74,9 +79,11 @@ class Instrumentation:
     cheap when its feature is unused.
     """
 
-    def __init__(self, *, probe_states: bool = False, fault: Fault | None = None) -> None:
+    def __init__(self, *, probe_states: bool = False, fault: Fault | None = None,
+                 corruption: RestoreCorruption | None = None) -> None:
         self.probe_states = probe_states
         self.fault = fault
+        self.corruption = corruption
         self.digests: dict[str, dict[str, str]] = {}
         self.totals: dict[str, float] = {"captures": 0, "capture_s": 0.0,
                                          "loads": 0, "load_s": 0.0}
@@ -91,8 +98,12 @@ class Instrumentation:
             self.fault("capture", job)
 
     def after_load(self, job: LoadJob, seconds: float) -> None:
+        """A restore succeeded: its state is in the request's slot and KV blocks, and the
+        forward that reads it has not run yet (the corruption's moment)."""
         self.totals["loads"] += 1
         self.totals["load_s"] += seconds
+        if self.corruption is not None:
+            self.corruption(job)
 
     def after_capture(self, job: CaptureJob, seconds: float) -> None:
         self.totals["captures"] += 1
@@ -182,25 +193,107 @@ class LoadFailures:
         return {"pending": self.pending, "fired": self.fired}
 
 
+def corrupt_state(worker: WorkerSide, job: LoadJob) -> int:
+    """Overwrite every floating-point state section (each recurrent layer's convolution and
+    recurrent state) of the slot `job` was just restored into with 1 - x; the number of
+    sections changed.
+
+    Why this perturbation: it is decisive where a nudge is not. The tiny models have random
+    weights, so their next-token distributions are flat (top-5 logprobs within a nat) and a
+    recurrent state's influence decays within some tens of tokens; measured on prompts one
+    token past the restored link, 1 - x (like zeroing) changed the first token of every one on
+    qwen3-next-tiny (bf16) and flash-next-tiny (float32) alike. Every value
+    changes, and a zero state does not stay zero (as a zeroed one would equal a fresh
+    request's). Integer sections (positions, counters some layers keep) are left alone: a
+    wrong index could crash the kernel instead of giving a wrong answer. Attention K/V rows are
+    not touched: below `in_place` they are vLLM's blocks, shared with other requests.
+    """
+    changed = 0
+    for gid, t in worker._sections.values():
+        if t.is_floating_point():
+            slot = t[job.block_ids[gid][0]]
+            slot.neg_().add_(1.0)
+            changed += 1
+    return changed
+
+
+class RestoreCorruption:
+    """Corrupts the restores of armed requests (`corrupt_state`), and remembers what it did.
+
+    `arm(tag, tokens)`: the next restore of a request whose id contains `tag` is corrupted if it
+    restores exactly `tokens` tokens (None: whatever it restores); the arm is used up by that
+    restore either way. Another depth is left alone on purpose: the soak run builds a prompt
+    that diverges from every other prompt right after the link it expects (so the corrupted
+    state reaches no other request, see benchmarks/soak/faults.py), and a shallower hit would
+    compute shared positions from a corrupted state. `take(tag)` returns what happened (and
+    forgets the tag): the worker, not the client, knows whether a restore ran and was changed.
+    """
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.worker = worker
+        self.armed: dict[str, int | None] = {}
+        self.results: dict[str, dict[str, Any]] = {}
+        self.corrupted = 0
+        """Restores corrupted so far (the soak's monitor samples it)."""
+
+    def arm(self, tag: str, tokens: int | None = None) -> None:
+        if not tag:
+            raise ValueError("an empty tag would match every request")
+        self.armed[tag] = tokens
+
+    def __call__(self, job: LoadJob) -> None:
+        tag = next((t for t in self.armed if t in job.req_id), None)
+        if tag is None:
+            return
+        want = self.armed.pop(tag)
+        restored = job.chain[-1].end if job.chain else 0
+        result: dict[str, Any] = {"req_id": job.req_id, "tier": job.tier, "kind": job.kind,
+                                  "tokens": restored, "corrupted": False, "sections": 0}
+        if want is None or want == restored:
+            result["sections"] = corrupt_state(self.worker, job)
+            result["corrupted"] = result["sections"] > 0
+            self.corrupted += int(result["corrupted"])
+        self.results[tag] = result
+
+    def take(self, tag: str) -> dict[str, Any] | None:
+        """What the tagged request's restore was and whether it was corrupted; None when it
+        had none (a miss, or a failed restore) and then the arm is dropped too."""
+        self.armed.pop(tag, None)
+        return self.results.pop(tag, None)
+
+
 class FaultInjection:
     """vLLM worker extension (`--worker-extension-cls vllm_hybridcache.instrumentation.
-    FaultInjection`): restore failures on demand in a running server.
+    FaultInjection`): restore failures and restore corruptions on demand in a running server.
 
     Why: a server's workers live in other processes, so a soak run cannot put an
     `Instrumentation` into them by hand; vLLM's dev-mode `POST /collective_rpc` calls these
     methods (string arguments only) in every worker. Production never passes the flag.
     """
 
-    def _hybridcache_faults(self) -> LoadFailures | None:
+    def _hybridcache_instrumentation(self) -> Instrumentation | None:
         side = _worker_connector(self)
         if side is None:
             return None
         if side.instrumentation is None:
             side.instrumentation = Instrumentation()
-        inst = side.instrumentation
+        return side.instrumentation
+
+    def _hybridcache_faults(self) -> LoadFailures | None:
+        inst = self._hybridcache_instrumentation()
+        if inst is None:
+            return None
         if not isinstance(inst.fault, LoadFailures):
             inst.fault = LoadFailures()
         return inst.fault
+
+    def _hybridcache_corruption(self) -> RestoreCorruption | None:
+        inst = self._hybridcache_instrumentation()
+        if inst is None:
+            return None
+        if inst.corruption is None:
+            inst.corruption = RestoreCorruption(_worker_connector(self))
+        return inst.corruption
 
     def hybridcache_fail_loads(self, count: str) -> dict[str, int]:
         """Fail the next `count` restores of this worker; returns the fault's counts."""
@@ -211,6 +304,26 @@ class FaultInjection:
         return faults.counts()
 
     def hybridcache_fault_counts(self) -> dict[str, int]:
-        """Restores failed on purpose so far, and those still to fail."""
+        """Restores failed on purpose so far, those still to fail, and restores corrupted."""
         faults = self._hybridcache_faults()
-        return {"pending": 0, "fired": 0} if faults is None else faults.counts()
+        corruption = self._hybridcache_corruption()
+        counts = {"pending": 0, "fired": 0} if faults is None else faults.counts()
+        counts["corrupted"] = 0 if corruption is None else corruption.corrupted
+        return counts
+
+    def hybridcache_corrupt_restore(self, tag: str, tokens: str = "") -> dict[str, bool]:
+        """Corrupt the next restore of the request whose id contains `tag`, if it restores
+        `tokens` tokens (empty: any depth); `armed` is False when this worker has no
+        connector. Ask a request id with `X-Request-Id` or the body's `request_id`: vLLM's own
+        id contains it. (A dict: the route sends any other result back as its str().)"""
+        corruption = self._hybridcache_corruption()
+        if corruption is None:
+            return {"armed": False}
+        corruption.arm(tag, int(tokens) if tokens else None)
+        return {"armed": True}
+
+    def hybridcache_corruption_result(self, tag: str) -> dict[str, Any] | None:
+        """What the tagged request's restore was (`tier`, `kind`, `tokens`) and whether it was
+        corrupted; None when it had no successful restore. The tag is forgotten."""
+        corruption = self._hybridcache_corruption()
+        return None if corruption is None else corruption.take(tag)

@@ -79,9 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a life serves before it may be killed")
     p.add_argument("--all-faults", action="store_true",
                    help="run past --duration (up to three times it) until every fault kind "
-                        "ran once and a cache-side request was answered from a tree hit "
-                        "(CI: a loaded machine must not leave a kind out)")
+                        "ran once (restore_corruption: until it injected one) and a cache-side "
+                        "request was answered from a tree hit (CI: a loaded machine must not "
+                        "leave a kind out)")
     p.add_argument("--faults", default="all", help="comma-separated kinds or 'all'")
+    p.add_argument("--corrupt-per-round", type=int, default=1,
+                   help="restore_corruption faults per round of the schedule (each kind comes "
+                        "once a round): more injected corruptions for the checker to catch")
     p.add_argument("--trace-seeds", type=int, default=3)
     p.add_argument("--arm-weights", default="0.55,0.2,0.25",
                    help="shares of cache, tenant and control (cache-off) traces")
@@ -205,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(monitor.samples, reqs, faults, out / f"{stem}.png",
          f"{args.model} ({dtype}), seed {args.seed}, {wall / 60:.1f} min")
     print(json.dumps(summary, indent=1))
-    print(f"soak: {summary['verdict']}; report {out / stem}.json, plot {out / stem}.png")
+    print(f"soak: {summary['verdict']}; injected restore corruptions caught: "
+          f"{summary['corrupt_caught']} of {summary['corrupt_injected']}; "
+          f"report {out / stem}.json, plot {out / stem}.png")
     return 0 if summary["verdict"] == "pass" else 1
 
 
@@ -241,7 +247,8 @@ def _run(args, ctx: Context, kinds, families, weights, interrupted: threading.Ev
     monitor.sample()
     monitor.start()
     faults = FaultRunner(ctx, args.seed, args.fault_every, args.first_fault, kinds, restart,
-                         min_life_s=args.min_life, kill_gap_s=args.kill_gap)
+                         min_life_s=args.min_life, kill_gap_s=args.kill_gap,
+                         corrupt_per_round=args.corrupt_per_round)
     threads = [threading.Thread(target=faults.run, name="soak-faults", daemon=True)]
     threads += [threading.Thread(target=session_worker, name=f"soak-worker-{i}", daemon=True,
                                  args=(ctx, i, args.seed, args.trace_seeds, families, weights,

@@ -12,14 +12,30 @@ Kinds (what each exercises is in docs/reliability.md):
 - `malformed` / `oversized`: bodies the server must refuse with a 4xx, not a 5xx;
 - `restore_failure`: the workers fail their next restore (`FaultInjection` worker extension);
   the request that hits it is recomputed cold and must equal its cold run;
+- `restore_corruption`: a request whose restore the worker corrupts after every check of the
+  bytes passed (`instrumentation.RestoreCorruption`); the checker, which is not told, must flag
+  its answer (the summary's `corrupt_injected` / `corrupt_caught`);
 - `kill_restart`: SIGKILL of the whole server, restart on the same `disk_dir` (in-flight
   requests fail, expected; the next life serves from the disk tier).
 
 The schedule starts once the shared domain has served an answer (faults that replay one need
 it), then draws kinds from seeded shuffles of the whole list (so every kind comes once per
-round) at exponential gaps; a kind that needs the disk tier is left out without one. A kill
-waits until the current life has served `min_life_s` and the previous kill is `kill_gap_s`
-old, so restarts do not eat the run.
+round, `restore_corruption` `corrupt_per_round` times) at exponential gaps; a kind that needs
+the disk tier is left out without one. A kill waits until the current life has served
+`min_life_s` and the previous kill is `kill_gap_s` old, so restarts do not eat the run.
+
+Which request a corruption hits, and why not any: a corrupted state spreads. The request's
+prefill writes attention K/V from it into vLLM's block pool (shared in place with later hits)
+and captures links from it; a later request served from those would be wrong without having
+been injected, and no count could tell the two apart. So the fault builds its own request: a
+recent shared-domain prompt cut at its deepest cut (where that prompt's prefill captured a
+link) plus one token no remembered prompt has there, sent on token ids with a `request_id`
+the worker matches. Every block and link it writes from the corrupted state then holds that
+token and matches no other prompt, and its answer's first token is computed from the restored
+state itself (some tens of tokens of prefill after a restore wash a random-weight model's
+state out, measured). The worker corrupts only a restore of exactly that depth (a shallower
+hit would compute shared positions from the corrupted state) and says afterwards what it did;
+a request it did not corrupt is an ordinary checked request, and the fault tries another.
 """
 
 from __future__ import annotations
@@ -31,14 +47,17 @@ from typing import Any
 
 import requests
 
-from benchmarks.soak.client import chat_body
+from benchmarks.soak.check import FLAGGED
+from benchmarks.soak.client import chat_body, tokens_body
 from benchmarks.soak.ledger import FaultRecord
 from benchmarks.soak.traffic import Context, checked_request
 
 KINDS = ("disconnect_prefill", "disconnect_stream", "clear_ram", "clear_disk", "clear_all",
          "clear_anchors", "foreign_salt", "malformed", "oversized", "restore_failure",
-         "kill_restart")
+         "restore_corruption", "kill_restart")
 DISK_ONLY = ("clear_disk", "kill_restart")
+CORRUPT_ATTEMPTS = 3
+"""Requests one `restore_corruption` fault sends at most until the worker corrupts one."""
 
 
 def _fresh_messages(ctx: Context, rng: random.Random, words: int) -> list[dict[str, Any]]:
@@ -56,7 +75,7 @@ class FaultRunner:
 
     def __init__(self, ctx: Context, seed: int, mean_gap_s: float, first_s: float,
                  kinds: tuple[str, ...], restart, min_life_s: float = 30.0,
-                 kill_gap_s: float = 300.0) -> None:
+                 kill_gap_s: float = 300.0, corrupt_per_round: int = 1) -> None:
         self.ctx = ctx
         self.rng = random.Random(f"soak-{seed}-faults")
         self.mean_gap_s = mean_gap_s
@@ -68,13 +87,18 @@ class FaultRunner:
         self.life_started = 0.0
         self.last_kill = -kill_gap_s
         self.http = ctx.session()
+        self.corrupt_per_round = corrupt_per_round
         self.done: set[str] = set()
-        """Kinds that have run at least once."""
+        """Kinds that have run at least once (`restore_corruption`: once it injected one)."""
+        self.corruptions = 0
+        """Requests whose restore the worker says it corrupted."""
 
     def schedule(self):
         """Kinds in seeded shuffled rounds."""
         while True:
             order = list(self.kinds)
+            if "restore_corruption" in order:
+                order += ["restore_corruption"] * (self.corrupt_per_round - 1)
             self.rng.shuffle(order)
             yield from order
 
@@ -102,7 +126,8 @@ class FaultRunner:
                     expected, detail = False, f"{type(e).__name__}: {e}"[:200]
             ctx.ledger.fault(FaultRecord(t=t, life=life, kind=kind, expected=expected,
                                          detail=detail))
-            self.done.add(kind)
+            if kind != "restore_corruption" or self.corruptions:
+                self.done.add(kind)
             if ctx.stop.wait(self.rng.expovariate(1.0 / self.mean_gap_s)):
                 return
 
@@ -224,6 +249,75 @@ class FaultRunner:
         return rec.outcome != "unexpected_error", (
             f"armed; the replayed request: {rec.outcome} {rec.cause} check={rec.check} "
             f"cached={rec.cached_tokens}")
+
+    def _rpc(self, method: str, *args: str) -> list:
+        """`POST /collective_rpc`: every worker's answer."""
+        r = self.http.post(self.ctx.root + "/collective_rpc", timeout=60,
+                           json={"method": method, "args": list(args)})
+        r.raise_for_status()
+        return r.json().get("results") or []
+
+    def _corruption_target(self) -> tuple[list[int], int] | None:
+        """A recent shared-domain prompt and its deepest cut short of its last token (where its
+        prefill captured a link, unless evicted since), drawn at random."""
+        seg = self.ctx.segmentation
+        found = []
+        for ids in self.ctx.ledger.recent_prompts():
+            cuts = seg.cuts(ids, len(ids) - 1)
+            if cuts:
+                found.append((ids, cuts[-1]))
+        return self.rng.choice(found) if found else None
+
+    def _diverging_token(self, ids: list[int], cut: int) -> int:
+        """A token for position `cut` that no remembered prompt sharing `ids[:cut]` has there
+        (so nothing computed after the restore is shared with another prompt), drawn from the
+        prompt's own ids (every one a valid id of the vocabulary)."""
+        taken = {ids[cut]} | {q[cut] for q in self.ctx.ledger.recent_prompts()
+                              if len(q) > cut and q[:cut] == ids[:cut]}
+        pool = sorted(set(ids) - taken)
+        return self.rng.choice(pool) if pool else max(taken) + 1
+
+    def restore_corruption(self) -> tuple[bool, str]:
+        """Send a request built to be restored at a known link, with the worker armed to
+        corrupt exactly that restore (module docstring); mark its record `injected` when the
+        worker says it did. The record was judged before that, like any other: whether the
+        check flagged it is the summary's business (report.corruptions)."""
+        ctx = self.ctx
+        tried: list[str] = []
+        target = self._corruption_target()
+        for _ in range(CORRUPT_ATTEMPTS):
+            if target is None:
+                break
+            ids, cut = target
+            tag = f"soak-corrupt-{uuid.uuid4().hex}"
+            armed = self._rpc("hybridcache_corrupt_restore", tag, str(cut))
+            if not armed or not all(isinstance(r, dict) and r.get("armed") for r in armed):
+                return False, f"the workers were not armed: {armed}"[:200]
+            body = {**tokens_body(ctx.model, [*ids[:cut], self._diverging_token(ids, cut)],
+                                  ctx.max_tokens, None), "request_id": tag}
+            rec, _ = checked_request(ctx, self.http, body, "fault:restore_corruption",
+                                     remember=False)
+            done = [x for x in self._rpc("hybridcache_corruption_result", tag)
+                    if isinstance(x, dict)]
+            hit = next((x for x in done if x["corrupted"]), None)
+            if hit is not None:
+                self.corruptions += 1
+                rec.injected = "restore_corruption"
+                rec.restore = (f"{hit['tier']}/{hit['kind']} {hit['tokens']} tokens, "
+                               f"{hit['sections']} state sections, {hit['req_id']}")
+                flagged = rec.cause in FLAGGED
+                return rec.outcome != "unexpected_error" or flagged, (
+                    f"injected ({rec.restore}); the answer: {rec.outcome} {rec.cause} "
+                    f"check={rec.check} {rec.detail}"[:300])
+            got = done[0]["tokens"] if done else 0
+            tried.append(f"cut {cut}: restored {got}" if done else f"cut {cut}: no restore")
+            if rec.outcome != "ok":  # a non-injected answer must pass like any other
+                return rec.outcome == "expected_error", (
+                    f"not injected ({tried[-1]}); the request: {rec.cause} {rec.detail}"[:300])
+            # the link at `cut` was gone: one the lookup just found is likelier to stay
+            target = ((ids, got) if 0 < got < cut and got in ctx.segmentation.cuts(ids)
+                      else self._corruption_target())
+        return True, f"nothing injected ({'; '.join(tried) or 'no recent prompt with a cut'})"
 
     def kill_restart(self) -> tuple[bool, str]:
         self.last_kill = self.ctx.now()

@@ -1,5 +1,6 @@
 """Everything a soak run observed, appended by many threads: one record per request and per
-fault, plus the recent prompts faults reuse (a restore failure needs a prompt that hits)."""
+fault, plus the recent prompts faults reuse (a restore failure needs a prompt that hits, a
+restore corruption the token ids of one)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ class RequestRecord(msgspec.Struct):
     margin: float | None = None
     max_drift: float | None = None
     detail: str = ""
+    injected: str = ""
+    """`restore_corruption` when the worker says it corrupted this request's restore (the
+    checker does not know it: the summary compares its verdict with this afterwards)."""
+    restore: str = ""
+    """For an injected request, what the worker restored and corrupted (tier/kind, tokens,
+    sections) and vLLM's id of the request (to find it in the server's log)."""
 
 
 class FaultRecord(msgspec.Struct):
@@ -53,6 +60,7 @@ class Ledger:
         self.requests: list[RequestRecord] = []
         self.faults: list[FaultRecord] = []
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._prompts: collections.deque[list[int]] = collections.deque(maxlen=keep)
 
     def add(self, rec: RequestRecord) -> None:
         with self._lock:
@@ -62,13 +70,21 @@ class Ledger:
         with self._lock:
             self.faults.append(rec)
 
-    def remember(self, body: dict[str, Any]) -> None:
+    def remember(self, body: dict[str, Any], prompt_ids: list[int] | None = None) -> None:
         with self._lock:
             self._recent.append(body)
+            if prompt_ids:
+                self._prompts.append(prompt_ids)
 
     def recent(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._recent)
+
+    def recent_prompts(self) -> list[list[int]]:
+        """Token ids of the recent shared-domain prompts that `remember` was given, oldest
+        first."""
+        with self._lock:
+            return list(self._prompts)
 
     def snapshot(self) -> tuple[list[RequestRecord], list[FaultRecord]]:
         with self._lock:

@@ -1,4 +1,5 @@
-"""The time series: cache stats, vLLM's preemptions, the worker's injected-fault counts and the
+"""The time series: cache stats, vLLM's preemptions, the worker's injected-fault counts (failed
+and corrupted restores) and the
 server's resident memory, sampled every few seconds.
 
 Counters start from zero in each life of the server (a kill -9 loses them), so the series
@@ -110,8 +111,9 @@ class Monitor:
             float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
             if line.startswith("vllm:request_success_total{")
             and 'finished_reason="abort"' in line)
-        values["restore_faults_fired"] = float(sum(
-            r.get("fired", 0) for r in rpc.get("results", []) if isinstance(r, dict)))
+        workers = [r for r in rpc.get("results", []) if isinstance(r, dict)]
+        values["restore_faults_fired"] = float(sum(r.get("fired", 0) for r in workers))
+        values["restore_corruptions"] = float(sum(r.get("corrupted", 0) for r in workers))
         return values
 
     def sample(self) -> dict[str, Any] | None:

@@ -6,6 +6,13 @@ the server was not being killed, a hit for a fresh salt, a fault that did not en
 should), a RAM-tier kind (tree links, end anchors) holding more bytes than its budget, or
 resident memory growing faster than the bound at steady state (least-squares slope over the
 second half of the longest life, judged when that window is at least `min_window_s` long).
+
+Answers served from a restore the worker corrupted on purpose (the `restore_corruption` fault,
+`RequestRecord.injected`) are the checker's proof, kept apart from everything above: each one
+must have been flagged (`check.FLAGGED`: a wrong token, a length mismatch or drift beyond the
+tolerance); the summary reports `corrupt_injected` and `corrupt_caught` side by side, and one
+injected answer not flagged fails the run, as does a corruption fault that fired and never
+injected (the proof did not happen).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from benchmarks.soak.check import FLAGGED
 from benchmarks.soak.ledger import FaultRecord, RequestRecord
 
 
@@ -69,6 +77,20 @@ def _checks(recs: list[RequestRecord]) -> dict[str, Any]:
             "positions_compared": sum(r.compared for r in checked)}
 
 
+def corruptions(requests: list[RequestRecord]) -> dict[str, Any]:
+    """The checker against the injected corruptions: how many it flagged, and every one it did
+    not (with what the check saw)."""
+    injected = [r for r in requests if r.injected]
+    caught = [r for r in injected if r.outcome == "unexpected_error" and r.cause in FLAGGED]
+    missed = [r for r in injected if not (r.outcome == "unexpected_error" and r.cause in FLAGGED)]
+    return {"injected": len(injected), "caught": len(caught),
+            "by_cause": dict(Counter(r.cause for r in caught)),
+            "restored_from": dict(Counter(r.restore.split(" ")[0] for r in injected)),
+            "unflagged": [{"t": r.t, "life": r.life, "restore": r.restore, "outcome": r.outcome,
+                           "cause": r.cause, "check": r.check, "margin": r.margin,
+                           "max_drift": r.max_drift, "detail": r.detail} for r in missed]}
+
+
 def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
               samples: list[dict[str, Any]], *, wall_s: float, startups: list[float],
               kinds: tuple[str, ...], rss_bound_mib_per_min: float,
@@ -76,9 +98,13 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
     by_arm: dict[str, list[RequestRecord]] = defaultdict(list)
     for r in requests:
         by_arm[r.arm.split(":")[0] if r.arm.startswith("fault:") else r.arm].append(r)
-    cache_side = [r for r in requests if r.arm != "control"]
+    corrupt = corruptions(requests)
+    # everything below judges the cache: answers from an injected corruption are the
+    # checker's proof instead (`corruptions`), not failures of the cache
+    judged = [r for r in requests if not r.injected]
+    cache_side = [r for r in judged if r.arm != "control"]
     failures: dict[str, Counter] = {"expected": Counter(), "unexpected": Counter()}
-    for r in requests:
+    for r in judged:
         if r.outcome != "ok":
             failures["expected" if r.outcome == "expected_error" else "unexpected"][r.cause] += 1
     ttft = {arm: [r.ttft_s for r in recs if r.ttft_s is not None and r.outcome == "ok"]
@@ -100,8 +126,14 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
 
     reasons: list[str] = []
     checks_cache = _checks(cache_side)
-    if checks_cache["wrong"] or _checks(requests)["wrong"]:
-        reasons.append(f"{_checks(requests)['wrong']} wrong token(s)")
+    if checks_cache["wrong"] or _checks(judged)["wrong"]:
+        reasons.append(f"{_checks(judged)['wrong']} wrong token(s)")
+    if corrupt["unflagged"]:
+        reasons.append(f"{len(corrupt['unflagged'])} of {corrupt['injected']} answers served "
+                       "from an injected restore corruption not flagged by the check")
+    fired = sum(f.kind == "restore_corruption" for f in faults)
+    if fired and not corrupt["injected"]:
+        reasons.append(f"restore_corruption fired {fired} time(s) and never injected")
     n_unexpected = sum(failures["unexpected"].values())
     if n_unexpected:
         reasons.append(f"{n_unexpected} unexpected request error(s): "
@@ -120,6 +152,9 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
     return {
         "verdict": "fail" if reasons else "pass",
         "reasons": reasons,
+        "corrupt_injected": corrupt["injected"],
+        "corrupt_caught": corrupt["caught"],
+        "corruption": corrupt,
         "wall_s": round(wall_s, 1),
         "lives": len(startups),
         "startup_s": [round(s, 1) for s in startups],
@@ -127,6 +162,7 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
                            **Counter(r.outcome for r in recs)} for arm, recs in by_arm.items()},
         "failures": {k: dict(v) for k, v in failures.items()},
         "checks": {"cache_on": checks_cache, "cache_off_control": _checks(by_arm["control"]),
+                   "corrupted_restores": _checks([r for r in requests if r.injected]),
                    "tree_hits": _checks([r for r in cache_side if r.hit_kind == "tree"]),
                    "anchor_hits": _checks([r for r in cache_side if r.hit_kind == "anchor"]),
                    "misses": _checks([r for r in cache_side if r.hit_kind == "none"])},

@@ -96,8 +96,11 @@ def _trace(family: str, size: str, seed: int) -> Trace:
 
 
 def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], arm: str,
-                    family: str = "") -> tuple[RequestRecord, Outcome]:
-    """Send `body`, then its cold run, compare them, record and return the result."""
+                    family: str = "", remember: bool = True) -> tuple[RequestRecord, Outcome]:
+    """Send `body`, then its cold run, compare them, record and return the result; an answer
+    that passed is remembered for faults to replay unless `remember` is False. A `request_id`
+    in `body` (how a fault names the request the worker must act on) is not sent with the
+    cold run."""
     if not ctx.wait_up():
         return RequestRecord(t=ctx.now(), life=ctx.server.life, arm=arm, family=family,
                              outcome="expected_error", cause="run_stopped"), Outcome()
@@ -116,7 +119,8 @@ def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], 
         rec.hit_kind = "tree" if out.cached_tokens in cuts else "anchor"
     elif out.cached_tokens:
         rec.hit_kind = "tree"
-    cold = plain_chat(http, ctx.root, {**body, "cache_salt": cold_salt()}, ctx.timeout_s)
+    cold_body = {k: v for k, v in body.items() if k != "request_id"}
+    cold = plain_chat(http, ctx.root, {**cold_body, "cache_salt": cold_salt()}, ctx.timeout_s)
     if cold.error is not None:
         rec.outcome, rec.cause = ctx.failure_cause(cold, life)
         rec.cause = "cold_run_" + rec.cause
@@ -136,8 +140,8 @@ def checked_request(ctx: Context, http: requests.Session, body: dict[str, Any], 
     if arm == "control" and out.cached_tokens:
         rec.outcome, rec.cause = "unexpected_error", "control_hit"
     ctx.ledger.add(rec)
-    if rec.outcome == "ok" and body.get("cache_salt") is None:
-        ctx.ledger.remember(body)
+    if remember and rec.outcome == "ok" and body.get("cache_salt") is None:
+        ctx.ledger.remember(body, out.prompt_ids)
     return rec, out
 
 

@@ -11,7 +11,7 @@ from tests.core.link_bytes import fill_seeded, restored_bytes
 from tests.keys import CLUSTER_KEY
 from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
 from vllm_hybridcache.core.disk.reader import stage_chain
-from vllm_hybridcache.core.keys import make_domain
+from vllm_hybridcache.core.keys import PromptKeys, make_domain
 from vllm_hybridcache.core.tiers.anchors import EndAnchors
 from vllm_hybridcache.core.tiers.cluster import (
     ClusterAnchors,
@@ -33,6 +33,15 @@ CUTS = [64, 128, 256]
 
 def cuts_of(tokens: np.ndarray) -> list[int]:
     return [c for c in CUTS if c <= len(tokens)]
+
+
+def relisted(e: RemoteEntry, keys: PromptKeys, fp: bytes = FP, dom: bytes = DOM,
+             key=CLUSTER_KEY) -> tuple[bytes, RemoteEntry]:
+    """Entry `e` listed where the link of `keys` over [e.start, e.end) of (fp, dom) would be
+    (its locator and its parent's recomputed): what a confused or hostile directory answers."""
+    loc = locator(key, fp, dom, keys.digest(e.end))
+    parent = locator(key, fp, dom, keys.digest(e.start)) if e.start else b""
+    return loc, e._replace(locator=loc, parent_locator=parent)
 
 
 class Answer:

@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 
 from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica
-from tests.keys import TEST_KEY
-from vllm_hybridcache.cluster.directory import LinkDirectory
+from tests.keys import CLUSTER_KEY
+from vllm_hybridcache.cluster.directory import ClusterDirectory
 from vllm_hybridcache.core.keys import PromptKeys, make_domain
-from vllm_hybridcache.core.tiers.cluster import ClusterMiss, anchor_block
+from vllm_hybridcache.core.tiers.cluster import (
+    ClusterMiss,
+    anchor_block,
+    block_locator,
+    locator,
+)
 
 ANCHOR = PROMPT[:300]          # turn k's prompt + its answer (all but the last token)
 NEXT = PROMPT                  # turn k + 1: extends the anchor's tokens
@@ -69,21 +74,23 @@ def test_a_payload_with_other_tokens_or_of_another_kind_is_refused(pair, tmp_pat
     """A directory entry whose digest names this prompt but whose payload holds other tokens,
     or a tree link's payload listed as an anchor, is a verify_failed miss and is forgotten."""
     c, a, b = pair
-    (key, (_block, e)), = c.anchors.items()
+    (_loc, (_block, e)), = c.anchors.items()
     c.anchors.clear()
     wrong = NEXT.copy()
     wrong[5] += 1
     kw = PromptKeys(wrong)
-    c.anchors[(key[0], key[1], kw.digest(300))] = (kw.digest(anchor_block(300)),
-                                                  e._replace(digest=kw.digest(300)))
+    loc = locator(CLUSTER_KEY, FP, DOM, kw.digest(300))
+    c.anchors[loc] = (block_locator(CLUSTER_KEY, FP, DOM, kw.digest(anchor_block(300))),
+                      e._replace(locator=loc))
     _, res = b.lookup(wrong)
     assert not (res.hit and res.kind == "anchor")
     assert b.remote_anchors.stats().misses[ClusterMiss.VERIFY_FAILED] == 1 and not c.anchors
     a.capture(PROMPT)  # tree links [0, 64), ...: list the one at 256 as an anchor of 256
     tree_entry = next(x for x in c.entries.values() if x.end == 256)
     k = PromptKeys(PROMPT)
-    c.anchors[(FP, DOM, k.digest(256))] = (k.digest(256), tree_entry._replace(
-        start=0, parent_digest=b""))
+    assert tree_entry.locator == locator(CLUSTER_KEY, FP, DOM, k.digest(256))
+    c.anchors[tree_entry.locator] = (block_locator(CLUSTER_KEY, FP, DOM, k.digest(256)),
+                                     tree_entry._replace(start=0, parent_locator=b""))
     b.clock.t += 100
     res = b.remote_anchors.lookup(k, DOM, 299)
     for _ in range(5):
@@ -149,20 +156,27 @@ def test_no_anchor_moves_on_a_speculative_route_or_below_one_key_block(pair):
 
 
 def test_the_directory_keeps_anchors_apart_and_locates_them_by_block_and_limit():
-    d = LinkDirectory(key=TEST_KEY)
+    d = ClusterDirectory()
     k = PromptKeys(np.arange(1000, 1400, dtype=np.int64))
-    blocks = [k.digest(p) for p in range(64, 400, 64)]
-    d.publish_anchor(FP, DOM, k.digest(300), k.digest(256), 300, 10, "a", ["ref"])
-    d.publish_anchor(FP, DOM, k.digest(390), k.digest(384), 390, 10, "b", ["ref2"])
-    assert d.locate(FP, DOM, [k.digest(300)]) == []  # never answers a tree lookup
-    found = d.locate_anchors(FP, DOM, blocks, 399)
+
+    def loc(digest: bytes, fp: bytes = FP, dom: bytes = DOM) -> bytes:
+        return locator(CLUSTER_KEY, fp, dom, digest)
+
+    def blocks_of(fp: bytes = FP, dom: bytes = DOM) -> list[bytes]:
+        return [block_locator(CLUSTER_KEY, fp, dom, k.digest(p)) for p in range(64, 400, 64)]
+
+    blocks = blocks_of()
+    d.publish_anchor(loc(k.digest(300)), blocks[3], 300, 10, "a", ["ref"])  # block at 256
+    d.publish_anchor(loc(k.digest(390)), blocks[5], 390, 10, "b", ["ref2"])  # block at 384
+    assert d.locate([loc(k.digest(300))]) == []  # never answers a tree lookup
+    found = d.locate_anchors(blocks, 399)
     assert sorted(x[3] for x in found) == [300, 390]
-    assert [x[3] for x in d.locate_anchors(FP, DOM, blocks, 350)] == [300]
-    assert d.locate_anchors(FP, make_domain(model="x"), blocks, 399) == []
-    assert d.locate_anchors(b"G" * 32, DOM, blocks, 399) == []
-    assert d.forget_anchors(FP, DOM, [k.digest(390)], owner="a") == 0  # not a's
+    assert [x[3] for x in d.locate_anchors(blocks, 350)] == [300]
+    assert d.locate_anchors(blocks_of(dom=make_domain(model="x")), 399) == []
+    assert d.locate_anchors(blocks_of(fp=b"G" * 32), 399) == []
+    assert d.forget_anchors([loc(k.digest(390))], owner="a") == 0  # not a's
     assert d.stats() == {"a": {"links": 0, "anchors": 1, "bytes": 10},
                          "b": {"links": 0, "anchors": 1, "bytes": 10}}
     assert d.forget_owner("b") == 1 and d.anchors_of("b") == []
-    assert d.forget_anchors(FP, DOM, [k.digest(300)]) == 1
-    assert d.locate_anchors(FP, DOM, blocks, 399) == [] and not d._blocks
+    assert d.forget_anchors([loc(k.digest(300))]) == 1
+    assert d.locate_anchors(blocks, 399) == [] and not d._blocks

@@ -2,7 +2,8 @@
 on a local Ray: turns 1..k on replica A, turn k+1 forced to replica B resumes from A's links
 through the cluster tier and equals a cold prefill on B (a fresh cache_salt) in token ids and
 logprobs, bit for bit; negative control: a forged link of A's chain (state bytes altered,
-checksums valid) is restored on B and the logprobs then differ from the cold ones. And the
+checksums and MACs valid: made with the cluster secret) is restored on B and the logprobs then
+differ from the cold ones. And the
 deepest link of a request, committed by its last step, is in the directory once the request
 returned, with no further step on its replica (the in-process engine steps only while it has
 requests), so a turn moved right after it resumes from the full depth.
@@ -20,16 +21,17 @@ import uuid
 import pytest
 import ray
 
+from tests.cluster.directory_view import entries_of
 from tests.cluster.forgery import Ghost, forged_chain
-from vllm_hybridcache.cluster import directory_handle
+from tests.keys import CLUSTER_KEY, CLUSTER_SECRET_FILE
 from vllm_hybridcache.cluster.directory import NAMESPACE
 from vllm_hybridcache.cluster.replica import replica_actor
-from vllm_hybridcache.core.keys import PromptKeys
 
 pytestmark = pytest.mark.slow
 
 GRID = 256
-SETTINGS = {"grid": GRID, "message_end_min": 64, "cluster_timeout_s": 60}
+SETTINGS = {"grid": GRID, "message_end_min": 64, "cluster_timeout_s": 60,
+            "cluster_secret_file": str(CLUSTER_SECRET_FILE)}
 ENGINE = {"max_model_len": 4096, "max_num_batched_tokens": 2048, "enforce_eager": True,
           "seed": 0}
 
@@ -65,14 +67,6 @@ def conversation(seed: int, turns: int) -> list[list[int]]:
     return out
 
 
-def entries_of(owner: str, prompt: list[int]) -> list:
-    """The directory's entries of `owner` that end on a 64-aligned position of `prompt`."""
-    keys = PromptKeys(prompt)
-    digests = {keys.digest(c) for c in range(64, len(prompt) + 1, 64)}
-    return sorted(((k, e) for k, e in ray.get(directory_handle().entries_of.remote(owner))
-                   if k[2] in digests), key=lambda ke: ke[1][2])
-
-
 def cluster_restores(replica) -> int:
     return ray.get(replica.stats.remote())["cluster/tree"]["restores"]
 
@@ -99,9 +93,10 @@ def test_negative_control_a_forged_remote_link_changes_the_logprobs(replicas, tm
     ray.get(a.generate.remote(turns[0]))
     entries = entries_of("A", turns[0])
     assert entries
-    ghost = Ghost.remote()
-    # the chain now names the ghost, its deepest link forged
-    ray.get(ghost.publish.remote(forged_chain(entries, tmp_path)))
+    ghost = Ghost.remote(str(CLUSTER_SECRET_FILE))
+    # the chain now names the ghost, its deepest link forged with the secret (what a bug in
+    # a copy would produce: every check passes, only the comparison with cold can tell)
+    ray.get(ghost.publish.remote(forged_chain(entries, tmp_path, CLUSTER_KEY)))
     try:
         out = ray.get(b.generate.remote(turns[1]))
         assert out["cached"] == entries[-1][1][2]  # the forged chain was restored

@@ -9,14 +9,22 @@ qwen3-next-tiny placed by a local Ray, behind the front on Ray Serve's port (the
 - a turn forced to the other replica resumes from the owner's links (cluster tier) and equals a
   cold prefill there (unique cache_salt) in tokens and logprobs;
 - a link listed under another fingerprint is never used; links whose owner died before the
-  fetch are a counted `owner_lost` miss with the cold output; negative control: a forged link
-  (state bytes altered, checksums valid) is restored and the output then differs from cold;
+  fetch are a counted `owner_lost` miss with the cold output;
+- a link forged without the cluster secret (valid CRCs and header fields, MACs under another
+  key), listed in place of the owner's, is refused as `unauthenticated`: counted, nothing
+  restored, the turn equal to a cold run; negative control: the same forgery made WITH the
+  secret (what a bug in a copy would produce) is restored and the output then differs from
+  cold, so the comparison still bites;
 - end anchors move: a conversation with live history (each turn the previous prompt, its
   answer and a new message) on one replica, its next turn forced to the other resumes from the
   owner's end anchor (cached tokens = the anchor's depth), equal in tokens and logprobs to the
   same turn resumed from that anchor on the owner, and within the greedy gate of a cold run;
-  negative control: a forged anchor (valid checksums, state altered) is restored and caught;
-  another salt's request never uses the anchor;
+  an anchor with its true header and parts altered with their CRCs kept is refused by the
+  worker as `unauthenticated` (the turn recomputed cold); negative control: an anchor forged
+  with the secret is restored and caught; another salt's request never uses the anchor;
+
+The tests hold the cluster secret the replicas get (tests/keys.py): they read and write the
+directory as a replica does, and find a prompt's entries by locator (directory_view.py).
 - last (it takes a replica away): one replica killed while a request runs on it loses nothing
   (the front retries it on the other one, output equal to a cold run there bit for bit), the
   conversation it owned moves, and its links leave the directory.
@@ -34,11 +42,13 @@ import requests
 
 from benchmarks.servers import free_port
 from tests.cluster.conftest import wait_owner_dead
-from tests.cluster.forgery import Ghost, forge, forged_chain
-from vllm_hybridcache.cluster import directory_handle
+from tests.cluster.directory_view import IDS, anchors_of, ask, entries_of, identity_of
+from tests.cluster.forgery import Ghost, forge, forge_keeping_header, forged_chain
+from tests.keys import CLUSTER_KEY, CLUSTER_SECRET_FILE, other_key
 from vllm_hybridcache.cluster.directory import NAMESPACE
 from vllm_hybridcache.cluster.launcher import Cluster
 from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.tiers.cluster import locator
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +60,7 @@ ENV = {"VLLM_HYBRIDCACHE_GRID": str(GRID), "VLLM_HYBRIDCACHE_MESSAGE_END_MIN": "
        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HYBRIDCACHE_CLUSTER_TIMEOUT_S": "60"}
 SERVE_ARGS = ["--served-model-name", "tiny", "--max-model-len", "8192",
               "--enable-prompt-tokens-details", "--seed", "0", "--enforce-eager"]
+SECRET = str(CLUSTER_SECRET_FILE)  # every replica's cluster_secret_file (through the launcher)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +72,7 @@ def cluster(embedded_model):
              namespace=NAMESPACE, log_to_driver=False)
     c = None
     try:
-        c = Cluster(str(embedded_model("qwen3-next-tiny")), 2, SERVE_ARGS)
+        c = Cluster(str(embedded_model("qwen3-next-tiny")), 2, SERVE_ARGS, secret_file=SECRET)
         c.serve_front("127.0.0.1", free_port("127.0.0.1", 8460), health_interval_s=0.5)
         yield c
     finally:
@@ -186,13 +197,21 @@ def cluster_tier(cluster, name: str) -> dict:
 
 
 def directory_entries(owner: str, prompt: list[int]) -> list:
-    """The directory's entries of `owner` on the 64-aligned positions of `prompt` (default
-    domain): its grid cuts and, in fine segmentation (the CPU attention pin on), its links inside a
-    step (the prompt's last 64-aligned position), which the owner publishes too."""
-    keys = PromptKeys(prompt)
-    digests = {keys.digest(c) for c in range(64, len(prompt) + 1, 64)}
-    return [(k, e) for k, e in ray.get(directory_handle().entries_of.remote(owner))
-            if k[2] in digests]
+    """The directory's entries of `owner` on the 64-aligned positions of `prompt` (the
+    request's domain), sorted by end: its grid cuts and, in fine segmentation (the CPU
+    attention pin on), its links inside a step, which the owner publishes too."""
+    return entries_of(owner, prompt)
+
+
+def listed_as(owner: str, locators: list[bytes], anchors: bool = False) -> None:
+    """Wait until every one of `locators` is listed as `owner`'s: a publication reaches the
+    directory fire-and-forget, and a turn sent before would find the previous entries."""
+    want = set(locators)
+    for _ in range(1200):
+        if want <= {k for k, _ in ask("anchors_of" if anchors else "entries_of", owner)}:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"{owner}'s entries never listed")
 
 
 def pinned(name: str) -> dict:
@@ -211,11 +230,14 @@ def test_a_link_of_another_fingerprint_is_never_used(cluster):
     _completion(cluster, turns[0], **pinned("r0"))
     entries = directory_entries("r0", turns[0])
     assert entries
-    d = directory_handle()
-    for (fp, dom, digest), (parent, start, end, nbytes, refs) in entries:
+    keys = PromptKeys(turns[0])
+    for loc, (_parent, start, end, nbytes, refs) in entries:
+        fp, dom = identity_of(loc, turns[0], end)
         foreign = bytes(x ^ 0xFF for x in fp)
-        ray.get(d.publish.remote(foreign, dom, digest, parent, start, end, nbytes, "r0", refs))
-        ray.get(d.forget.remote(fp, dom, [digest]))
+        parent = locator(CLUSTER_KEY, foreign, dom, keys.digest(start)) if start else b""
+        ask("publish", locator(CLUSTER_KEY, foreign, dom, keys.digest(end)), parent, start,
+            end, nbytes, "r0", refs=refs)
+        ask("forget", [loc], None)
     restores = cluster_tier(cluster, "r1")["restores"]
     out = _completion(cluster, turns[1], **pinned("r1"))
     assert cached(out) == 0
@@ -229,10 +251,10 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cl
     _completion(cluster, turns[0], **pinned("r0"))
     entries = directory_entries("r0", turns[0])
     assert entries
-    ghost = Ghost.remote()
+    ghost = Ghost.remote(SECRET)
     for _ in range(40):  # publications still on their way (Ray delivers them async): those too
-        items = [(fp, dom, digest, parent, start, end, bytes(ray.get(refs[0])))
-                 for (fp, dom, digest), (parent, start, end, _, refs) in entries]
+        items = [(loc, parent, start, end, bytes(ray.get(refs[0])))
+                 for loc, (parent, start, end, _, refs) in entries]
         probe = ray.get(ghost.publish.remote(items))[0]  # the entries now name the ghost
         time.sleep(0.25)
         entries = directory_entries("r0", turns[0])
@@ -251,16 +273,50 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss_with_the_cold_output(cl
     assert not directory_entries("ghost", turns[0])  # the dead owner's entries are gone
 
 
+def test_a_link_forged_without_the_secret_is_refused_and_the_turn_is_cold(cluster, tmp_path):
+    """Issue 29: the owner's chain listed again by a ghost (a member of the Ray cluster that
+    got into the directory), its deepest link forged without the secret: state bytes
+    altered, every CRC and header field valid, the MACs under another key. r1 refuses it at
+    its header (`unauthenticated`, counted in its stats), restores nothing and answers what
+    a cold run answers. On 1f3f6d5, with CRCs only, this forgery was restored."""
+    turns = conversation(5, 2)
+    _completion(cluster, turns[0], **pinned("r0"))
+    entries = directory_entries("r0", turns[0])
+    assert entries
+    before = cluster_tier(cluster, "r1")
+    ghost = Ghost.remote(SECRET)
+    items = forged_chain(entries, tmp_path, CLUSTER_KEY, write_key=other_key("cluster"))
+    ray.get(ghost.publish.remote(items))
+    try:
+        listed_as("ghost", [it[0] for it in items])
+        out = _completion(cluster, turns[1], **pinned("r1"))
+        assert cached(out) == 0  # nothing restored
+        after = cluster_tier(cluster, "r1")
+        assert after["misses"].get("unauthenticated", 0) == before["misses"].get(
+            "unauthenticated", 0) + 1
+        assert after["restores"] == before["restores"]
+        ref = cold_on(cluster, "r1", turns[1])
+        assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        assert out["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"]
+        # the refused chain left the directory
+        assert not {it[0] for it in items} & {k for k, _ in ask("entries_of", "ghost")}
+    finally:
+        ray.kill(ghost)
+
+
 def test_negative_control_a_wrong_remote_state_changes_the_output(cluster, tmp_path):
-    """The comparison with a cold prefill catches a bad restore: a forged link (valid
-    checksums, state bytes altered) is restored and the output differs from the cold one."""
+    """The comparison with a cold prefill catches a bad restore: a link forged WITH the
+    secret (valid checksums and MACs, state bytes altered: what a bug in a copy would make)
+    is restored and the output differs from the cold one."""
     turns = conversation(4, 2)
     _completion(cluster, turns[0], **pinned("r0"))
-    entries = sorted(directory_entries("r0", turns[0]), key=lambda ke: ke[1][2])
+    entries = directory_entries("r0", turns[0])
     assert entries
-    ghost = Ghost.remote()
-    ray.get(ghost.publish.remote(forged_chain(entries, tmp_path)))
+    ghost = Ghost.remote(SECRET)
+    items = forged_chain(entries, tmp_path, CLUSTER_KEY)
+    ray.get(ghost.publish.remote(items))
     try:
+        listed_as("ghost", [it[0] for it in items])
         out = _completion(cluster, turns[1], **pinned("r1"))
         assert cached(out) == entries[-1][1][2]  # the forged chain was restored
         ref = cold_on(cluster, "r1", turns[1])
@@ -298,10 +354,8 @@ def live_history(cluster, name: str, seed: int, turns: int) -> tuple[list[int], 
 def anchor_listed(owner: str, prompt: list[int], depth: int) -> list:
     """The directory's end anchor of `owner` that `prompt` extends at `depth` (default
     domain), waited for: a publication reaches the directory actor fire-and-forget."""
-    digest = PromptKeys(prompt).digest(depth)
     for _ in range(1200):
-        found = [(k, e) for k, e in ray.get(directory_handle().anchors_of.remote(owner))
-                 if k[2] == digest and e[1] == depth]
+        found = anchors_of(owner, prompt, depth)
         if found:
             return found
         time.sleep(0.05)
@@ -342,18 +396,50 @@ def test_a_moved_turn_resumes_from_the_owners_end_anchor(cluster):
     assert greedy_gate(gate_view(moved), gate_view(cold), BF16_DRIFT_NATS) >= 1
 
 
+def test_an_end_anchor_forged_without_the_secret_is_refused_and_the_turn_is_cold(
+        cluster, tmp_path):
+    """Issue 29: r0's end anchor listed again by a ghost with its true header bytes (MAC
+    valid) and every part altered so that each CRC-32 still matches. r1's scheduler accepts
+    the header, its worker refuses the first part by its MAC (`unauthenticated`, counted in
+    r1's anchor stats) before a byte reaches the engine; the restore fails, vLLM recomputes
+    the turn, and it equals a cold run on r1. With CRCs only (1f3f6d5) it was restored."""
+    nxt, depth = live_history(cluster, "r0", 14, 2)
+    found = anchor_listed("r0", nxt, depth)
+    assert found
+    loc, (block, end, _, refs) = found[0]
+    forged = forge_keeping_header(bytes(ray.get(refs[0])), tmp_path, CLUSTER_KEY)
+    before = anchor_kind(cluster, "r1")
+    ghost = Ghost.remote(SECRET)
+    try:
+        ray.get(ghost.publish_anchors.remote([(loc, block, end, forged)]))
+        listed_as("ghost", [loc], anchors=True)
+        out = _completion(cluster, nxt, **pinned("r1"))
+        after = anchor_kind(cluster, "r1")
+        assert after["misses"].get("unauthenticated", 0) == before.get("misses", {}).get(
+            "unauthenticated", 0) + 1
+        assert after.get("restores", 0) == before.get("restores", 0)
+        assert after.get("restores_failed", 0) == before.get("restores_failed", 0) + 1
+        ref = cold_on(cluster, "r1", nxt)
+        assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        assert out["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"]
+        assert not [k for k, _ in ask("anchors_of", "ghost") if k == loc]  # invalidated
+    finally:
+        ray.kill(ghost)
+        ask("forget_owner", "ghost")
+
+
 def test_negative_control_a_forged_end_anchor_is_caught(cluster, tmp_path):
-    """A forged end anchor (state bytes altered, kind, header and every CRC valid) listed in
-    place of the owner's is restored on r1, and the comparison with the owner's own resume
-    from the true anchor catches it."""
+    """An end anchor forged WITH the secret (state bytes altered, kind, header, every CRC
+    and MAC valid) listed in place of the owner's is restored on r1, and the comparison with
+    the owner's own resume from the true anchor catches it."""
     nxt, depth = live_history(cluster, "r0", 12, 2)
     found = anchor_listed("r0", nxt, depth)
     assert found
-    (fp, dom, digest), (block, end, _, refs) = found[0]
-    forged = forge(bytes(ray.get(refs[0])), fp, tmp_path)
-    ghost = Ghost.remote()
+    loc, (block, end, _, refs) = found[0]
+    forged = forge(bytes(ray.get(refs[0])), tmp_path, CLUSTER_KEY)
+    ghost = Ghost.remote(SECRET)
     try:
-        ray.get(ghost.publish_anchors.remote([(fp, dom, digest, block, end, forged)]))
+        ray.get(ghost.publish_anchors.remote([(loc, block, end, forged)]))
         for _ in range(1200):  # the ghost's entry replaced r0's
             if anchor_listed("ghost", nxt, depth):
                 break
@@ -365,7 +451,7 @@ def test_negative_control_a_forged_end_anchor_is_caught(cluster, tmp_path):
         assert bad["choices"][0]["logprobs"] != own["choices"][0]["logprobs"]
     finally:
         ray.kill(ghost)
-        ray.get(directory_handle().forget_owner.remote("ghost"))
+        ask("forget_owner", "ghost")
 
 
 def test_cleared_end_anchors_leave_the_directory_before_the_clear_returns(cluster):
@@ -376,9 +462,8 @@ def test_cleared_end_anchors_leave_the_directory_before_the_clear_returns(cluste
     assert anchor_listed("r0", nxt, depth)
     r = requests.post(cluster.url + "/v1/cache/clear", params={"kind": "anchor"}, timeout=60)
     assert r.status_code == 200, r.text
-    digest = PromptKeys(nxt).digest(depth)
-    assert not [k for k, _ in ray.get(directory_handle().anchors_of.remote("r0"))
-                if k[2] == digest]
+    cleared = IDS.locators(PromptKeys(nxt).digest(depth))
+    assert cleared and not [k for k, _ in ask("anchors_of", "r0") if k in cleared]
     before = anchor_kind(cluster, "r1").get("restores", 0)
     moved = _completion(cluster, nxt, **pinned("r1"))
     assert cached(moved) < depth and anchor_kind(cluster, "r1").get("restores", 0) == before
@@ -391,13 +476,12 @@ def test_zz_a_replica_killed_mid_trace_loses_no_request_and_its_links_leave(clus
     token ids and logprobs); the conversation's next turn goes to r0; r1's links leave the
     directory; the front keeps serving."""
     victim, survivor = "r1", "r0"
-    directory = directory_handle()
     session = f"loss-{uuid.uuid4().hex}"
     messages = [{"role": "user", "content": words(498, 400)}]
     first = post(cluster, "/v1/chat/completions", {"messages": messages, "max_tokens": 4},
                  **{"x-session-id": session, **pinned(victim)})
     assert first.headers["x-hybridcache-replica"] == victim
-    assert ray.get(directory.entries_of.remote(victim))  # r1 holds published links
+    assert ask("entries_of", victim)  # r1 holds published links
     prompt = conversation(9, 3)[2]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 128, "temperature": 0,
             "logprobs": 5, "return_token_ids": True}
@@ -422,10 +506,10 @@ def test_zz_a_replica_killed_mid_trace_loses_no_request_and_its_links_leave(clus
     assert got["token_ids"] == ref["token_ids"]
     assert got["logprobs"] == ref["logprobs"]
     for _ in range(600):  # the front's liveness loop tells the directory
-        if not ray.get(directory.entries_of.remote(victim)):
+        if not ask("entries_of", victim):
             break
         time.sleep(0.05)
-    assert not ray.get(directory.entries_of.remote(victim))
+    assert not ask("entries_of", victim)
     s = stats(cluster)
     assert s["routing"]["replicas"][victim]["up"] is False
     assert "error" in s["replicas"][victim] and s["engines"] == 1

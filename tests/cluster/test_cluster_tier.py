@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica, cuts_of
-from tests.keys import TEST_KEY
+from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica, cuts_of, relisted
+from tests.cluster.forgery import forge, forge_keeping_header
+from tests.keys import other_key
 from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.core.tiers.cluster import ClusterMiss, ClusterTier
 
 
@@ -53,7 +55,8 @@ def test_a_flipped_payload_byte_never_reaches_the_store(pair):
     assert res.hit
     assert b.cache.begin_restore(res)
     with pytest.raises(DiskReadError) as ei:
-        stage_chain(b.store, res.plan.chain, b.cache.sources(res), b.fp, key=TEST_KEY)
+        stage_chain(b.store, res.plan.chain, b.cache.sources(res), b.fp, key=b.key,
+                    root=b.tier.stage_dir)
     assert ei.value.problem == "checksum"
     assert not any(b.store.has(r.link_id) for r in res.plan.chain)
     b.cache.end_restore(res, False)
@@ -65,7 +68,7 @@ def test_header_damage_and_foreign_fingerprint_are_counted_misses(pair, tmp_path
     key = next(k for k in c.entries if c.entries[k].end == 64)
     h = c.entries[key].handle
     data = bytearray(c.objects[h])
-    data[20] ^= 0xFF  # inside the header
+    data[60] ^= 0xFF  # inside the header (past the 48-byte prelude: magic, sizes, CRC, MAC)
     c.objects[h] = bytes(data)
     _, res = b.lookup(PROMPT)
     assert not res.hit and b.tier.stats().misses[ClusterMiss.CORRUPT] == 1
@@ -76,24 +79,93 @@ def test_header_damage_and_foreign_fingerprint_are_counted_misses(pair, tmp_path
     _, res = b.lookup(PROMPT[:200])
     assert not res.hit and res.tokens == 0
     # ...and a payload of another fingerprint listed under ours is refused as foreign
-    for k, e in list(c.entries.items()):
-        c.entries[(FP, k[1], k[2])] = e
+    keys = PromptKeys(PROMPT)
+    for e in list(c.entries.values()):
+        loc, mine = relisted(e, keys)
+        c.entries[loc] = mine
     b.clock.t += 100
     _, res = b.lookup(PROMPT[:200])
     assert not res.hit and b.tier.stats().misses[ClusterMiss.FOREIGN] == 1
 
 
 def test_tokens_that_differ_from_the_prompt_are_refused(pair):
-    """A directory entry whose digest says 'this prompt' but whose payload holds other tokens
+    """A directory entry whose locator says 'this prompt' but whose payload holds other tokens
     (a digest collision, a confused directory) is a verify_failed miss."""
     c, _a, b = pair
     prompt2 = PROMPT.copy()
     prompt2[10] += 1
     keys2 = b.cache.keys(prompt2)
-    for (fp, dom, _d), e in list(c.entries.items()):
-        c.entries[(fp, dom, keys2.digest(e.end))] = e._replace(digest=keys2.digest(e.end))
+    for e in list(c.entries.values()):
+        loc, listed = relisted(e, keys2)
+        c.entries[loc] = listed
     _, res = b.lookup(prompt2)
     assert not res.hit and b.tier.stats().misses[ClusterMiss.VERIFY_FAILED] == 1
+
+
+def test_a_payload_forged_without_the_secret_is_refused_before_it_is_staged(pair, tmp_path):
+    """Issue 29: valid CRCs no longer make a payload acceptable. The deepest link re-written
+    with every CRC valid but MACs under another secret is refused by the scheduler's header
+    check: an `unauthenticated` miss, nothing staged or served, the chain forgotten. Before
+    the MACs (1f3f6d5) the same forgery passed every check and was served."""
+    c, _a, b = pair
+    deepest = max(c.entries, key=lambda k: c.entries[k].end)
+    h = c.entries[deepest].handle
+    c.objects[h] = forge(c.objects[h], tmp_path, b.key, write_key=other_key("cluster"))
+    _, res = b.lookup(PROMPT)
+    assert not res.hit and res.tokens == 0
+    st = b.tier.stats()
+    assert st.misses[ClusterMiss.UNAUTHENTICATED] == 1 and st.restores == 0
+    assert not list(b.tier.stage_dir.iterdir()) and b.tier.bytes_held == 0
+    assert deepest in c.forgotten and deepest not in c.entries
+    # the same forgery made with the secret (what a bug in a copy makes) passes every check:
+    # only a comparison of the outputs catches that one (the serving tests' controls)
+    c2 = FakeCluster()
+    a2 = Replica(c2, "a2", b.layout, tmp_path)
+    a2.capture(PROMPT)
+    expected = a2.restore_bytes(a2.tree.lookup(a2.tree.keys(PROMPT), DOM).plan.chain)
+    d2 = max(c2.entries, key=lambda k: c2.entries[k].end)
+    h2 = c2.entries[d2].handle
+    c2.objects[h2] = forge(c2.objects[h2], tmp_path, a2.key)
+    b2 = Replica(c2, "b2", b.layout, tmp_path)
+    _, res = b2.lookup(PROMPT)
+    assert res.hit and res.tokens == 256
+    assert b2.serve(res) != expected  # restored, and the state is not the owner's
+    assert b2.tier.stats().restores == 1
+
+
+def test_a_part_altered_with_its_crc_kept_is_refused_by_the_worker(pair, tmp_path):
+    """The true header bytes (MAC valid) with parts altered so that every CRC-32 still
+    matches: the scheduler's header check passes, the worker's read refuses the part by its
+    MAC (`unauthenticated`) before any byte reaches the store, the refusal is counted where
+    the adapter reports it (`note_refused`) and the chain leaves the directory once the
+    adapter invalidates the refused link, after it ended the failed restore (before the fix,
+    `invalidate` looked among the active restores only, found none, and the payload stayed
+    listed). With CRCs only (1f3f6d5), this restored."""
+    c, _a, b = pair
+    h = max(c.objects)  # the deepest link's payload
+    c.objects[h] = forge_keeping_header(c.objects[h], tmp_path, b.key)
+    _, res = b.lookup(PROMPT)
+    assert res.hit and res.tier == "cluster"
+    assert b.cache.begin_restore(res)
+    with pytest.raises(DiskReadError) as ei:
+        stage_chain(b.store, res.plan.chain, b.cache.sources(res), b.fp, key=b.key,
+                    root=b.tier.stage_dir)
+    assert ei.value.problem == "unauthenticated"
+    assert not any(b.store.has(r.link_id) for r in res.plan.chain)
+    # what the adapter does with the worker's report: the failed restore ends, the refusal
+    # is counted, the refused link is invalidated (in that order)
+    b.cache.end_restore(res, False)
+    b.tier.note_refused(ei.value.problem)
+    chain = [c.entries[k].locator for k in sorted(c.entries, key=lambda k: c.entries[k].end)]
+    assert b.tier.invalidate([res.plan.chain[-1].link_id]) == 3
+    st = b.tier.stats()
+    assert st.misses[ClusterMiss.UNAUTHENTICATED] == 1
+    assert st.restores == 0 and st.restores_failed == 1 and st.invalidated == 3
+    # the chain left the directory: no replica fetches the refused payload again
+    assert c.forgotten == chain and c.entries == {}
+    b.clock.t += 100
+    _, res = b.lookup(PROMPT)
+    assert not res.hit and b.tier.stats().fetches == 1
 
 
 @pytest.mark.parametrize("fault,reason", [("owner", ClusterMiss.OWNER_LOST),
@@ -219,7 +291,8 @@ def test_own_entries_and_chains_no_deeper_than_ram_are_never_fetched(pair):
     _, again = b.lookup(PROMPT)
     assert again.hit and again.tier == "ram" and b.tier.stats().fetches == 1
     unaware = ClusterTier(b.layout, FP, b.transport, cuts_of, b.tmp / "stage2", 1 << 30,
-                          timeout_s=10.0, clock=b.clock)  # negative control: no baseline
+                          timeout_s=10.0, clock=b.clock,
+                          key=b.key)  # negative control: no baseline
     unaware.lookup(keys, DOM, len(PROMPT) - 1)
     for _ in range(5):
         unaware.lookup(keys, DOM, len(PROMPT) - 1)

@@ -25,6 +25,13 @@ next turn reads the damaged file: the load fails, vLLM recomputes it cold (same 
 logprobs as a cold run), the miss is counted as `checksum`, the damaged file and its longer
 links are deleted, and the server goes on serving. `clear?tier=disk` deletes every file.
 
+Negative control of the disk route, end to end: life 1 also serves the second session's first
+turn under two salts of their own (two domains, files of their own). In life 2 each is served
+from those files again: one equals its cold run; the other's restored state is corrupted in
+the worker after every check of the file passed (header, CRCs: the fault injection's
+`RestoreCorruption`), and the same comparison calls it different. The comparisons here can
+fail, and what makes one fail is the state, not the route.
+
 End anchors are off here: a turn resumed from one publishes no tree links (session-exact
 state), and this test is about the tree links on disk.
 """
@@ -64,6 +71,7 @@ from tests.serving.conftest import (
     expected_hit,
     segmentation,
 )
+from tests.serving.worker_extensions import corrupt_next_restore, corruption_result
 from vllm_hybridcache.core import PromptKeys
 from vllm_hybridcache.core.disk.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
 
@@ -86,14 +94,26 @@ def _wait(srv, what, timeout: float = 60.0) -> dict:
         time.sleep(0.5)
 
 
-def _same_as_cold(srv, messages, **extra) -> dict:
-    """Run `messages` warm and again cold (a fresh cache_salt); assert equal tokens and
-    logprobs; return the warm body. `extra`: more request fields (other tools)."""
-    warm = chat_body(srv, messages, **EXTRA, **extra)
+def _warm_and_cold(srv, messages, salt: str | None = None, **extra) -> tuple[dict, dict]:
+    """Run `messages` warm (in `salt`'s domain, the shared one by default) and again cold (a
+    fresh cache_salt, which must miss); both response bodies. `extra`: more request fields."""
+    warm = chat_body(srv, messages, **EXTRA, **extra, **({"cache_salt": salt} if salt else {}))
     cold = chat_body(srv, messages, cache_salt=f"cold-{uuid.uuid4().hex}", **EXTRA, **extra)
     assert cached_tokens(cold) == 0
+    return warm, cold
+
+
+def _assert_same(warm: dict, cold: dict) -> None:
+    """The comparison: equal tokens and logprobs."""
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     assert warm["choices"][0]["logprobs"]["content"] == cold["choices"][0]["logprobs"]["content"]
+
+
+def _same_as_cold(srv, messages, salt: str | None = None, **extra) -> dict:
+    """Run `messages` warm and again cold (`_warm_and_cold`); assert equal tokens and
+    logprobs; return the warm body. `extra`: more request fields (other tools)."""
+    warm, cold = _warm_and_cold(srv, messages, salt, **extra)
+    _assert_same(warm, cold)
     return warm
 
 
@@ -139,10 +159,14 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
                  ("SESSION_ANCHORS", 0), ("DISK_WRITE_FIRST_TOKENS", 0),
                  ("INNER_CAPTURES", 0)):
         mp.setenv(f"VLLM_HYBRIDCACHE_{k}", str(v))
+    # the fault injection (test-only worker extension): the negative control's corruption
     settings = ServerSettings(model_path=str(embedded_model("qwen3-next-tiny")),
                               served_name="tiny", max_model_len=8192, port=8340,
-                              extra_args=["--api-key", KEY])
+                              extra_args=["--api-key", KEY, "--worker-extension-cls",
+                                          "vllm_hybridcache.instrumentation.FaultInjection"])
     other = msgspec.structs.replace(settings, port=8345)  # server B: same engine, another port
+    # the negative control's two domains: one restored as is, one corrupted (life 2)
+    intact, corrupted = f"intact-{uuid.uuid4().hex}", f"corrupted-{uuid.uuid4().hex}"
     (_, main), (_, sub) = demo_sessions()[:2]
     try:
         # ------------------------------------------- life 1: servers A and B, one folder
@@ -160,6 +184,10 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
             assert st["links"] > 0
             # the one domain so far (no cache_salt yet): cold runs below add folders of theirs
             (domain_dir,) = {p.parent for p in disk.rglob("*.link")}
+            # the negative control's domains, written like the shared one
+            for salt in (intact, corrupted):
+                chat_body(srv, sub[0], cache_salt=salt, **EXTRA)
+            assert all_written(_wait(srv, all_written))
 
             # B serves the second session's first turn from the links A wrote (B's RAM is
             # empty: every cached token comes from A's files), equal to B's cold run
@@ -233,6 +261,24 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
             # deleted, or written again from the recomputed (correct) state
             assert not damaged.exists() or damaged.read_bytes() != bytes(raw)
             _same_as_cold(srv, main[3])  # serving goes on
+
+            # negative control: the second session's first turn in the two salted domains life
+            # 1 wrote, each served from its files (disk hits, this life's RAM holds neither);
+            # the comparison passes as is and fails with the restored state corrupted after the
+            # file's checks passed
+            hits = _disk(srv)["hits"]
+            body = _same_as_cold(srv, sub[0], salt=intact)
+            want = cached_tokens(body)
+            assert want > 0 and _wait(srv, lambda s: s["hits"] == hits + 1)["hits"] == hits + 1
+            tag = f"negative-control-{uuid.uuid4().hex}"
+            corrupt_next_restore(srv, tag, {"Authorization": f"Bearer {KEY}"})
+            warm, cold = _warm_and_cold(srv, sub[0], salt=corrupted, request_id=tag)
+            done = corruption_result(srv, tag, {"Authorization": f"Bearer {KEY}"})
+            assert done is not None and done["corrupted"]
+            assert (done["tier"], done["tokens"]) == ("disk", want) == ("disk", cached_tokens(warm))
+            with pytest.raises(AssertionError):
+                _assert_same(warm, cold)
+            assert _wait(srv, lambda s: s["hits"] == hits + 2)["hits"] == hits + 2
 
             r = requests.post(srv.base_url + "/v1/cache/clear", params={"tier": "disk"},
                               headers=ADMIN)

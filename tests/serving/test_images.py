@@ -6,10 +6,13 @@ Every hit is checked against a cold run of the same request in the same server (
 cleared): same tokens, same logprobs, bit for bit. The sensitivity of each check is asserted
 too: the two requests of the different-image case have identical prompt token ids, so a key
 without the image's content would restore the first image's state (the unit-level negative
-control, tests/adapter/test_unkeyed_inputs.py, runs exactly that).
+control, tests/adapter/test_unkeyed_inputs.py, runs exactly that). End to end, the comparison
+can fail: a hit past an image whose restored state the worker corrupts after every check of
+the bytes passed (the fault injection's `RestoreCorruption`) differs from its cold run.
 
 The server carries the vision probe (`benchmarks.vision_probe`: the tower's calls, counted in
-the worker) and an operator's pixel limit (`VLLM_MAX_IMAGE_PIXELS`), so the same engine shows
+the worker) with the fault injection (tests/serving/worker_extensions.py) and an operator's
+pixel limit (`VLLM_MAX_IMAGE_PIXELS`), so the same engine shows
 that a conversation encodes its image once and that oversized images are refused."""
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +28,10 @@ import pytest
 import requests
 
 from benchmarks import vision_probe
-from benchmarks.servers import SYSTEMS, ServerSettings, running_server
+from benchmarks.servers import SYSTEMS, ServerSettings, reset_cache, running_server
+from tests.serving import worker_extensions
 from tests.serving.conftest import KEY, cache_stats, cached_tokens, clear_cache
+from tests.serving.worker_extensions import corrupt_next_restore, corruption_result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,22 +69,22 @@ def vl_server(embedded_model, tmp_path_factory):
     settings = ServerSettings(model_path=str(embedded_model("flash-next-vl-tiny")),
                               served_name="vl", max_model_len=4096, port=8310,
                               extra_args=["--api-key", KEY, "--allowed-local-media-path",
-                                          str(media), *vision_probe.EXTENSION_ARGS])
+                                          str(media), *worker_extensions.EXTENSION_ARGS])
     log = tmp_path_factory.mktemp("server") / "vl.log"
     with running_server(SYSTEMS["ours"], settings, log) as srv:
         yield srv, media
     mp.undo()
 
 
-def _post(srv, messages, model: str = "vl") -> requests.Response:
+def _post(srv, messages, model: str = "vl", **extra) -> requests.Response:
     body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0,
-            "logprobs": True, "top_logprobs": 5, "return_token_ids": True}
+            "logprobs": True, "top_logprobs": 5, "return_token_ids": True, **extra}
     return requests.post(srv.base_url + "/v1/chat/completions",
                          headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=300)
 
 
-def _run(srv, messages) -> dict:
-    r = _post(srv, messages)
+def _run(srv, messages, **extra) -> dict:
+    r = _post(srv, messages, **extra)
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -166,6 +172,38 @@ def test_later_turns_hit_past_the_image_and_equal_cold(vl_server):
     assert first["prompt"] == warm["prompt"][:len(first["prompt"])]
     assert warm["cached"] > end
     _same(warm, cold)
+
+
+def test_negative_control_a_corrupted_restore_past_the_image_is_caught(vl_server):
+    """The comparison above can fail on the image path: the same image under another URL hits
+    past its placeholder rows, the worker corrupts the restored state after every check of its
+    bytes passed (checksums all valid), and `_same` calls the answer different from the cold
+    run. The prompt ends a few tokens past the restored link, so its first token is computed
+    from that state (some tens of tokens of prefill wash a random-weight model's state out)."""
+    srv, media = vl_server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    png = _png(10)
+    path = media / "pond.png"
+    path.write_bytes(png)
+    question = " Is there water in it?"
+    by_data = [{"role": "system", "content": SYSTEM}, _user(_data_url(png), question)]
+    by_file = [{"role": "system", "content": SYSTEM}, _user(path.as_uri(), question)]
+    cold = _cold(srv, by_file)
+    clear_cache(srv)
+    _run(srv, by_data)
+    tag = f"negative-control-{uuid.uuid4().hex}"
+    corrupt_next_restore(srv, tag, headers)
+    warm = _run(srv, by_file, request_id=tag)
+    done = corruption_result(srv, tag, headers)
+    _, end = _pads(srv, warm["prompt"])
+    assert warm["cached"] > end  # restored past the image, as the positive test
+    assert done is not None and done["corrupted"] and done["tokens"] == warm["cached"]
+    assert warm["prompt"] == cold["prompt"]
+    with pytest.raises(AssertionError):
+        _same(warm, cold)
+    # the corrupted request's links and vLLM's blocks of it leave with it
+    clear_cache(srv)
+    assert reset_cache(srv.base_url, headers)
 
 
 def _tower(srv) -> dict:

@@ -2,16 +2,24 @@
 (flash-next-tiny, float32) under three session workers (cache, another tenant's salt, and the
 cache-off control arm), a churning budget, a small KV cache and every fault kind, including a
 kill -9 and restart on the same disk folder. It must exit 0 (no wrong token, no unexpected
-error, no budget overrun) and every fault must have fired and done what it exercises."""
+error, no budget overrun) and every fault must have fired and done what it exercises.
+
+The proof that the check bites rides on the same run: the `restore_corruption` fault has the
+worker corrupt restores after every check of their bytes passed, and every answer served from
+one must have been flagged by the checker (caught == injected > 0). Negative control: the same
+records, with the checker's verdicts on those answers blinded to `ok`, fail the verdict."""
 
 from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from benchmarks.soak.cli import main
 from benchmarks.soak.faults import KINDS
+from benchmarks.soak.ledger import FaultRecord, RequestRecord
+from benchmarks.soak.report import summarize
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +69,42 @@ def test_the_cache_worked_under_churn(soak):
     assert report["summary"]["hit_requests"].get("tree", 0) > 0
     # resident memory was sampled (a sample taken while a life was being killed has none)
     assert sum(1 for s in report["samples"] if s["rss"]) >= len(report["samples"]) // 2 > 0
+
+
+def test_every_injected_restore_corruption_was_caught(soak):
+    _, report = soak
+    summary = report["summary"]
+    assert summary["corrupt_injected"] >= 1
+    assert summary["corrupt_caught"] == summary["corrupt_injected"]
+    assert summary["corruption"]["unflagged"] == []
+    assert summary["cache"]["restore_corruptions"] >= 1     # the worker's own count
+    injected = [r for r in report["requests"] if r["injected"]]
+    assert len(injected) == summary["corrupt_injected"]
+    assert all(r["arm"] == "fault:restore_corruption" and r["check"] in ("wrong", "same", "length")
+               and r["cached_tokens"] and r["hit_kind"] == "tree" for r in injected)
+
+
+def test_negative_control_a_blinded_check_fails_the_run(soak):
+    """The run's own records, re-summarized as if the checker had passed the injected answers:
+    the verdict fails, and only because of them."""
+    _, report = soak
+    reqs = msgspec.convert(report["requests"], list[RequestRecord])
+    faults = msgspec.convert(report["faults"], list[FaultRecord])
+    settings = report["settings"]
+
+    def verdict(records: list[RequestRecord]) -> dict:
+        return summarize(records, faults, report["samples"],
+                         wall_s=report["summary"]["wall_s"],
+                         startups=report["summary"]["startup_s"],
+                         kinds=tuple(report["summary"]["faults"]),
+                         rss_bound_mib_per_min=settings["rss_bound"],
+                         min_window_s=settings["min_window"])
+
+    assert verdict(reqs)["verdict"] == "pass"               # as the run itself said
+    blind = [msgspec.structs.replace(r, outcome="ok", cause="", check="same") if r.injected
+             else r for r in reqs]
+    summary = verdict(blind)
+    assert summary["verdict"] == "fail" and summary["corrupt_caught"] == 0
+    assert summary["reasons"] == [f"{summary['corrupt_injected']} of "
+                                  f"{summary['corrupt_injected']} answers served from an "
+                                  "injected restore corruption not flagged by the check"]

@@ -19,12 +19,20 @@ What it knows and who may ask (docs/security.md):
   secret; the actor holds only that key, so it can neither forge a payload nor compute a
   locator). A call whose MAC fails, whose timestamp is more than SKEW_S off, or whose nonce was
   seen is refused (`DirectoryRefused`): a Ray client without the secret can neither publish,
-  forget nor enumerate. The actor's name carries a keyed digest of the secret, so clusters with
-  different secrets never share a directory.
-- The directory key reaches the actor as its creation argument, which Ray keeps in its control
-  store: a member of the Ray cluster who reads it there could call the directory (delete or
-  list locators), never forge a payload a replica accepts (payloads carry MACs under another
-  key derived from the secret) nor learn a prefix.
+  forget nor enumerate. The directory remembers at most NONCES_MAX nonces; once it had to
+  forget one early, calls stamped no later than that one are refused too, so a flood of calls
+  never reopens a replay window. The actor's name carries a keyed digest of the secret, so
+  clusters with different secrets never share a directory.
+- What a member of the Ray cluster can still do (docs/security-cluster.md): Ray runs any code
+  its members submit, on any node, as the user the replicas run as. The directory key reaches
+  the actor as its creation argument, which Ray keeps in its control store; Ray lets any
+  caller run a function inside an actor (`__ray_call__`); payloads sit in Ray's object store;
+  and a task can read the secret file on its node. So whoever can join the Ray cluster or
+  submit to it is trusted with everything: the directory's authentication keeps out the
+  replicas of another secret sharing the Ray cluster, and anyone who reaches its RPC without
+  being able to run code there; no one without the secret can make a replica accept a
+  payload (payload MACs use another key derived from the secret, which no actor holds).
+  Keep outsiders out of Ray itself: token authentication and TLS.
 
 End anchors live in a table of their own (a session-exact state never answers a tree lookup),
 indexed by the locator of their key block digest (`block_locator`): a lookup does not know an
@@ -181,7 +189,11 @@ class AuthenticatedDirectory:
         self._key = bytes(key)
         self._clock = clock
         self._table = ClusterDirectory()
-        self._nonces: OrderedDict[bytes, float] = OrderedDict()
+        # nonce -> (arrival, the call's timestamp) of recent calls, in arrival order
+        self._nonces: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        # calls stamped at or before it are refused: a nonce forgotten to keep the set within
+        # NONCES_MAX belonged to a call stamped no later, so its replay is still caught
+        self._floor = float("-inf")
         self.refused = 0
 
     def call(self, body: bytes, mac: bytes, refs: list[Any]) -> Any:
@@ -194,17 +206,32 @@ class AuthenticatedDirectory:
             return self._refuse("malformed")
         now = self._clock()
         if (op not in OPERATIONS or not isinstance(args, list)
+                or not isinstance(stamp, (int, float)) or not isinstance(nonce, bytes)
                 or ref_ids != _ref_ids(refs) or abs(now - float(stamp)) > SKEW_S):
             return self._refuse("malformed, stale or with other object refs")
         if nonce in self._nonces:
             return self._refuse("replayed")
-        self._nonces[nonce] = now
-        while self._nonces and (len(self._nonces) > NONCES_MAX
-                                or now - next(iter(self._nonces.values())) > 2 * SKEW_S):
-            self._nonces.popitem(last=False)
+        if stamp <= self._floor:
+            return self._refuse("stamped before calls it no longer remembers (a replay?)")
+        self._remember(nonce, now, float(stamp))
         if op in _REF_ARG:
             args = [*args, list(refs)]
         return getattr(self._table, op)(*args)
+
+    def _remember(self, nonce: bytes, now: float, stamp: float) -> None:
+        """Keep a call's nonce while a replay of it could pass the timestamp check. One that
+        arrived more than 2 * SKEW_S ago is dropped (its stamp is more than SKEW_S old by
+        now); past NONCES_MAX the oldest goes and raises the floor to its stamp."""
+        self._nonces[nonce] = (now, stamp)
+        while self._nonces:
+            arrived, stamped = next(iter(self._nonces.values()))
+            if now - arrived > 2 * SKEW_S:
+                self._nonces.popitem(last=False)
+            elif len(self._nonces) > NONCES_MAX:
+                self._nonces.popitem(last=False)
+                self._floor = max(self._floor, stamped)
+            else:
+                break
 
     def _refuse(self, why: str) -> Any:
         self.refused += 1

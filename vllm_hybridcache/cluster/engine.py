@@ -34,7 +34,7 @@ from vllm_hybridcache.core.tiers.cluster import (
     locator,
 )
 
-from .directory import DirectoryRefused
+from .directory import SKEW_S, DirectoryRefused
 from .transport import RayTransport
 
 logger = logging.getLogger("vllm_hybridcache")
@@ -88,7 +88,8 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
         raise RuntimeError(
             f"hybridcache: the cluster directory at {settings.cluster_address!r} refuses this "
             f"replica's calls ({e}): its secret ({secret_file}) is not the one the directory "
-            "was created with; give every replica the same cluster_secret_file") from e
+            "was created with (give every replica the same cluster_secret_file), or this "
+            f"node's clock is more than {SKEW_S:.0f} s off the directory's (run NTP)") from e
     except Exception as e:
         raise RuntimeError(
             f"hybridcache: the Ray cluster at cluster_address {settings.cluster_address!r} is not "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import logging
 import os
 import shutil
@@ -156,6 +157,8 @@ class Cluster:
                 f"secret with --secret-file (or {SECRET_ENV}), a file that exists at that path "
                 "on every node (e.g. `openssl rand -hex 32 > secret; chmod 600 secret`)")
         self._secret_dir = Path(tempfile.mkdtemp(prefix="hybridcache-secret-"))  # 0700
+        # gone with the launcher even when the start-up fails before `stop` could run
+        atexit.register(shutil.rmtree, self._secret_dir, True)
         path = self._secret_dir / "cluster.secret"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:

@@ -23,7 +23,9 @@ class EngineReplica:
     """The actor's body (wrapped by `replica_actor`).
 
     model: a checkpoint folder; name: this replica's name in the cluster directory;
-    settings: the plugin's settings (cluster_address is filled in); engine: vllm.LLM arguments.
+    settings: the plugin's settings (cluster_address is filled in; cluster_secret_file must
+    name a file this node holds, the secret every replica of the cluster shares);
+    engine: vllm.LLM arguments.
     """
 
     def __init__(self, model: str, name: str, settings: dict[str, Any],

@@ -107,10 +107,16 @@ class RayTransport:
         self._held: dict[bytes, Any] = {}  # published payload refs, by locator
         self._held_anchors: dict[bytes, Any] = {}
 
-    def _call(self, op: str, *args: Any, refs: list[Any] | None = None) -> Any:
+    def _join(self) -> None:
+        """Join the cluster at `address` (once). Before any Ray call of this process: a
+        `ray.put` in a process not yet connected would make Ray start (or find) a cluster of
+        its own choosing, whose object store no other replica reads."""
         if not self._joined:
             connect(self.address)
             self._joined = True
+
+    def _call(self, op: str, *args: Any, refs: list[Any] | None = None) -> Any:
+        self._join()
         return self._client.call(op, *args, refs=refs)
 
     def connect(self) -> None:
@@ -156,6 +162,7 @@ class RayTransport:
     def publish(self, locator: bytes, parent: bytes, start: int, end: int,
                 payload: bytes) -> None:
         """Put a payload in the object store (owned by this process) and list it."""
+        self._join()
         ref = ray.put(payload)
         self._held[locator] = ref
         self._call("publish", locator, parent, start, end, len(payload), self.owner, refs=[ref])
@@ -168,6 +175,7 @@ class RayTransport:
     def publish_anchor(self, locator: bytes, block: bytes, end: int, payload: bytes) -> None:
         """Put an end anchor's payload in the object store and list it under `block` (the
         locator of its prefix's digest at `anchor_block(end)`)."""
+        self._join()
         ref = ray.put(payload)
         self._held_anchors[locator] = ref
         self._call("publish_anchor", locator, block, end, len(payload), self.owner, refs=[ref])

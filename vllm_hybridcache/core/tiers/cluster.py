@@ -314,6 +314,9 @@ class ClusterTier(CacheTier):
         # the same for active restores
         self._offered: OrderedDict[int, tuple[_Op, PromptKeys, bytes]] = OrderedDict()
         self._active: dict[tuple[int, ...], tuple[_Op, PromptKeys, bytes]] = {}
+        # plan ids of restores that failed -> their chain's locators, for `invalidate`: the
+        # adapter ends a failed restore before it hands over the links the worker refused
+        self._failed: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self._dropped: list[int] = []
         # (domain, digest) -> id of the link published under it; and back
         self._published: OrderedDict[tuple[bytes, bytes], int] = OrderedDict()
@@ -611,6 +614,9 @@ class ClusterTier(CacheTier):
             s.restore_seconds.observe(seconds)
         else:
             s.restores_failed += 1
+            self._failed[plan.link_ids] = [e.locator for e in op.chain]
+            while len(self._failed) > OFFERED_MAX:
+                self._failed.popitem(last=False)
         kept = set(self._promote(keys, domain, plan.chain)) if ok and self._promote else set()
         self._dropped.extend(i for i in plan.link_ids if i not in kept)
         op.active -= 1
@@ -690,17 +696,24 @@ class ClusterTier(CacheTier):
 
     # ------------------------------------------------------------------ housekeeping
     def invalidate(self, link_ids: Sequence[int]) -> int:
-        """The worker refused a staged file: the remote entries of that chain are dropped."""
+        """The worker refused a staged file: the remote entries of that chain are dropped
+        from the directory (a payload refused once is refused every time: left listed, every
+        replica would fetch and stage it again for each request on its prefix). The chain is
+        found among the active restores, or among the failed ones (the adapter ends the
+        restore first)."""
         n = 0
         for lid in link_ids:
-            for ids, (op, _, _) in self._active.items():
-                if lid in ids:
-                    try:
-                        self._forget([e.locator for e in op.chain])
-                    except ClusterError:
-                        pass
-                    n += len(op.chain)
-                    break
+            locators = next(([e.locator for e in op.chain]
+                             for ids, (op, _, _) in self._active.items() if lid in ids), None)
+            if locators is None:
+                ids = next((ids for ids in self._failed if lid in ids), None)
+                locators = self._failed.pop(ids) if ids is not None else None
+            if locators:
+                try:
+                    self._forget(locators)
+                except ClusterError:
+                    pass
+                n += len(locators)
         self._rec.s.invalidated += n
         return n
 
