@@ -71,6 +71,7 @@ from tests.serving.conftest import (
     expected_hit,
     segmentation,
 )
+from tests.serving.disk_files import link_file
 from tests.serving.worker_extensions import corrupt_next_restore, corruption_result
 from vllm_hybridcache.core import PromptKeys
 from vllm_hybridcache.core.disk.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
@@ -126,9 +127,7 @@ def _disk_metric(text: str, name: str) -> float:
 def _file(domain_dir: Path, ids: list[int], cut: int) -> Path:
     """The link file of `ids[:cut]` in one domain's folder (cold runs with a unique
     `cache_salt` write the same names in folders of their own)."""
-    found = domain_dir / f"{PromptKeys(ids).digest(cut).hex()}-{cut}.link"
-    assert found.is_file(), found
-    return found
+    return link_file(domain_dir, PromptKeys(ids).digest(cut), cut)
 
 
 def _all_links_verify(disk: Path) -> int:

@@ -55,6 +55,7 @@ from benchmarks.servers import SYSTEMS, ServerSettings, running_server
 from tests.connector.test_end_anchors import greedy_gate
 from tests.keys import KEY_FILE, TEST_KEY
 from tests.serving.conftest import ADMIN, KEY, cache_stats
+from tests.serving.disk_files import link_file
 from tests.serving.test_disk_session_spill import OUT, _complete, _turn
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
 from vllm_hybridcache.core import PromptKeys
@@ -128,8 +129,9 @@ def _route_files(disk: Path, fp_dir: str, anchors: bool = False) -> dict[int, Pa
     """One fingerprint folder's link files of the unsalted domain, by end (tree links, or
     spilled end anchors). Cold runs with a unique `cache_salt` have domain folders of their
     own: the unsalted domain's folder is the one holding the system prompt's 256 link."""
-    want = PromptKeys(SYS).digest(GRID).hex() + f"-{GRID}.link"
-    (dom,) = {p.parent.name for p in (disk / fp_dir).glob(f"*/{want}")}
+    sys_link = link_file(disk / fp_dir, PromptKeys(SYS).digest(GRID), GRID,
+                         pattern=f"*/*-{GRID}.link")
+    dom = sys_link.parent.name
     sub = disk / fp_dir / (f"a-{dom}" if anchors else dom)
     return {int(p.stem.rsplit("-", 1)[1]): p for p in sub.glob("*.link")}
 
