@@ -11,6 +11,11 @@ group; no model, no engine.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,9 +42,20 @@ def _kv_cache_config():
     ])
 
 
+@functools.cache
+def _checkpoint() -> str:
+    """A local checkpoint folder for the fake config: the engine fingerprint hashes the weights
+    where vLLM loads them, and a model it cannot find has none (no disk or cluster tier)."""
+    folder = Path(tempfile.mkdtemp(prefix="hybridcache-tiny-checkpoint-"))
+    atexit.register(shutil.rmtree, folder, True)
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    (folder / "model.safetensors").write_bytes(b"tiny weights")
+    return str(folder)
+
+
 def _vllm_config():
     return SimpleNamespace(
-        model_config=SimpleNamespace(model="tiny", revision=None, dtype="float32"),
+        model_config=SimpleNamespace(model=_checkpoint(), revision=None, dtype="float32"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto", mamba_ssm_cache_dtype="auto"),
         speculative_config=None,

@@ -26,7 +26,11 @@ import msgspec
 
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild, rebuild_input, with_draft_input
-from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+from vllm_hybridcache.adapter.fingerprint import (
+    FingerprintUnavailable,
+    engine_fingerprint,
+    kernel_backend,
+)
 from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
 from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
@@ -431,6 +435,9 @@ class SchedulerSide:
         self._disk_target: DiskTarget | None = None
         self._disk_warm: list[tuple[int, int]] = []
         self._disk_writes: list[WriteJob] = []
+        # tiers asked for and left off, with why (an engine without a fingerprint: no tier
+        # that outlives it)
+        self.tiers_off: dict[str, str] = {}
         self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
         self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
         self._cluster_target = None
@@ -444,13 +451,17 @@ class SchedulerSide:
             spill = bool(settings.session_spill and anchors)
             if settings.disk_dir and self.reason_inactive is None:
                 self.disk = self._open_disk(vllm_config, layout, settings, ids, tree, spill)
-                tiers.append(self.disk)
+                if self.disk is not None:
+                    tiers.append(self.disk)
             if settings.cluster_address and self.reason_inactive is None:
                 from vllm_hybridcache.cluster.engine import open_cluster_tier
 
-                self.cluster, self._cluster_target = open_cluster_tier(
-                    vllm_config, layout, self.segmentation, settings, ids, tree)
-                tiers.append(self.cluster)
+                opened = open_cluster_tier(vllm_config, layout, self.segmentation, settings,
+                                           ids, tree, tiers_off=self.tiers_off)
+                if opened is not None:
+                    self.cluster, self._cluster_target = opened
+                    tiers.append(self.cluster)
+
             ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
             tiers.append(ram_anchors)
             if self.disk is not None and spill:
@@ -512,11 +523,15 @@ class SchedulerSide:
                         self._mode_why)
 
     def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource,
-                   tree: SnapshotTree, spill: bool) -> DiskTier:
-        """The disk tier on `settings.disk_dir`, or a start-up error that says why not.
+                   tree: SnapshotTree, spill: bool) -> DiskTier | None:
+        """The disk tier on `settings.disk_dir`, or a start-up error that says why not; None
+        (one warning logged, `tiers_off["disk"]`) when the engine has no fingerprint.
 
         A disk tier that was asked for and cannot work stops the start-up rather than serving
-        on without it: a restart would then silently lose every link (docs/disk-tier.md).
+        on without it: a restart would then silently lose every link (docs/disk-tier.md). An
+        engine whose checkpoint cannot be named by content (`FingerprintUnavailable`) is the
+        exception: its folder is fine, but no file in it may be read or written by an engine
+        that does not know what it computes, so it serves on with RAM only and says so.
         """
         pc = vllm_config.parallel_config
         if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
@@ -528,10 +543,17 @@ class SchedulerSide:
         root = Path(settings.disk_dir).expanduser()
         try:
             root.mkdir(parents=True, exist_ok=True)
-            fp = engine_fingerprint(
-                vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
-                msgspec.json.encode(self.segmentation).decode(), kernel_backend(vllm_config),
-                memo_file=root / WEIGHTS_MEMO)
+            try:
+                fp = engine_fingerprint(
+                    vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
+                    msgspec.json.encode(self.segmentation).decode(),
+                    kernel_backend(vllm_config), memo_file=root / WEIGHTS_MEMO)
+            except FingerprintUnavailable as e:
+                logger.warning("hybridcache: disk tier off: this engine has no fingerprint "
+                               "(%s); links on disk are only shared by engines known to compute "
+                               "the same bytes. Serving with the RAM tiers only.", e.reason)
+                self.tiers_off["disk"] = e.reason
+                return None
             directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s))
             directory.open()

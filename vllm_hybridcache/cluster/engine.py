@@ -46,11 +46,21 @@ def _scratch(prefix: str) -> Path:
     return path
 
 
-def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
-                      ) -> tuple[ClusterTier, ClusterTarget]:
+def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
+                      tiers_off: dict[str, str] | None = None
+                      ) -> tuple[ClusterTier, ClusterTarget] | None:
     """The scheduler's cluster tier and the target its workers publish to, or a start-up error
-    naming why the cluster cannot be reached (a tier asked for is never silently off)."""
-    from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+    naming why the cluster cannot be reached (a tier asked for is never silently off).
+
+    None, with one warning logged, when this engine has no fingerprint (its checkpoint cannot
+    be named by content, `FingerprintUnavailable`): other replicas' links are only safe between
+    engines known to compute the same bytes, so the replica serves on without the cluster
+    (the reason is also put in `tiers_off["cluster"]` when given)."""
+    from vllm_hybridcache.adapter.fingerprint import (
+        FingerprintUnavailable,
+        engine_fingerprint,
+        kernel_backend,
+    )
 
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
@@ -59,9 +69,17 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
             f"for now (tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
             f"{pc.pipeline_parallel_size}). Unset VLLM_HYBRIDCACHE_CLUSTER_ADDRESS to run "
             "without it.")
-    fp = engine_fingerprint(
-        vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
-        msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
+    try:
+        fp = engine_fingerprint(
+            vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
+            msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
+    except FingerprintUnavailable as e:
+        logger.warning("hybridcache: cluster tier off: this engine has no fingerprint (%s); "
+                       "links are only shared between replicas known to compute the same "
+                       "bytes. Serving without the cluster.", e.reason)
+        if tiers_off is not None:
+            tiers_off["cluster"] = e.reason
+        return None
     transport = RayTransport(settings.cluster_address)
     try:
         transport.connect()
