@@ -32,7 +32,8 @@ from vllm_hybridcache.adapter.fingerprint import (
     kernel_backend,
 )
 from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
-from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
+from vllm_hybridcache.adapter.lora_keys import AdapterBindings, lora_key
+from vllm_hybridcache.adapter.mm_keys import UnkeyableInput, key_token_ids, request_key_ids
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.compat import CPU_GDN_INNER_MODELS, cpu_gdn_inner_states_installed
@@ -94,6 +95,11 @@ class _Live:
     cuts: list[int]
     cut_set: frozenset[int]
     unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
+    # the LoRA id the request runs under (None without an adapter)
+    lora_id: int | None = None
+    # its prefill read state its key does not name (an adapter reloaded in place): no capture
+    # from then on, no end anchor
+    unbound: bool = False
     # fine segmentation: 64-aligned positions captured inside a step (the prompt's last one,
     # a junction where it parts from a recent prompt); () in step mode
     wanted: tuple[int, ...] = ()
@@ -262,9 +268,16 @@ def unkeyed_inputs(request) -> bool:
     ids for every picture: their rows are keyed by vLLM's content hash of each item
     (`mm_keys.request_key_ids`). Prompt embeddings, and items without a usable hash, cannot be
     named: such a request is served without the cache, no lookup, no capture, no end anchor
-    (a counted miss, reason `unkeyed_input`).
+    (a counted miss, reason `unkeyed_input`). So is a request whose LoRA adapter's files
+    cannot be found (adapter/lora_keys.py).
     """
-    return request_key_ids(request, list(request.prompt_token_ids or ())) is None
+    if request_key_ids(request, list(request.prompt_token_ids or ())) is None:
+        return True
+    try:
+        lora_key(getattr(request, "lora_request", None))
+    except UnkeyableInput:
+        return True
+    return False
 
 
 def default_message_end_ids(vllm_config) -> tuple[int, ...]:
@@ -442,6 +455,8 @@ class SchedulerSide:
         self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
         self._cluster_target = None
         self._cluster_publish: list[WriteJob] = []
+        # which adapter this engine's workers hold under each LoRA id (adapter/lora_keys.py)
+        self._adapters = AdapterBindings()
         if layout is not None:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
             tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
@@ -632,10 +647,15 @@ class SchedulerSide:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
             key_ids = request_key_ids(request, prompt)  # images: content ids on their rows
-            entry = _Live(domain=request_domain(self.base_domain, request),
+            domain = self._request_domain(request)
+            if domain is None:
+                key_ids = None  # an adapter that cannot be named
+            lora = getattr(request, "lora_request", None)
+            entry = _Live(domain=domain or b"",
                           keys=self.cache.keys(prompt if key_ids is None else key_ids),
                           cuts=cuts, cut_set=frozenset(cuts), unkeyed=key_ids is None,
-                          draft_reads=self._draft_reads)
+                          draft_reads=self._draft_reads,
+                          lora_id=None if lora is None else int(lora.lora_int_id))
             # requests with images keep step-aligned links: inner links inside an image's
             # rows were not tested (docs/split-invariance.md)
             if (self._recent is not None and not entry.unkeyed
@@ -643,6 +663,32 @@ class SchedulerSide:
                 entry.wanted = self._fine_positions(entry)
             self._live[request.request_id] = entry
         return entry
+
+    def _request_domain(self, request) -> bytes | None:
+        """The request's domain, or None when its adapter cannot be named: files missing, or
+        not the adapter this engine's workers hold under its id (adapter/lora_keys.py). An
+        in-place reload rebinds the id: requests in flight on it capture nothing more."""
+        try:
+            domain = request_domain(self.base_domain, request)
+            lora = getattr(request, "lora_request", None)
+            key = lora_key(lora)
+        except UnkeyableInput:
+            return None
+        if lora is None:
+            return domain
+        ok, rebound = self._adapters.admit(lora, key)
+        if rebound:
+            for req_id, other in self._live.items():
+                if other.lora_id == int(lora.lora_int_id):
+                    self._unbind(req_id, other, other.last_start)
+        return domain if ok else None
+
+    def _unbind(self, req_id: str, entry: _Live, position: int) -> None:
+        """The request's rows from `position` on are not the state its key names: no capture
+        from here, no end anchor."""
+        entry.unbound = True
+        entry.canonical = False
+        self._off_segmentation(req_id, entry, max(0, position))
 
     def cuts_for(self, request) -> list[int] | None:
         """The request's prompt cuts (for the scheduler hook); None when inactive."""
@@ -668,7 +714,10 @@ class SchedulerSide:
         tokens, _ = answer
         res = entry.lookup
         if (not tokens or res is None or not res.hit or res.kind != LinkKind.TREE
-                or not self.cache.cold_exact(res) or request.num_preemptions > 0):
+                or not self.cache.cold_exact(res) or request.num_preemptions > 0
+                or entry.lora_id is not None):
+            # vLLM's block hashes name an adapter by its name and path, not its weights: no
+            # block of a LoRA request is taken from vLLM's prefix cache beside our link
             return 0
         b = self.in_place_block
         return (tokens - 1) // b * b
@@ -1080,7 +1129,11 @@ class SchedulerSide:
             return False
         from vllm.v1.request import RequestStatus
 
-        if unkeyed_inputs(request):
+        if entry is None:
+            # never tracked: which adapter its prefill ran with is not known
+            if unkeyed_inputs(request) or getattr(request, "lora_request", None) is not None:
+                return False
+        elif entry.unkeyed or entry.unbound:
             return False
         all_tokens = list(request.all_token_ids)
         end = anchor_end(request.num_computed_tokens, len(all_tokens), request.num_prompt_tokens,
@@ -1094,7 +1147,8 @@ class SchedulerSide:
                 or not block_ids or any(len(block_ids[gid]) <= section_block
                                         for _, gid, _, _ in self.parts.sections)):
             return False
-        domain = request_domain(self.base_domain, request)
+        # the domain its prefill was checked against (an adapter's files may change since)
+        domain = request_domain(self.base_domain, request) if entry is None else entry.domain
         tokens = key_token_ids(all_tokens[:n], getattr(request, "mm_features", None))
         rebuilt = self._draft_reads == DRAFT_REBUILD
         tag = (RebuiltAnchor() if rebuilt else NextToken(int(all_tokens[n]))
