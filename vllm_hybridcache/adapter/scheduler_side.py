@@ -33,7 +33,14 @@ from vllm_hybridcache.adapter.fingerprint import (
 )
 from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
 from vllm_hybridcache.adapter.lora_keys import AdapterBindings, lora_key
-from vllm_hybridcache.adapter.mm_keys import UnkeyableInput, key_token_ids, request_key_ids
+from vllm_hybridcache.adapter.mm_keys import (
+    EncoderBindings,
+    MMItem,
+    UnkeyableInput,
+    keys_from_items,
+    request_items,
+    request_key_ids,
+)
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.compat import CPU_GDN_INNER_MODELS, cpu_gdn_inner_states_installed
@@ -95,10 +102,12 @@ class _Live:
     cuts: list[int]
     cut_set: frozenset[int]
     unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
+    # multimodal items (content digests, vLLM's identifiers, positions); () for text
+    items: tuple[MMItem, ...] = ()
     # the LoRA id the request runs under (None without an adapter)
     lora_id: int | None = None
-    # its prefill read state its key does not name (an adapter reloaded in place): no capture
-    # from then on, no end anchor
+    # its prefill read state its key does not name (an item's embeddings of other content, an
+    # adapter reloaded in place): no capture from then on, no end anchor
     unbound: bool = False
     # fine segmentation: 64-aligned positions captured inside a step (the prompt's last one,
     # a junction where it parts from a recent prompt); () in step mode
@@ -265,11 +274,11 @@ def unkeyed_inputs(request) -> bool:
     """Whether the request carries inputs its key ids cannot name.
 
     Multimodal items (images, audio, video) sit in the prompt as placeholder tokens, the same
-    ids for every picture: their rows are keyed by vLLM's content hash of each item
-    (`mm_keys.request_key_ids`). Prompt embeddings, and items without a usable hash, cannot be
-    named: such a request is served without the cache, no lookup, no capture, no end anchor
-    (a counted miss, reason `unkeyed_input`). So is a request whose LoRA adapter's files
-    cannot be found (adapter/lora_keys.py).
+    ids for every picture: their rows are keyed by a digest of each item's processed content
+    (`mm_keys.request_key_ids`). Prompt embeddings, items whose content is not at the
+    scheduler, and LoRA adapters whose files cannot be found cannot be named: such a request
+    is served without the cache, no lookup, no capture, no end anchor (a counted miss, reason
+    `unkeyed_input`).
     """
     if request_key_ids(request, list(request.prompt_token_ids or ())) is None:
         return True
@@ -455,7 +464,10 @@ class SchedulerSide:
         self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
         self._cluster_target = None
         self._cluster_publish: list[WriteJob] = []
-        # which adapter this engine's workers hold under each LoRA id (adapter/lora_keys.py)
+        # what vLLM's encoder cache holds under each item identifier, and which adapter its
+        # workers hold under each LoRA id: keys name content, these say whether the state a
+        # prefill computes is that content's (adapter/mm_keys.py, adapter/lora_keys.py)
+        self._encoded = EncoderBindings()
         self._adapters = AdapterBindings()
         if layout is not None:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
@@ -476,7 +488,6 @@ class SchedulerSide:
                 if opened is not None:
                     self.cluster, self._cluster_target = opened
                     tiers.append(self.cluster)
-
             ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
             tiers.append(ram_anchors)
             if self.disk is not None and spill:
@@ -646,15 +657,21 @@ class SchedulerSide:
         if entry is None:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
-            key_ids = request_key_ids(request, prompt)  # images: content ids on their rows
+            try:
+                items = request_items(getattr(request, "mm_features", None))
+            except UnkeyableInput:
+                items = None
+            key_ids = None  # images: content ids on their rows
+            if items is not None:
+                key_ids = request_key_ids(request, prompt, items)
             domain = self._request_domain(request)
-            if domain is None:
-                key_ids = None  # an adapter that cannot be named
+            if domain is None or (items and any(self._encoded.conflicts(i) for i in items)):
+                key_ids = None  # an adapter not named; an item whose embeddings are another's
             lora = getattr(request, "lora_request", None)
             entry = _Live(domain=domain or b"",
                           keys=self.cache.keys(prompt if key_ids is None else key_ids),
                           cuts=cuts, cut_set=frozenset(cuts), unkeyed=key_ids is None,
-                          draft_reads=self._draft_reads,
+                          draft_reads=self._draft_reads, items=items or (),
                           lora_id=None if lora is None else int(lora.lora_int_id))
             # requests with images keep step-aligned links: inner links inside an image's
             # rows were not tested (docs/split-invariance.md)
@@ -720,7 +737,12 @@ class SchedulerSide:
             # block of a LoRA request is taken from vLLM's prefix cache beside our link
             return 0
         b = self.in_place_block
-        return (tokens - 1) // b * b
+        cap = (tokens - 1) // b * b
+        if entry.items:
+            # vLLM's block hashes name an item by its identifier (a client's uuid, maybe):
+            # only blocks before the first item are taken beside our content-keyed link
+            cap = min(cap, min(i.start for i in entry.items) // b * b)
+        return cap
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         entry = self._live.get(request.request_id) if self.in_place_block else None
@@ -748,6 +770,8 @@ class SchedulerSide:
         if entry.cold_only:
             return 0, False
         limit = request.num_prompt_tokens - 1
+        if not entry.unkeyed and any(self._encoded.conflicts(i) for i in entry.items):
+            entry.unkeyed = True  # vLLM would read another content's embeddings for an item
         if entry.unkeyed:
             entry.lookup = self.cache.miss(MissReason.UNKEYED_INPUT, len(entry.keys), limit)
             return 0, False
@@ -897,6 +921,7 @@ class SchedulerSide:
         if not self.active:
             return plan
         self._inflight.next_plan()
+        self._observe_encoder(so)
         for data in so.scheduled_new_reqs:
             entry = self._live.get(data.req_id)
             if entry is None:
@@ -955,9 +980,41 @@ class SchedulerSide:
             plan.cluster_publish, self._cluster_publish = self._cluster_publish, []
         return plan
 
+    def _observe_encoder(self, so) -> None:
+        """Tell the encoder book what vLLM's encoder cache freed and encodes this step (the
+        workers drop the freed entries before they encode), with the digest of each encoded
+        item's content. An encoding of a request this side does not know cannot be attributed:
+        the book is lost and no item is bound any more (one warning)."""
+        encoded: list[tuple[str, str | None]] = []
+        for req_id, input_ids in (getattr(so, "scheduled_encoder_inputs", None) or {}).items():
+            entry = self._live.get(req_id)
+            for i in input_ids:
+                if entry is None or not 0 <= i < len(entry.items):
+                    if not self._encoded.lost:
+                        logger.warning("hybridcache: vLLM encodes an item of request %s that "
+                                       "the cache does not know; multimodal requests are served "
+                                       "without the cache from now on", req_id)
+                    self._encoded.lose()
+                    return
+                encoded.append((entry.items[i].identifier, entry.items[i].digest))
+        self._encoded.observe(getattr(so, "free_encoder_mm_hashes", None) or (), encoded)
+
+    def _check_items(self, req_id: str, entry: _Live, start: int, end: int) -> None:
+        """A prefill step over [start, end) reads the encoder output of every item it overlaps,
+        which vLLM takes from its encoder cache by the item's identifier: unless that is an
+        encoding of the item's own content (`EncoderBindings.bound`), the rows from the item on
+        are not the state the key names."""
+        for item in entry.items:
+            if (item.start < end and start < item.start + item.length
+                    and not self._encoded.bound(item)):
+                self._unbind(req_id, entry, max(start, item.start))
+                return
+
     def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
         prompt_len = len(entry.keys)
         end = start + n
+        if entry.items and not entry.unkeyed and not entry.unbound:
+            self._check_items(req_id, entry, start, min(end, prompt_len))
         if self.disk is not None and self.disk.cost is not None:
             self._time_prefill(entry, start, n, prompt_len)
         entry.last_start, entry.last_len = start, n
@@ -1130,8 +1187,9 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         if entry is None:
-            # never tracked: which adapter its prefill ran with is not known
-            if unkeyed_inputs(request) or getattr(request, "lora_request", None) is not None:
+            # never tracked: what its prefill read of an item or an adapter is not known
+            if (unkeyed_inputs(request) or getattr(request, "mm_features", None)
+                    or getattr(request, "lora_request", None) is not None):
                 return False
         elif entry.unkeyed or entry.unbound:
             return False
@@ -1147,9 +1205,10 @@ class SchedulerSide:
                 or not block_ids or any(len(block_ids[gid]) <= section_block
                                         for _, gid, _, _ in self.parts.sections)):
             return False
-        # the domain its prefill was checked against (an adapter's files may change since)
-        domain = request_domain(self.base_domain, request) if entry is None else entry.domain
-        tokens = key_token_ids(all_tokens[:n], getattr(request, "mm_features", None))
+        if entry is None:
+            domain, tokens = request_domain(self.base_domain, request), all_tokens[:n]
+        else:  # the domain and item digests its prefill was checked against
+            domain, tokens = entry.domain, keys_from_items(all_tokens[:n], entry.items)
         rebuilt = self._draft_reads == DRAFT_REBUILD
         tag = (RebuiltAnchor() if rebuilt else NextToken(int(all_tokens[n]))
                if self._speculative else None)
