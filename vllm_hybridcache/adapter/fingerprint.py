@@ -113,9 +113,10 @@ def hub_blob_sha256(path: Path) -> str | None:
 
     In a hub cache (`models--org--name/snapshots/<rev>/<file>`), each file is a symlink to
     `../../blobs/<etag>`; for LFS files (every weight file) the etag is the sha256 of the
-    content, which huggingface_hub checks when it downloads. A blob with a 40-hex name (a git
-    blob id: small files such as config.json) is read instead. The name is trusted as the
-    content's digest: whoever can rewrite a blob in place can change what vLLM loads anyway.
+    content as the Hub reports it. A blob with a 40-hex name (a git blob id: small files such
+    as config.json) is read instead. The name is trusted as the content's digest (this
+    huggingface_hub does not re-hash what it downloads into its cache): a blob damaged or
+    rewritten in place under its name is not noticed, and vLLM would load it all the same.
     """
     if not path.is_symlink():
         return None

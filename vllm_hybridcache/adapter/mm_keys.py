@@ -221,6 +221,10 @@ class EncoderBindings:
     bound captures nothing from there on, and a lookup for one whose identifier is bound to
     other content is not served. An encoding the book cannot attribute (a request it does not
     know) makes it `lost`: nothing is bound any more, for this engine's life (on doubt, miss).
+    vLLM's `EncoderCacheManager.reset()` (a weight update) is not seen: its entries stay here,
+    which can only make an identifier conflict (a miss), never bind it to content vLLM does not
+    hold, since an identifier vLLM no longer holds is encoded again from the request's own
+    content.
     """
 
     def __init__(self) -> None:
