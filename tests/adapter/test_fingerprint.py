@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from vllm_hybridcache.adapter import fingerprint
 from vllm_hybridcache.adapter.fingerprint import (
     cpu_isa,
     make_fingerprint,
@@ -54,6 +55,7 @@ def test_memo_skips_rehashing_but_never_hides_a_change(tmp_path):
     key = next(k for k in data if k.endswith("model.safetensors"))
     data[key]["sha256"] = "0" * 64
     memo.write_text(json.dumps(data))
+    fingerprint._PROCESS_MEMO.clear()  # a new process: only the memo file remembers
     assert weights_digest(a, memo) != first  # proves the memo was read
     # a changed file (new size/mtime) is hashed again whatever the memo says
     (a / "model.safetensors").write_bytes(b"weights-1 but longer")
@@ -109,8 +111,9 @@ def test_engine_fingerprint_from_a_vllm_config(tmp_path):
                               "cpu").differences(fp) == ["dtype"]
     assert engine_fingerprint(config(str(a)), "layout1", "grid=512",
                               "cpu").differences(fp) == ["segmentation"]
-    missing = engine_fingerprint(config("no/such-model"), "layout1", "grid=2048", "cpu")
-    assert missing.fields["weights"] == "name:no/such-model@"
+    # a checkpoint that cannot be found has no fingerprint, never one by its name
+    with pytest.raises(fingerprint.FingerprintUnavailable, match="no/such-model"):
+        engine_fingerprint(config("no/such-model"), "layout1", "grid=2048", "cpu")
 
 
 def test_engines_with_other_draft_settings_share_no_files(tmp_path):

@@ -1,16 +1,22 @@
-"""Multimodal requests are keyed by their items' content hashes; inputs that cannot be named
-(prompt embeddings, items without a hash) bypass the cache.
+"""Multimodal requests are keyed by their items' processed content; inputs that cannot be
+named (prompt embeddings, items whose content is not at the scheduler) bypass the cache.
 
 An image's prompt rows are placeholder tokens, the same ids for every picture, so keys carry
-each item's content hash on its rows (`adapter/mm_keys.py`): the same picture hits, another
-picture misses from its first placeholder on. A request whose inputs cannot be named must
-neither look up nor capture nor leave an end anchor. Driven on the real scheduler side with
-vLLM's own `Request` objects and a KV-cache config of one GDN-like group and one attention
-group; no model, no engine.
+a digest of each item's processed tensors on its rows (`adapter/mm_keys.py`): the same picture
+hits, another picture misses from its first placeholder on. A request whose inputs cannot be
+named must neither look up nor capture nor leave an end anchor. Driven on the real scheduler
+side with vLLM's own `Request` objects and a KV-cache config of one GDN-like group and one
+attention group; no model, no engine.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,9 +43,20 @@ def _kv_cache_config():
     ])
 
 
+@functools.cache
+def _checkpoint() -> str:
+    """A local checkpoint folder for the fake config: the engine fingerprint hashes the weights
+    where vLLM loads them, and a model it cannot find has none (no disk or cluster tier)."""
+    folder = Path(tempfile.mkdtemp(prefix="hybridcache-tiny-checkpoint-"))
+    atexit.register(shutil.rmtree, folder, True)
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    (folder / "model.safetensors").write_bytes(b"tiny weights")
+    return str(folder)
+
+
 def _vllm_config():
     return SimpleNamespace(
-        model_config=SimpleNamespace(model="tiny", revision=None, dtype="float32"),
+        model_config=SimpleNamespace(model=_checkpoint(), revision=None, dtype="float32"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto", mamba_ssm_cache_dtype="auto"),
         speculative_config=None,
@@ -55,24 +72,48 @@ def _scheduler_side():
     return side
 
 
+def pixels(content: str):
+    """The processed tensors of a picture (a `MultiModalKwargsItem` as vLLM's processor makes
+    it: pixel patches and the grid), a function of `content` alone."""
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+    )
+
+    seed = int(hashlib.sha256(content.encode()).hexdigest()[:8], 16)
+    patches = torch.rand(16, 12, generator=torch.Generator().manual_seed(seed))
+    return MultiModalKwargsItem({
+        "pixel_values": MultiModalFieldElem(data=patches, field=MultiModalBatchedField()),
+        "image_grid_thw": MultiModalFieldElem(data=torch.tensor([1, 4, 4]),
+                                              field=MultiModalBatchedField()),
+    })
+
+
 def _request(req_id: str, tokens: list[int], image_hash: str | None = None,
-             embeds: bool = False):
-    """`image_hash`: one image on rows [10, 110) with that content hash ("" = none usable)."""
+             embeds: bool = False, uuid: str | None = None):
+    """`image_hash`: one image on rows [10, 110) whose pixels are a function of that string
+    ("" = its content is not at the scheduler); its identifier is the client's `uuid` when
+    given, else vLLM's own hash of the picture."""
     from vllm import SamplingParams
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
     mm = None
     if image_hash is not None:
-        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image_hash,
+        identifier = uuid or f"vllm-hash-of-{image_hash}"
+        mm = [MultiModalFeatureSpec(data=pixels(image_hash) if image_hash else None,
+                                    modality="image", identifier=identifier,
                                     mm_position=PlaceholderRange(offset=10, length=100),
-                                    mm_hash=image_hash)]
+                                    mm_hash=identifier)]
     return Request(req_id, tokens, SamplingParams(max_tokens=4), None, mm_features=mm,
                    prompt_embeds=torch.zeros(len(tokens), 8) if embeds else None)
 
 
-def _commit_cuts(side, req, tokens: list[int]) -> int:
-    """Plan one full cold prefill of `req` through the scheduler side, commit what it reserved."""
+def _commit_cuts(side, req, tokens: list[int], encode: bool = True) -> int:
+    """Plan one full cold prefill of `req` through the scheduler side, commit what it reserved.
+    `encode`: vLLM runs the encoder on the request's items in that step (as its scheduler does
+    for items not in its encoder cache)."""
     side.get_num_new_matched_tokens(req, 0)
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0], [1, 2])), 0)
     so = SimpleNamespace(
@@ -80,7 +121,10 @@ def _commit_cuts(side, req, tokens: list[int]) -> int:
                                             num_computed_tokens=0)],
         num_scheduled_tokens={req.request_id: len(tokens)},
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                              resumed_req_ids=set(), num_computed_tokens=[]))
+                                              resumed_req_ids=set(), num_computed_tokens=[]),
+        scheduled_encoder_inputs=({req.request_id: list(range(len(req.mm_features)))}
+                                  if encode and req.mm_features else {}),
+        free_encoder_mm_hashes=[])
     side._track(req).cuts = [len(tokens)]  # one step that ends on a cut
     side._track(req).cut_set = frozenset([len(tokens)])
     plan = side.build_plan(so)
@@ -163,6 +207,7 @@ def test_end_anchor_only_for_keyed_images(image_hash, anchored):
 
     side = _scheduler_side()
     req = _request("a", TOKENS, image_hash=image_hash)
+    _commit_cuts(side, req, TOKENS)  # its prefill, the encoder run on its picture
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     req.num_computed_tokens = len(TOKENS)
     assert side.request_finished(req, ([0], [1, 2])) is anchored

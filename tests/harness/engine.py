@@ -311,9 +311,12 @@ class HarnessEngine:
     # ------------------------------------------------------------------ requests
     def add(self, prompt: list[int], *, max_tokens: int = 3, req_id: str | None = None,
             cache_salt: str | None = None, image: str | None = None,
-            embeds: bool = False) -> str:
+            uuid: str | None = None, embeds: bool = False) -> str:
         """Queue a request; `image` adds one multimodal item (placeholder tokens at 8..40)
-        with that content hash, `embeds` sends prompt embeddings along with the ids."""
+        whose processed tensors are a function of that string ("" = no content at the
+        scheduler, no identifier), identified by the client's `uuid` when given, else by the
+        string itself (as vLLM's own content hash would); `embeds` sends prompt embeddings
+        along with the ids."""
         from vllm import SamplingParams
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.v1.request import Request
@@ -323,9 +326,13 @@ class HarnessEngine:
             req_id = f"r{self._n}"
         mm = None
         if image is not None:
-            mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image,
+            from tests.adapter.test_unkeyed_inputs import pixels
+
+            identifier = image if uuid is None else uuid
+            mm = [MultiModalFeatureSpec(data=pixels(image) if image else None,
+                                        modality="image", identifier=identifier,
                                         mm_position=PlaceholderRange(offset=8, length=32),
-                                        mm_hash=image)]
+                                        mm_hash=identifier)]
         req = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens,
                                                            ignore_eos=True),
                       None, mm_features=mm, cache_salt=cache_salt,

@@ -262,11 +262,39 @@ def test_unkeyed_inputs_neither_hit_nor_capture(kind):
 
 
 def test_images_are_keyed_by_their_content_hash():
-    """A hashed image is part of the key: the same image hits past its placeholders; another
-    image, or text with the same token ids, never restores past the placeholders' start."""
+    """An image's content is part of the key: the same image hits past its placeholders;
+    another image, or text with the same token ids, never restores past the placeholders'
+    start."""
     e = HarnessEngine()
     p = [*A, 5, 6, 7]
     assert e.run(p, image="img-1").cached == 0          # nothing holds this image yet
     assert e.run(p, image="img-1").cached == 3 * GRID   # the same image: past it
     assert e.run(p, image="img-2").cached == 0          # another image: placeholders at 8
     assert e.run(p).cached == 0                         # the text alone: not the image's state
+
+
+def test_a_reused_uuid_plants_no_state_through_vllms_scheduler():
+    """vLLM's real scheduler and encoder cache: client 1 sends image A under uuid U; client 2
+    sends image B under U, and vLLM's encoder cache serves it A's embeddings (it trusts the
+    uuid). Client 2 restores nothing and captures nothing, so a later request with B under its
+    own uuid gets no state computed from A; A under another uuid hits past the image."""
+    e = HarnessEngine()
+    assert _reused_uuid_runs(e) == [0, 0, 0, 3 * GRID]
+    assert cache_stats(e)["misses"].get("unkeyed_input") == 1  # client 2
+
+
+def test_negative_control_without_encoder_bindings_the_reused_uuid_plants_state(monkeypatch):
+    """Content keys without the encoder bindings: client 2's prefill (A's embeddings under B's
+    key) is captured, and B under another uuid restores it."""
+    from vllm_hybridcache.adapter import mm_keys
+
+    monkeypatch.setattr(mm_keys.EncoderBindings, "conflicts", lambda self, item: False)
+    monkeypatch.setattr(mm_keys.EncoderBindings, "bound", lambda self, item: True)
+    assert _reused_uuid_runs(HarnessEngine()) == [0, 0, 3 * GRID, 3 * GRID]
+
+
+def _reused_uuid_runs(e: HarnessEngine) -> list[int]:
+    p = [*A, 5, 6, 7]
+    return [e.run(p, image=image, uuid=uuid).cached
+            for image, uuid in (("pixels-A", "U"), ("pixels-B", "U"), ("pixels-B", "V"),
+                                ("pixels-A", "W"))]

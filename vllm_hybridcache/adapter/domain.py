@@ -11,6 +11,7 @@ import hashlib
 
 import msgspec
 
+from vllm_hybridcache.adapter.lora_keys import lora_key
 from vllm_hybridcache.core import StateLayout, make_domain
 
 
@@ -38,5 +39,5 @@ def request_domain(base: dict[str, str], request) -> bytes:
     return make_domain(
         **base,
         cache_salt=request.cache_salt or "",
-        lora=f"{lora.lora_name}:{lora.lora_int_id}" if lora is not None else "",
+        lora=lora_key(lora),  # the adapter's file digest; raises UnkeyableInput
     )

@@ -26,9 +26,21 @@ import msgspec
 
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild, rebuild_input, with_draft_input
-from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+from vllm_hybridcache.adapter.fingerprint import (
+    FingerprintUnavailable,
+    engine_fingerprint,
+    kernel_backend,
+)
 from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
-from vllm_hybridcache.adapter.mm_keys import key_token_ids, request_key_ids
+from vllm_hybridcache.adapter.lora_keys import AdapterBindings, lora_key
+from vllm_hybridcache.adapter.mm_keys import (
+    EncoderBindings,
+    MMItem,
+    UnkeyableInput,
+    keys_from_items,
+    request_items,
+    request_key_ids,
+)
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.compat import CPU_GDN_INNER_MODELS, cpu_gdn_inner_states_installed
@@ -94,6 +106,13 @@ class _Live:
     cuts: list[int]
     cut_set: frozenset[int]
     unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
+    # multimodal items (content digests, vLLM's identifiers, positions); () for text
+    items: tuple[MMItem, ...] = ()
+    # the LoRA id the request runs under (None without an adapter)
+    lora_id: int | None = None
+    # its prefill read state its key does not name (an item's embeddings of other content, an
+    # adapter reloaded in place): no capture from then on, no end anchor
+    unbound: bool = False
     # fine segmentation: 64-aligned positions captured inside a step (the prompt's last one,
     # a junction where it parts from a recent prompt); () in step mode
     wanted: tuple[int, ...] = ()
@@ -259,12 +278,19 @@ def unkeyed_inputs(request) -> bool:
     """Whether the request carries inputs its key ids cannot name.
 
     Multimodal items (images, audio, video) sit in the prompt as placeholder tokens, the same
-    ids for every picture: their rows are keyed by vLLM's content hash of each item
-    (`mm_keys.request_key_ids`). Prompt embeddings, and items without a usable hash, cannot be
-    named: such a request is served without the cache, no lookup, no capture, no end anchor
-    (a counted miss, reason `unkeyed_input`).
+    ids for every picture: their rows are keyed by a digest of each item's processed content
+    (`mm_keys.request_key_ids`). Prompt embeddings, items whose content is not at the
+    scheduler, and LoRA adapters whose files cannot be found cannot be named: such a request
+    is served without the cache, no lookup, no capture, no end anchor (a counted miss, reason
+    `unkeyed_input`).
     """
-    return request_key_ids(request, list(request.prompt_token_ids or ())) is None
+    if request_key_ids(request, list(request.prompt_token_ids or ())) is None:
+        return True
+    try:
+        lora_key(getattr(request, "lora_request", None))
+    except UnkeyableInput:
+        return True
+    return False
 
 
 def default_message_end_ids(vllm_config) -> tuple[int, ...]:
@@ -437,10 +463,18 @@ class SchedulerSide:
         self._origins: dict[str, SourceOrigin] = {}
         self._disk_warm: list[tuple[int, int]] = []
         self._disk_writes: list[WriteJob] = []
+        # tiers asked for and left off, with why (an engine without a fingerprint: no tier
+        # that outlives it)
+        self.tiers_off: dict[str, str] = {}
         self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
         self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
         self._cluster_target = None
         self._cluster_publish: list[WriteJob] = []
+        # what vLLM's encoder cache holds under each item identifier, and which adapter its
+        # workers hold under each LoRA id: keys name content, these say whether the state a
+        # prefill computes is that content's (adapter/mm_keys.py, adapter/lora_keys.py)
+        self._encoded = EncoderBindings()
+        self._adapters = AdapterBindings()
         if layout is not None:
             ids = IdSource()  # one worker store holds every tier's payloads: ids unique
             tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
@@ -450,14 +484,17 @@ class SchedulerSide:
             spill = bool(settings.session_spill and anchors)
             if settings.disk_dir and self.reason_inactive is None:
                 self.disk = self._open_disk(vllm_config, layout, settings, ids, tree, spill)
-                tiers.append(self.disk)
+                if self.disk is not None:
+                    tiers.append(self.disk)
             if settings.cluster_address and self.reason_inactive is None:
                 from vllm_hybridcache.cluster.engine import open_cluster_tier
 
-                self.cluster, self._cluster_target, origin = open_cluster_tier(
-                    vllm_config, layout, self.segmentation, settings, ids, tree)
-                self._origins[Tier.CLUSTER.value] = origin
-                tiers.append(self.cluster)
+                opened = open_cluster_tier(vllm_config, layout, self.segmentation, settings,
+                                           ids, tree, tiers_off=self.tiers_off)
+                if opened is not None:
+                    self.cluster, self._cluster_target, origin = opened
+                    self._origins[Tier.CLUSTER.value] = origin
+                    tiers.append(self.cluster)
             ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
             tiers.append(ram_anchors)
             if self.disk is not None and spill:
@@ -519,11 +556,15 @@ class SchedulerSide:
                         self._mode_why)
 
     def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource,
-                   tree: SnapshotTree, spill: bool) -> DiskTier:
-        """The disk tier on `settings.disk_dir`, or a start-up error that says why not.
+                   tree: SnapshotTree, spill: bool) -> DiskTier | None:
+        """The disk tier on `settings.disk_dir`, or a start-up error that says why not; None
+        (one warning logged, `tiers_off["disk"]`) when the engine has no fingerprint.
 
         A disk tier that was asked for and cannot work stops the start-up rather than serving
-        on without it: a restart would then silently lose every link (docs/disk-tier.md).
+        on without it: a restart would then silently lose every link (docs/disk-tier.md). An
+        engine whose checkpoint cannot be named by content (`FingerprintUnavailable`) is the
+        exception: its folder is fine, but no file in it may be read or written by an engine
+        that does not know what it computes, so it serves on with RAM only and says so.
         """
         pc = vllm_config.parallel_config
         if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
@@ -536,11 +577,18 @@ class SchedulerSide:
         key_file = settings.disk_key_path()
         try:
             root = own_folder(root, key_file)  # 0700 when created; refused when others write it
+            try:
+                fp = engine_fingerprint(
+                    vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
+                    msgspec.json.encode(self.segmentation).decode(),
+                    kernel_backend(vllm_config), memo_file=root / WEIGHTS_MEMO)
+            except FingerprintUnavailable as e:
+                logger.warning("hybridcache: disk tier off: this engine has no fingerprint "
+                               "(%s); links on disk are only shared by engines known to compute "
+                               "the same bytes. Serving with the RAM tiers only.", e.reason)
+                self.tiers_off["disk"] = e.reason
+                return None
             key = key_from_file(key_file, "disk", create=True)
-            fp = engine_fingerprint(
-                vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
-                msgspec.json.encode(self.segmentation).decode(), kernel_backend(vllm_config),
-                memo_file=root / WEIGHTS_MEMO)
             directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s),
                                       key=key, key_file=key_file)
@@ -623,11 +671,22 @@ class SchedulerSide:
         if entry is None:
             prompt = list(request.prompt_token_ids or ())
             cuts = self.segmentation.cuts(prompt)
-            key_ids = request_key_ids(request, prompt)  # images: content ids on their rows
-            entry = _Live(domain=request_domain(self.base_domain, request),
+            try:
+                items = request_items(getattr(request, "mm_features", None))
+            except UnkeyableInput:
+                items = None
+            key_ids = None  # images: content ids on their rows
+            if items is not None:
+                key_ids = request_key_ids(request, prompt, items)
+            domain = self._request_domain(request)
+            if domain is None or (items and any(self._encoded.conflicts(i) for i in items)):
+                key_ids = None  # an adapter not named; an item whose embeddings are another's
+            lora = getattr(request, "lora_request", None)
+            entry = _Live(domain=domain or b"",
                           keys=self.cache.keys(prompt if key_ids is None else key_ids),
                           cuts=cuts, cut_set=frozenset(cuts), unkeyed=key_ids is None,
-                          draft_reads=self._draft_reads)
+                          draft_reads=self._draft_reads, items=items or (),
+                          lora_id=None if lora is None else int(lora.lora_int_id))
             # requests with images keep step-aligned links: inner links inside an image's
             # rows were not tested (docs/split-invariance.md)
             if (self._recent is not None and not entry.unkeyed
@@ -635,6 +694,32 @@ class SchedulerSide:
                 entry.wanted = self._fine_positions(entry)
             self._live[request.request_id] = entry
         return entry
+
+    def _request_domain(self, request) -> bytes | None:
+        """The request's domain, or None when its adapter cannot be named: files missing, or
+        not the adapter this engine's workers hold under its id (adapter/lora_keys.py). An
+        in-place reload rebinds the id: requests in flight on it capture nothing more."""
+        try:
+            domain = request_domain(self.base_domain, request)
+            lora = getattr(request, "lora_request", None)
+            key = lora_key(lora)
+        except UnkeyableInput:
+            return None
+        if lora is None:
+            return domain
+        ok, rebound = self._adapters.admit(lora, key)
+        if rebound:
+            for req_id, other in self._live.items():
+                if other.lora_id == int(lora.lora_int_id):
+                    self._unbind(req_id, other, other.last_start)
+        return domain if ok else None
+
+    def _unbind(self, req_id: str, entry: _Live, position: int) -> None:
+        """The request's rows from `position` on are not the state its key names: no capture
+        from here, no end anchor."""
+        entry.unbound = True
+        entry.canonical = False
+        self._off_segmentation(req_id, entry, max(0, position))
 
     def cuts_for(self, request) -> list[int] | None:
         """The request's prompt cuts (for the scheduler hook); None when inactive."""
@@ -660,10 +745,18 @@ class SchedulerSide:
         tokens, _ = answer
         res = entry.lookup
         if (not tokens or res is None or not res.hit or res.kind != LinkKind.TREE
-                or not self.cache.cold_exact(res) or request.num_preemptions > 0):
+                or not self.cache.cold_exact(res) or request.num_preemptions > 0
+                or entry.lora_id is not None):
+            # vLLM's block hashes name an adapter by its name and path, not its weights: no
+            # block of a LoRA request is taken from vLLM's prefix cache beside our link
             return 0
         b = self.in_place_block
-        return (tokens - 1) // b * b
+        cap = (tokens - 1) // b * b
+        if entry.items:
+            # vLLM's block hashes name an item by its identifier (a client's uuid, maybe):
+            # only blocks before the first item are taken beside our content-keyed link
+            cap = min(cap, min(i.start for i in entry.items) // b * b)
+        return cap
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         entry = self._live.get(request.request_id) if self.in_place_block else None
@@ -691,6 +784,8 @@ class SchedulerSide:
         if entry.cold_only:
             return 0, False
         limit = request.num_prompt_tokens - 1
+        if not entry.unkeyed and any(self._encoded.conflicts(i) for i in entry.items):
+            entry.unkeyed = True  # vLLM would read another content's embeddings for an item
         if entry.unkeyed:
             entry.lookup = self.cache.miss(MissReason.UNKEYED_INPUT, len(entry.keys), limit)
             return 0, False
@@ -836,6 +931,7 @@ class SchedulerSide:
         if not self.active:
             return plan
         self._inflight.next_plan()
+        self._observe_encoder(so)
         for data in so.scheduled_new_reqs:
             entry = self._live.get(data.req_id)
             if entry is None:
@@ -895,9 +991,41 @@ class SchedulerSide:
             plan.cluster_publish, self._cluster_publish = self._cluster_publish, []
         return plan
 
+    def _observe_encoder(self, so) -> None:
+        """Tell the encoder book what vLLM's encoder cache freed and encodes this step (the
+        workers drop the freed entries before they encode), with the digest of each encoded
+        item's content. An encoding of a request this side does not know cannot be attributed:
+        the book is lost and no item is bound any more (one warning)."""
+        encoded: list[tuple[str, str | None]] = []
+        for req_id, input_ids in (getattr(so, "scheduled_encoder_inputs", None) or {}).items():
+            entry = self._live.get(req_id)
+            for i in input_ids:
+                if entry is None or not 0 <= i < len(entry.items):
+                    if not self._encoded.lost:
+                        logger.warning("hybridcache: vLLM encodes an item of request %s that "
+                                       "the cache does not know; multimodal requests are served "
+                                       "without the cache from now on", req_id)
+                    self._encoded.lose()
+                    return
+                encoded.append((entry.items[i].identifier, entry.items[i].digest))
+        self._encoded.observe(getattr(so, "free_encoder_mm_hashes", None) or (), encoded)
+
+    def _check_items(self, req_id: str, entry: _Live, start: int, end: int) -> None:
+        """A prefill step over [start, end) reads the encoder output of every item it overlaps,
+        which vLLM takes from its encoder cache by the item's identifier: unless that is an
+        encoding of the item's own content (`EncoderBindings.bound`), the rows from the item on
+        are not the state the key names."""
+        for item in entry.items:
+            if (item.start < end and start < item.start + item.length
+                    and not self._encoded.bound(item)):
+                self._unbind(req_id, entry, max(start, item.start))
+                return
+
     def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
         prompt_len = len(entry.keys)
         end = start + n
+        if entry.items and not entry.unkeyed and not entry.unbound:
+            self._check_items(req_id, entry, start, min(end, prompt_len))
         if self.disk is not None and self.disk.cost is not None:
             self._time_prefill(entry, start, n, prompt_len)
         entry.last_start, entry.last_len = start, n
@@ -1074,7 +1202,12 @@ class SchedulerSide:
             return False
         from vllm.v1.request import RequestStatus
 
-        if unkeyed_inputs(request):
+        if entry is None:
+            # never tracked: what its prefill read of an item or an adapter is not known
+            if (unkeyed_inputs(request) or getattr(request, "mm_features", None)
+                    or getattr(request, "lora_request", None) is not None):
+                return False
+        elif entry.unkeyed or entry.unbound:
             return False
         all_tokens = list(request.all_token_ids)
         end = anchor_end(request.num_computed_tokens, len(all_tokens), request.num_prompt_tokens,
@@ -1088,8 +1221,10 @@ class SchedulerSide:
                 or not block_ids or any(len(block_ids[gid]) <= section_block
                                         for _, gid, _, _ in self.parts.sections)):
             return False
-        domain = request_domain(self.base_domain, request)
-        tokens = key_token_ids(all_tokens[:n], getattr(request, "mm_features", None))
+        if entry is None:
+            domain, tokens = request_domain(self.base_domain, request), all_tokens[:n]
+        else:  # the domain and item digests its prefill was checked against
+            domain, tokens = entry.domain, keys_from_items(all_tokens[:n], entry.items)
         rebuilt = self._draft_reads == DRAFT_REBUILD
         tag = (RebuiltAnchor() if rebuilt else NextToken(int(all_tokens[n]))
                if self._speculative else None)

@@ -51,13 +51,23 @@ def _scratch(prefix: str) -> Path:
     return path
 
 
-def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
-                      ) -> tuple[ClusterTier, ClusterTarget, SourceOrigin]:
+def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
+                      tiers_off: dict[str, str] | None = None
+                      ) -> tuple[ClusterTier, ClusterTarget, SourceOrigin] | None:
     """The scheduler's cluster tier, the target its workers publish to and where its hits'
     files come from, or a start-up error naming why the cluster cannot be used (a tier asked
     for is never silently off): no cluster secret, a secret file that must not be used, an
-    unreachable cluster, a directory that refuses the secret."""
-    from vllm_hybridcache.adapter.fingerprint import engine_fingerprint, kernel_backend
+    unreachable cluster, a directory that refuses the secret.
+
+    None, with one warning logged, when this engine has no fingerprint (its checkpoint cannot
+    be named by content, `FingerprintUnavailable`): other replicas' links are only safe between
+    engines known to compute the same bytes, so the replica serves on without the cluster
+    (the reason is also put in `tiers_off["cluster"]` when given)."""
+    from vllm_hybridcache.adapter.fingerprint import (
+        FingerprintUnavailable,
+        engine_fingerprint,
+        kernel_backend,
+    )
 
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
@@ -78,9 +88,17 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree
     except (OSError, KeyFileError) as e:
         raise RuntimeError(f"hybridcache: cluster_secret_file {secret_file!r} is not usable "
                            f"({type(e).__name__}: {e})") from e
-    fp = engine_fingerprint(
-        vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
-        msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
+    try:
+        fp = engine_fingerprint(
+            vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
+            msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
+    except FingerprintUnavailable as e:
+        logger.warning("hybridcache: cluster tier off: this engine has no fingerprint (%s); "
+                       "links are only shared between replicas known to compute the same "
+                       "bytes. Serving without the cluster.", e.reason)
+        if tiers_off is not None:
+            tiers_off["cluster"] = e.reason
+        return None
     transport = RayTransport(settings.cluster_address, key)
     try:
         transport.connect()
