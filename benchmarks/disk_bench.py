@@ -53,7 +53,7 @@ from vllm_hybridcache.core import (
     StateLayout,
     ViewSpec,
 )
-from vllm_hybridcache.core.auth import LinkKey, new_secret
+from vllm_hybridcache.core.auth import PREFERRED_MAC, LinkKey, MacAlgorithm, new_secret
 from vllm_hybridcache.core.disk import LinkDirectory, crc, direct, inplace, linkfile, reader
 from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import make_domain
@@ -185,7 +185,7 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
         def crc_only_read() -> tuple[float, float]:
             """The direct read with the parts' MACs not checked (only their CRC-32, what format
             2 checked): against `direct`, what authenticating a disk hit costs."""
-            def crc_only(path, entry, data, key, crc=None, mac=None):
+            def crc_only(path, entry, data, key, alg, crc=None, mac=None):
                 if (linkfile.crc32(data) if crc is None else crc) != entry.crc32:
                     raise linkfile.LinkFileError(linkfile.LinkFileProblem.CHECKSUM, str(path))
 
@@ -303,7 +303,10 @@ def run(folder: Path, links: int, mib: int, passes: int = 5) -> dict:
             "crc32_gib_s": crc_rate(crc.crc32),
             "zlib_crc32_gib_s": crc_rate(zlib.crc32),
             # the parts' MAC (keyed BLAKE2b, core/auth.py): what authenticating a read costs
+            "mac_algorithm": PREFERRED_MAC.name,
             "part_mac_gib_s": crc_rate(lambda b: KEY.part_mac().update(b)),
+            **{f"part_mac_{a.name.lower()}_gib_s":
+               crc_rate(lambda b, a=a: KEY.part_mac(a).update(b)) for a in MacAlgorithm},
             "tier_read_zlib_crc_gib_s": file_bytes / min(zlib_reads) / gib,
         }
         out["read_ratio"] = out["tier_read_gib_s"] / out["dd_read_gib_s"]

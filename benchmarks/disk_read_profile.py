@@ -98,7 +98,7 @@ def phased_read(store: LinkStore, chain: list[LinkRef], paths: list[Path], toks:
                 assert crc32(out) == e.crc32
                 t["crc"] += time.perf_counter() - c
                 c = time.perf_counter()
-                mac = KEY.part_mac()
+                mac = KEY.part_mac(header.mac_alg)
                 mac.update(out)
                 assert mac.digest() == e.mac
                 t["mac"] += time.perf_counter() - c

@@ -21,7 +21,14 @@ import pytest
 import torch
 
 from tests.keys import TEST_KEY, other_key, write_key_file
-from vllm_hybridcache.core.auth import KeyFileError, LinkKey, load_key_file
+from vllm_hybridcache.core.auth import (
+    KeyFileError,
+    LinkKey,
+    MacAlgorithm,
+    load_key_file,
+    preferred_mac,
+)
+from vllm_hybridcache.core.disk import linkfile
 from vllm_hybridcache.core.disk.crc import crc32
 from vllm_hybridcache.core.disk.directory import LinkDirectory
 from vllm_hybridcache.core.disk.folder import UnsafeFolder, own_folder
@@ -309,3 +316,37 @@ def test_a_symlinked_domain_folder_is_refused_and_never_written_through(tmp_path
     _write_chain(again)  # a fresh folder is made in its place, the moved files untouched
     assert not again.dir.joinpath(folder.name).is_symlink()
     assert sorted(p.name for p in moved.iterdir()) == sorted(p.name for p in paths)
+
+
+# ------------------------------------------------------------------ the two MAC algorithms
+
+
+def test_the_mac_algorithm_follows_the_cpu():
+    assert preferred_mac("flags\t: fpu sse2 avx2 sha_ni aes\n") is MacAlgorithm.HMAC_SHA256
+    assert preferred_mac("Features\t: fp asimd aes sha1 sha2 crc32\n") is MacAlgorithm.HMAC_SHA256
+    assert preferred_mac("flags\t: fpu sse2 avx2 avx512f aes\n") is MacAlgorithm.BLAKE2B
+    assert preferred_mac("") is MacAlgorithm.BLAKE2B
+
+
+@pytest.mark.parametrize("alg", list(MacAlgorithm), ids=lambda a: a.name.lower())
+def test_files_of_either_algorithm_are_read_and_checked_by_any_reader(tmp_path, monkeypatch,
+                                                                      alg):
+    """A file names its MAC algorithm (magic and header): a reader that prefers the other one
+    verifies it all the same, and a file whose magic claims the other algorithm (its MACs left
+    as they are) is refused as unauthenticated, never read with the wrong construction."""
+    monkeypatch.setattr(linkfile, "PREFERRED_MAC", alg)
+    d = _dir(tmp_path)
+    path = _write_chain(d)[1]
+    raw = path.read_bytes()
+    assert raw[7] == int(alg)
+    header, base = read_header(path, FP, TEST_KEY)
+    assert header.mac_alg == int(alg)
+    dst = {"state": torch.empty(4, 4), "kv": torch.empty(4, 32, dtype=torch.uint8)}
+    read_parts(path, header, base, dst, TEST_KEY)
+    assert torch.equal(dst["state"], _parts(128, 4)["state"])
+    other = next(a for a in MacAlgorithm if a is not alg)
+    swapped = path.with_name("swapped.link")
+    swapped.write_bytes(raw[:7] + bytes([int(other)]) + raw[8:])
+    with pytest.raises(LinkFileError) as e:
+        read_header(swapped, FP, TEST_KEY)
+    assert e.value.problem is LinkFileProblem.UNAUTHENTICATED

@@ -161,7 +161,7 @@ def read_parts_direct(path: Path, header: LinkFileHeader, base: int,
         for k in range(AHEAD):
             submit(k)
         crcs = [0] * len(parts)
-        macs = [key.part_mac() for _ in parts]
+        macs = [key.part_mac(header.mac_alg) for _ in parts]
         i = 0  # the first part not read to its end yet (parts are sorted, disjoint)
         for k, at in enumerate(starts):
             try:
@@ -195,7 +195,8 @@ def read_parts_direct(path: Path, header: LinkFileHeader, base: int,
                     break  # part i goes on in the next chunk
                 i += 1
         for (_, _, entry, mv, _), got_crc, mac in zip(parts, crcs, macs, strict=True):
-            check_part(path, entry, mv, key, crc=got_crc, mac=mac.digest())
+            check_part(path, entry, mv, key, header.mac_alg, crc=got_crc,
+                       mac=mac.digest())
         return sum(n for _, n, *_ in parts)
     finally:
         for f in pending.values():  # never hand a buffer back while a read still fills it

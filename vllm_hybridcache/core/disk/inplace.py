@@ -183,7 +183,7 @@ def verify_payload(path: Path, header: LinkFileHeader, buf: torch.Tensor, key: L
     for e in header.parts:
         if names is not None and e.name not in names:
             continue
-        check_part(path, e, mv[e.offset:e.offset + e.nbytes], key)
+        check_part(path, e, mv[e.offset:e.offset + e.nbytes], key, header.mac_alg)
 
 
 def read_in_place(path: Path, header: LinkFileHeader, base: int, buf: torch.Tensor,

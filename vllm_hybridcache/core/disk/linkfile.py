@@ -10,18 +10,21 @@ the view rows since the parent), each with a CRC-32 and a MAC. On Flash-Next's M
 section is the target's hidden row at the boundary (adapter/draft_rows.py), checked like the
 others.
 
-Authentication (format 3): the header carries a MAC (keyed BLAKE2b, core/auth.py) over the
-prelude and the header bytes, and each part entry the MAC of that part's bytes, keyed by the
-secret of the tier that wrote it (the disk key, or the cluster secret). A CRC-32 only catches
-corruption: anyone can compute one, so a forged file with valid CRCs was once served as
-cold-exact. Now a reader checks the header's CRC (fast corruption check), then its MAC, before
-it decodes the header; and each part's CRC, then its MAC, before any byte of it may reach the
-engine. A file that fails a MAC is `unauthenticated` (a counted miss; the file is deleted). A
-file of an older format (2 had no MACs) is refused as `format`, never read.
+Authentication (format 3): the header carries a MAC (HMAC-SHA256 or keyed BLAKE2b, whichever is
+faster on the writing CPU: core/auth.py `MacAlgorithm`, named by the magic's last byte and
+again in the header) over the prelude and the header bytes, and each part entry the MAC of that
+part's bytes, keyed by the secret of the tier that wrote it (the disk key, or the cluster
+secret). A CRC-32 only catches corruption: anyone can compute one, so a forged file with valid
+CRCs was once served as cold-exact. Now a reader checks the header's CRC (fast corruption
+check), then its MAC, before it decodes the header; and each part's CRC, then its MAC, before
+any byte of it may reach the engine. A file that fails a MAC is `unauthenticated` (a counted
+miss; the file is deleted). A file of an older format (2 had no MACs) is refused as `format`,
+never read.
 
 Layout (little endian):
 
-    magic  b"HCLINK\\x00\\x02"            8 bytes (\\x01: formats 1-2, refused)
+    magic  b"HCLINK\\x00" + MAC algorithm  8 bytes (\\x02 BLAKE2b, \\x03 HMAC-SHA256;
+                                          \\x01: formats 1-2, refused)
     header length, header CRC-32          2 x u32
     header MAC                            32 bytes, over magic, length and header
     header                                msgpack (LinkFileHeader)
@@ -51,7 +54,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ..auth import MAC_BYTES, LinkKey
+from ..auth import MAC_BYTES, PREFERRED_MAC, LinkKey, MacAlgorithm
 from .crc import crc32
 from .safeio import SymlinkRefused, dir_fd, open_below, relative_parts
 from .tags import EncodedTag
@@ -73,8 +76,16 @@ __all__ = [
     "write_link_file",
 ]
 
-MAGIC = b"HCLINK\x00\x02"
-_MAGIC_FAMILY = MAGIC[:7]  # earlier preludes (\x01: formats 1 and 2) share it: `format`
+_MAGIC_FAMILY = b"HCLINK\x00"  # then one byte: 1 formats 1-2 (refused), else a MacAlgorithm
+
+
+def magic(alg: MacAlgorithm) -> bytes:
+    """The magic of a file whose MACs are computed with `alg`."""
+    return _MAGIC_FAMILY + bytes([int(alg)])
+
+
+MAGIC = magic(PREFERRED_MAC)  # what this process writes
+_ALGS = frozenset(int(a) for a in MacAlgorithm)
 FORMAT_VERSION = 3  # 2: the draft tag (MTP route); 3: MACs over the header and every part
 ALIGN = 4096  # page aligned parts: direct I/O and mmap friendly
 TMP_PREFIX = ".tmp-"
@@ -139,6 +150,8 @@ class LinkFileHeader(msgspec.Struct, frozen=True):
     # the link's draft tag on a speculative route (tags.py), None elsewhere: a lookup applies
     # the same `fits` predicate to it as the RAM tiers do to their links' tags
     tag: EncodedTag | None = None
+    # how the MACs are computed (a MacAlgorithm; equal to the magic's last byte)
+    mac_alg: int = int(MacAlgorithm.BLAKE2B)
 
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype=np.int64)
@@ -165,15 +178,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_part(path: Path, entry: PartEntry, data: memoryview, key: LinkKey,
+def check_part(path: Path, entry: PartEntry, data: memoryview, key: LinkKey, alg: int,
                crc: int | None = None, mac: bytes | None = None) -> None:
     """Verify one part's bytes (`data`, as the engine will get them): CRC-32 first (a cheap
-    corruption check), then the MAC. `crc`/`mac`: already computed while the bytes streamed
-    in (direct reads). Raises LinkFileError (`checksum`, `unauthenticated`)."""
+    corruption check), then the MAC (`alg`: the header's `mac_alg`). `crc`/`mac`: already
+    computed while the bytes streamed in (direct reads). Raises LinkFileError (`checksum`,
+    `unauthenticated`)."""
     if (crc32(data) if crc is None else crc) != entry.crc32:
         raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: part {entry.name}")
     if mac is None:
-        h = key.part_mac()
+        h = key.part_mac(MacAlgorithm(alg))
         h.update(data)
         mac = h.digest()
     if not LinkKey.equal(mac, entry.mac):
@@ -222,19 +236,20 @@ def write_link_file(
         raise ValueError(f"tokens {toks.shape} do not cover the segment [{start}, {end})")
     if (start == 0) != (parent_digest == b""):
         raise ValueError("a root link (start 0) has no parent digest, every other link has one")
+    alg = PREFERRED_MAC
     views = {name: _as_bytes_view(t) for name, t in parts.items()}
     entries: list[PartEntry] = []
     offset = 0
     for name, mv in views.items():
-        h = key.part_mac()
+        h = key.part_mac(alg)
         h.update(mv)
         entries.append(PartEntry(name, offset, mv.nbytes, crc32(mv), h.digest()))
         offset = _round_up(offset + mv.nbytes)
     header = msgspec.msgpack.encode(LinkFileHeader(
         FORMAT_VERSION, fingerprint, domain, digest, parent_digest, start, end, toks.tobytes(),
-        rows, tuple(entries), created, kind, tag))
-    maced = _PRE_MACED.pack(MAGIC, len(header), crc32(header))
-    head = _PRE.pack(MAGIC, len(header), crc32(header), key.mac(maced, header)) + header
+        rows, tuple(entries), created, kind, tag, int(alg)))
+    maced = _PRE_MACED.pack(magic(alg), len(header), crc32(header))
+    head = maced + key.mac(maced, header, alg=alg) + header
     head += b"\0" * (_round_up(len(head)) - len(head))
     path = Path(path)
     root = Path(root) if root is not None else path.parent
@@ -282,8 +297,9 @@ def read_header(path: Path, fingerprint: bytes, key: LinkKey,
         pre = f.read(_PRE.size)
         if len(pre) < len(_MAGIC_FAMILY) or pre[:7] != _MAGIC_FAMILY:
             raise LinkFileError(LinkFileProblem.NOT_A_LINK, str(path))
-        if pre[:8] != MAGIC:
+        if pre[7] not in _ALGS:
             raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: an earlier format")
+        alg = MacAlgorithm(pre[7])
         if len(pre) < _PRE.size:
             raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: prelude cut short")
         _, hlen, hcrc, hmac = _PRE.unpack(pre)
@@ -293,13 +309,13 @@ def read_header(path: Path, fingerprint: bytes, key: LinkKey,
         raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: header cut short")
     if crc32(raw) != hcrc:
         raise LinkFileError(LinkFileProblem.CHECKSUM, f"{path}: header")
-    if not LinkKey.equal(key.mac(pre[:_PRE_MACED.size], raw), hmac):
+    if not LinkKey.equal(key.mac(pre[:_PRE_MACED.size], raw, alg=alg), hmac):
         raise LinkFileError(LinkFileProblem.UNAUTHENTICATED, f"{path}: header")
     try:
         header = msgspec.msgpack.decode(raw, type=LinkFileHeader)
     except msgspec.DecodeError as e:
         raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: {e}") from e
-    if header.format != FORMAT_VERSION:
+    if header.format != FORMAT_VERSION or header.mac_alg != alg:
         raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: format {header.format}")
     if header.fingerprint != fingerprint:
         raise LinkFileError(LinkFileProblem.FOREIGN, str(path))
@@ -336,7 +352,7 @@ def read_parts(
             got = f.readinto(out)
             if got != e.nbytes:
                 raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: part {name}")
-            check_part(path, e, out, key)
+            check_part(path, e, out, key, header.mac_alg)
             n += got
     return n
 
