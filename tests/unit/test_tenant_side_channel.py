@@ -10,10 +10,11 @@ one of the same length.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from pathlib import Path
 
 from prometheus_client import generate_latest
 
+from tests.adapter.test_lora_keys import _adapter, _lora
 from tests.adapter.test_unkeyed_inputs import TOKENS, _commit_cuts, _request
 from tests.prom_registry import private_prom
 from tests.unit.test_tiered_cache_adapter import _side
@@ -22,15 +23,15 @@ UNKNOWN = [3 + (i * 13) % 900 for i in range(len(TOKENS))]
 assert UNKNOWN[:64] != TOKENS[:64]
 
 
-def _req(req_id: str, tokens: list[int], salt: str, lora: bool = False):
+def _req(req_id: str, tokens: list[int], salt: str, lora: Path | None = None):
     req = _request(req_id, tokens)
     req.cache_salt = salt
-    if lora:
-        req.lora_request = SimpleNamespace(lora_name="adapter", lora_int_id=1)
+    if lora is not None:  # a real adapter's files: the domain names them by content
+        req.lora_request = _lora(_adapter(lora))
     return req
 
 
-def _outputs(probe_tokens: list[int], asker: str = "tenant-b", lora: bool = False) -> dict:
+def _outputs(probe_tokens: list[int], asker: str = "tenant-b", lora: Path | None = None) -> dict:
     """Tenant A holds TOKENS; `asker` asks for `probe_tokens` + 3 tokens. Everything a
     tenant or anyone on /metrics could read afterwards."""
     from vllm_hybridcache.adapter.stats import encode
@@ -62,11 +63,12 @@ def test_another_tenants_prefix_reads_as_an_unknown_prompt_everywhere():
     assert 'reason="domain_mismatch",tier="ram"} 0.0' in probe["metrics"]
 
 
-def test_the_comparison_sees_the_same_tenants_other_domain():
+def test_the_comparison_sees_the_same_tenants_other_domain(tmp_path):
     """Negative control: tenant A asking for its own prompt under another domain (a LoRA
     adapter) is a `domain_mismatch`, and every output tells it from an unknown prompt."""
-    probe, blank = _outputs(TOKENS, "tenant-a", lora=True), _outputs(UNKNOWN, "tenant-a",
-                                                                      lora=True)
+    adapter = tmp_path / "adapter"
+    probe, blank = (_outputs(TOKENS, "tenant-a", lora=adapter),
+                    _outputs(UNKNOWN, "tenant-a", lora=adapter))
     assert probe["answer"] == blank["answer"] == (0, False)
     assert probe["payload"]["tiers"]["ram"]["tree"]["misses"] == {"no_prefix": 1,
                                                                   "domain_mismatch": 1}
