@@ -21,6 +21,7 @@ from tests.adapter.test_unkeyed_inputs import (
     _request,
     _vllm_config,
 )
+from tests.keys import CLUSTER_SECRET_FILE
 from vllm_hybridcache.config import CacheSettings
 
 
@@ -87,7 +88,8 @@ def test_no_fingerprint_means_no_cluster_tier_and_no_connection(tmp_path, monkey
 
     monkeypatch.setattr(transport.RayTransport, "connect", refuse)
     caplog.set_level(logging.INFO, logger="vllm_hybridcache")
-    side = _side(_unfindable_config(tmp_path, monkeypatch), cluster_address="127.0.0.1:1")
+    side = _side(_unfindable_config(tmp_path, monkeypatch), cluster_address="127.0.0.1:1",
+                 cluster_secret_file=str(CLUSTER_SECRET_FILE))
     assert side.active and side.cluster is None and side.cluster_anchors is None
     assert [t for t, _ in side.cache.routes()] == ["ram", "ram"]
     assert "org/updated-under-an-old-name" in side.tiers_off["cluster"]
@@ -95,4 +97,5 @@ def test_no_fingerprint_means_no_cluster_tier_and_no_connection(tmp_path, monkey
     assert "org/updated-under-an-old-name" in warning
     # negative control: with a fingerprint the tier goes on to connect (refused here)
     with pytest.raises(RuntimeError, match="connected without a fingerprint"):
-        _side(_vllm_config(), cluster_address="127.0.0.1:1")
+        _side(_vllm_config(), cluster_address="127.0.0.1:1",
+              cluster_secret_file=str(CLUSTER_SECRET_FILE))
