@@ -156,3 +156,29 @@ def test_kernel_backend_names_the_split_invariant_forward(monkeypatch):
     on = kernel_backend(cfg)
     monkeypatch.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "true")
     assert on != off and kernel_backend(cfg) == on
+
+
+def test_a_memo_in_the_cache_folder_is_used_only_with_its_mac(tmp_path):
+    """The memo lives in disk_dir: with the disk key it carries a MAC, and a memo edited to
+    give a file another digest (what would give a changed checkpoint its predecessor's
+    fingerprint) is ignored, the file hashed again; the same edit without a key is believed
+    (the negative control: the unkeyed memo of the test above)."""
+    from tests.keys import TEST_KEY, other_key
+
+    a = _checkpoint(tmp_path / "a")
+    memo = tmp_path / "memo.json"
+    first = weights_digest(a, memo, TEST_KEY)
+    stored = json.loads(memo.read_text())
+    assert set(stored) == {"files", "mac"} and (memo.stat().st_mode & 0o777) == 0o600
+    key = next(k for k in stored["files"] if k.endswith("model.safetensors"))
+    stored["files"][key]["sha256"] = "0" * 64
+    memo.write_text(json.dumps(stored))
+    fingerprint._PROCESS_MEMO.clear()
+    assert weights_digest(a, memo, TEST_KEY) == first  # the edit was not believed
+    memo.write_text(json.dumps(stored["files"]))  # the same edit as an unkeyed memo
+    fingerprint._PROCESS_MEMO.clear()
+    assert weights_digest(a, memo) != first  # believed without a key (control)
+    fingerprint._PROCESS_MEMO.clear()
+    weights_digest(a, memo, TEST_KEY)
+    fingerprint._PROCESS_MEMO.clear()
+    assert weights_digest(a, memo, other_key()) == first  # another key: hashed again

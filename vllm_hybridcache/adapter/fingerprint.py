@@ -47,6 +47,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_hybridcache.core.auth import LinkKey
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILES = ("config.json", "params.json", "quant_config.json", "quantize_config.json",
                 "hf_quant_config.json", "quantization_config.json")
@@ -159,22 +161,51 @@ def file_digest(path: Path, memo: dict[str, dict] | None = None) -> str:
     return entry["sha256"]
 
 
-def _read_memo(memo_file: Path | None) -> dict[str, dict]:
+_MEMO_PERSON = b"hc-weights-memo"
+
+
+def _read_memo(memo_file: Path | None, key: LinkKey | None = None) -> dict[str, dict]:
+    """The remembered file digests, or {} when there are none to trust. With `key` (the disk
+    key: the memo lives in the cache folder) the file must carry a valid MAC, since a memo
+    that names an old digest for a changed file would give a changed checkpoint its
+    predecessor's fingerprint; a memo without one is ignored (the files are hashed again)."""
     if memo_file is None:
         return {}
     try:
-        loaded = json.loads(memo_file.read_text())
+        fd = os.open(memo_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(64 << 20)
+        loaded = json.loads(raw)
     except (OSError, ValueError):
         return {}
+    if key is not None:
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("files"), dict):
+            return {}
+        body = json.dumps(loaded["files"], sort_keys=True).encode()
+        try:
+            mac = bytes.fromhex(str(loaded.get("mac", "")))
+        except ValueError:
+            return {}
+        if not LinkKey.equal(key.mac(body, person=_MEMO_PERSON), mac):
+            return {}
+        loaded = loaded["files"]
     return loaded if isinstance(loaded, dict) else {}
 
 
-def _write_memo(memo_file: Path | None, memo: dict[str, dict]) -> None:
+def _write_memo(memo_file: Path | None, memo: dict[str, dict],
+                key: LinkKey | None = None) -> None:
     if memo_file is None:
         return
+    body = json.dumps(memo, sort_keys=True)
+    if key is not None:
+        body = json.dumps({"files": memo, "mac": key.mac(body.encode(),
+                                                         person=_MEMO_PERSON).hex()})
     tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(memo, sort_keys=True))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
         os.replace(tmp, memo_file)
     except OSError:
         tmp.unlink(missing_ok=True)  # a read-only directory only costs the next start
@@ -203,7 +234,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         _is_config_file(p.name) or p.suffix in WEIGHT_SUFFIXES))
 
 
-def weights_digest(model_dir: Path, memo_file: Path | None = None) -> str:
+def weights_digest(model_dir: Path, memo_file: Path | None = None,
+                   memo_key: LinkKey | None = None) -> str:
     """sha256 over the names and contents of a checkpoint's weight and config files.
 
     memo_file: a JSON file remembering file digests by (size, mtime, inode); unreadable or
@@ -213,10 +245,10 @@ def weights_digest(model_dir: Path, memo_file: Path | None = None) -> str:
     files = checkpoint_files(model_dir)
     if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
         raise FileNotFoundError(f"no weight files under {model_dir}")
-    memo = _read_memo(memo_file)
+    memo = _read_memo(memo_file, memo_key)
     root = model_dir if model_dir.is_dir() else model_dir.parent
     digest = files_digest(((p.relative_to(root).as_posix(), p) for p in files), memo)
-    _write_memo(memo_file, memo)
+    _write_memo(memo_file, memo, memo_key)
     return digest
 
 
@@ -330,7 +362,8 @@ def model_folders(vllm_config) -> tuple[Path, Path | None]:
     return weights, (config if config is not None and config != weights else None)
 
 
-def checkpoint_digest(vllm_config, memo_file: Path | None = None) -> tuple[str, str]:
+def checkpoint_digest(vllm_config, memo_file: Path | None = None,
+                      memo_key: LinkKey | None = None) -> tuple[str, str]:
     """('sha256:<weights and config files>', processor digest) of the engine's checkpoint.
 
     Raises FingerprintUnavailable when the files cannot be found or read."""
@@ -344,9 +377,9 @@ def checkpoint_digest(vllm_config, memo_file: Path | None = None) -> tuple[str, 
         if config_at is not None:
             named += [(f"config-folder/{p.name}", p) for p in checkpoint_files(config_at)
                       if _is_config_file(p.name)]
-        memo = _read_memo(memo_file)
+        memo = _read_memo(memo_file, memo_key)
         weights = files_digest(named, memo)
-        _write_memo(memo_file, memo)
+        _write_memo(memo_file, memo, memo_key)
         processor = processor_digest([f for f in (weights_at, config_at) if f is not None])
     except OSError as e:
         raise FingerprintUnavailable(f"the checkpoint at {weights_at} cannot be hashed "
@@ -507,7 +540,8 @@ def speculative_setup(vllm_config) -> str:
 
 
 def engine_fingerprint(vllm_config, layout_digest: str, segmentation: str, backend: str,
-                       memo_file: Path | None = None) -> Fingerprint:
+                       memo_file: Path | None = None,
+                       memo_key: LinkKey | None = None) -> Fingerprint:
     """The fingerprint of this engine (see the module docstring for what goes in and why).
 
     Raises FingerprintUnavailable when the checkpoint's weights cannot be found and hashed, or
@@ -526,7 +560,7 @@ def engine_fingerprint(vllm_config, layout_digest: str, segmentation: str, backe
         vllm_version = "unknown"
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
-    weights, processor = checkpoint_digest(vllm_config, memo_file)
+    weights, processor = checkpoint_digest(vllm_config, memo_file, memo_key)
     fields = {
         "weights": weights,
         "processor": processor,

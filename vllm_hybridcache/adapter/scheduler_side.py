@@ -577,18 +577,18 @@ class SchedulerSide:
         key_file = settings.disk_key_path()
         try:
             root = own_folder(root, key_file)  # 0700 when created; refused when others write it
-            try:
+            key = key_from_file(key_file, "disk", create=True)
+            try:  # the weights memo lives in the folder: authenticated with the disk key
                 fp = engine_fingerprint(
                     vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
                     msgspec.json.encode(self.segmentation).decode(),
-                    kernel_backend(vllm_config), memo_file=root / WEIGHTS_MEMO)
+                    kernel_backend(vllm_config), memo_file=root / WEIGHTS_MEMO, memo_key=key)
             except FingerprintUnavailable as e:
                 logger.warning("hybridcache: disk tier off: this engine has no fingerprint "
                                "(%s); links on disk are only shared by engines known to compute "
                                "the same bytes. Serving with the RAM tiers only.", e.reason)
                 self.tiers_off["disk"] = e.reason
                 return None
-            key = key_from_file(key_file, "disk", create=True)
             directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s),
                                       key=key, key_file=key_file)
