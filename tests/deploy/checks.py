@@ -74,7 +74,7 @@ def dockerfile_problems(text: str) -> list[str]:
         if not users or users[-1].split(":")[0] in ("0", "root"):
             out.append(f"the image runs as root (USER {users[-1] if users else 'unset'})")
         vols = " ".join(i["value"] for i in run if i["instruction"] == "VOLUME")
-        for v in ("/models", "/cache"):
+        for v in ("/models", "/cache", "/keys"):  # /keys: the disk key, apart from the links
             if v not in vols:
                 out.append(f"no VOLUME {v}")
         hc = [i["value"] for i in run if i["instruction"] == "HEALTHCHECK"]
@@ -132,9 +132,16 @@ def compose_problems(doc: dict[str, Any], target: str, known_env: set[str]) -> l
     if not any(c.startswith("--gpu-memory-utilization=") for c in cmd):
         out.append("no --gpu-memory-utilization for the box")
     vols = " ".join(str(v) for v in vllm.get("volumes", []))
-    for v in (":/models", ":/cache"):
+    for v in (":/models", ":/cache", ":/keys"):
         if v not in vols:
             out.append(f"no volume mounted at {v[1:]}")
+    env = vllm.get("environment", {})
+    disk_dir, key_file = env.get("VLLM_HYBRIDCACHE_DISK_DIR", ""), env.get(
+        "VLLM_HYBRIDCACHE_DISK_KEY_FILE", "")
+    if not str(disk_dir).startswith("/cache/"):
+        out.append("the disk tier's folder is not on the persistent /cache volume")
+    if not str(key_file).startswith("/keys/"):
+        out.append("the disk key is not on the /keys volume (apart from the links)")
     prom = services.get("prometheus", {})
     if not any("prometheus.yml" in str(v) for v in prom.get("volumes", [])):
         out.append("Prometheus does not get deploy/prometheus.yml")

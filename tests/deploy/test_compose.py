@@ -60,6 +60,12 @@ def test_compose_checks_fail_on_broken_files(known_env) -> None:
         "does not mount the secret": lambda d: d["services"]["vllm"].pop("secrets"),
         "not read from a required variable": lambda d: d["secrets"]["hybridcache_admin_key"]
         .__setitem__("file", "./admin.key"),
+        "not on the persistent /cache volume": lambda d: d["services"]["vllm"]["environment"]
+        .pop("VLLM_HYBRIDCACHE_DISK_DIR"),
+        "not on the /keys volume": lambda d: d["services"]["vllm"]["environment"]
+        .__setitem__("VLLM_HYBRIDCACHE_DISK_KEY_FILE", "/cache/links/disk.key"),
+        "no volume mounted at /keys": lambda d: d["services"]["vllm"]["volumes"]
+        .remove("hybridcache-keys:/keys"),
     }
     for expect, mutate in cases.items():
         d = copy.deepcopy(doc)
