@@ -1,4 +1,4 @@
-"""The cluster tier's trust boundaries without a Ray cluster (issue 29, docs/security-cluster.md):
+"""The cluster tier's trust boundaries without a Ray cluster (issue 29, docs/security.md):
 the directory's call authentication (MAC, timestamp, nonce) on `AuthenticatedDirectory` with an
 injected clock, and `open_cluster_tier`'s start-up refusals (no secret, a secret file that must
 not be used, a directory that refuses the secret) with fakes for the engine and the transport.

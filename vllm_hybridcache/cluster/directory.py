@@ -23,7 +23,7 @@ What it knows and who may ask (docs/security.md):
   forget one early, calls stamped no later than that one are refused too, so a flood of calls
   never reopens a replay window. The actor's name carries a keyed digest of the secret, so
   clusters with different secrets never share a directory.
-- What a member of the Ray cluster can still do (docs/security-cluster.md): Ray runs any code
+- What a member of the Ray cluster can still do (docs/security.md): Ray runs any code
   its members submit, on any node, as the user the replicas run as. The directory key reaches
   the actor as its creation argument, which Ray keeps in its control store; Ray lets any
   caller run a function inside an actor (`__ray_call__`); payloads sit in Ray's object store;
