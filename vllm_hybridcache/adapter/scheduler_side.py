@@ -64,7 +64,7 @@ from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.folder import own_folder
-from vllm_hybridcache.core.disk.reader import SourceOrigin
+from vllm_hybridcache.core.disk.reader import SourceKey, SourceOrigin
 from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
@@ -860,6 +860,8 @@ class SchedulerSide:
             entry.restoring = res
             sources = self.cache.sources(res)
             origin = self._origins.get(res.tier) if sources else None
+            expect = tuple(SourceKey(res.kind, entry.domain, entry.keys.digest(ref.end))
+                           for ref in res.plan.chain) if sources else ()
             draft = None
             if res.kind == LinkKind.TREE:
                 draft = entry.draft_rebuild(res.plan.chain, int(request.prompt_token_ids[-1]))
@@ -867,7 +869,8 @@ class SchedulerSide:
                 draft = entry.anchor_rebuild(int(request.prompt_token_ids[res.tokens]))
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
-                                       sources=sources, origin=origin, draft=draft,
+                                       sources=sources, origin=origin, expect=expect,
+                                       draft=draft,
                                        in_place=in_place))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup

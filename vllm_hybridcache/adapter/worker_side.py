@@ -179,7 +179,7 @@ class WorkerSide:
                 raise DiskReadError(job.chain[0].link_id if job.chain else -1, "mismatch",
                                     "a load with files but no origin")
             stage_chain(self.store, job.chain, job.sources, origin.fingerprint, direct, defer,
-                        key=origin.key(), root=Path(origin.root))
+                        key=origin.key(), root=Path(origin.root), expect=job.expect or None)
         except DiskReadError as e:
             if job.tier == Tier.DISK:
                 if self._writer is not None:

@@ -180,10 +180,7 @@ class LinkDirectory:
                 continue  # the folder was removed between mkdir and open
             fcntl.flock(fd, fcntl.LOCK_SH)
             held = os.fstat(fd)
-            try:
-                at_path = os.stat(path)
-            except FileNotFoundError:
-                at_path = None
+            at_path = self._lstat(path)
             if at_path is not None and (at_path.st_dev, at_path.st_ino) == (
                 held.st_dev,
                 held.st_ino,
@@ -331,22 +328,32 @@ class LinkDirectory:
     def _lstat(self, path: Path) -> os.stat_result | None:
         """The file's own status (None when it is missing or a folder on its way is a
         symlink: such a path names nothing this directory uses)."""
+        return self._stat_or_link(path)[0]
+
+    def _stat_or_link(self, path: Path) -> tuple[os.stat_result | None, bool]:
+        """(the file's own status or None, whether a symlink was met on the way or is the
+        file itself)."""
         parts = relative_parts(self.root, path)
         try:
             with dir_fd(self.root, *parts[:-1]) as d:
-                return os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
-        except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
-            return None
+                st = os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
+        except SymlinkRefused:
+            return None, True
+        except (FileNotFoundError, NotADirectoryError):
+            return None, False
+        return st, stat.S_ISLNK(st.st_mode)
 
     def has_file(self, path: Path) -> bool:
         """Whether `path` is a regular file reached without a symlink. A symlink found on the
-        way (planted in the folder) is refused: removed and counted, never followed."""
-        st = self._lstat(path)
+        way (planted in the folder) is refused: removed and counted, never followed. One
+        stat on the way of a lookup; the walk for the symlink only when one was met."""
+        st, linked = self._stat_or_link(path)
         if st is not None and stat.S_ISREG(st.st_mode):
             return True
-        link = self._first_symlink(path)
-        if link is not None:
-            self._refuse_symlink(link)
+        if linked:
+            link = self._first_symlink(path)
+            if link is not None:
+                self._refuse_symlink(link)
         return False
 
     def _first_symlink(self, path: Path) -> Path | None:
@@ -418,7 +425,10 @@ class LinkDirectory:
                 path, key=self.key, fingerprint=self.fingerprint, domain=domain, digest=digest,
                 parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
                 parts=parts, created=self._clock(), kind=kind, tag=tag, root=self.root)
-        except LinkFileError:  # a symlink planted on the way
+        except LinkFileError:  # a symlink planted on the way: removed, counted
+            link = self._first_symlink(path)
+            if link is not None:
+                self._refuse_symlink(link)
             return self._skip("symlink")
         except OSError as e:
             return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -467,7 +477,7 @@ class LinkDirectory:
             path = self.path_for(domain, cut, keys.digest(cut))
             if not self.has_file(path):
                 continue
-            chain = self._chain(path, keys, domain)
+            chain = self._chain(path, keys, domain, cut)
             if not chain:
                 continue
             n = len(chain)
@@ -481,8 +491,16 @@ class LinkDirectory:
                 best = chain[:n]
         return best, refused
 
-    def _chain(self, path: Path, keys: PromptKeys, domain: bytes
+    def _chain(self, path: Path, keys: PromptKeys, domain: bytes, end: int
                ) -> list[tuple[Path, LinkFileHeader, int]]:
+        """The chain root -> the file at `path`, which must hold the link ending at `end`.
+
+        Every file must be the very link its name was looked up for: its header's end is the
+        cut asked for (then each parent's is its child's start), its digests are the prompt's
+        at its bounds, and its own tokens are the prompt's. Names are not authenticated (a
+        writer of the folder can rename a genuine file), so a file found under another link's
+        name must not stitch a chain with a gap or another prefix's state.
+        """
         chain: list[tuple[Path, LinkFileHeader, int]] = []
         while True:
             try:
@@ -493,13 +511,19 @@ class LinkDirectory:
             except FileNotFoundError:
                 self._forget(path)
                 return []
-            if (header.domain != domain or header.kind != TREE or header.end > len(keys)
+            if (header.domain != domain or header.kind != TREE or header.end != end
+                    or header.end > len(keys) or header.digest != keys.digest(end)
+                    or header.parent_digest != (keys.digest(header.start) if header.start
+                                                else b"")
                     or keys.token_bytes(header.start, header.end) != header.tokens):
-                return []  # a digest collision: not this prompt's link (a miss, not damage)
+                # not this prompt's link at this cut: a digest collision, or a file under
+                # another link's name (a miss, never a chain with a gap)
+                return []
             chain.append((path, header, base))
             if header.start == 0:
                 chain.reverse()
                 return chain
+            end = header.start
             path = self.path_for(domain, header.start, header.parent_digest)
 
     def lookup_anchor(self, keys: PromptKeys, domain: bytes, limit: int,
@@ -524,7 +548,7 @@ class LinkDirectory:
             except FileNotFoundError:
                 self._forget(path)
                 continue
-            if (header.kind == ANCHOR and header.domain == domain
+            if (header.kind == ANCHOR and header.domain == domain and header.digest == digest
                     and (header.start, header.end) == (0, end)
                     and keys.token_bytes(0, end) == header.tokens):
                 return path, header, base
