@@ -434,3 +434,15 @@ def test_short_and_oversized_preludes_and_fifos_are_refused_not_fatal(tmp_path):
     t.join(10)
     assert not t.is_alive(), "blocked on a FIFO"
     assert done == [[64, 128], LinkFileProblem.SYMLINK]
+
+
+def test_engines_creating_the_disk_key_at_once_agree_on_one(tmp_path):
+    """Data-parallel ranks start together: every one of them creating the missing key file at
+    the same moment reads the same complete secret (never an empty file half made)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "conf" / "disk.key"
+    with ThreadPoolExecutor(8) as pool:
+        got = set(pool.map(lambda _: load_key_file(path, create=True), range(32)))
+    assert len(got) == 1 and len(next(iter(got))) == 64
+    assert [p.name for p in path.parent.iterdir()] == ["disk.key"]  # no temporary left

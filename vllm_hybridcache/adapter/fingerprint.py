@@ -43,11 +43,12 @@ import json
 import os
 import platform
 import re
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hybridcache.core.auth import LinkKey
+from vllm_hybridcache.core.auth import PREFERRED_MAC, LinkKey, MacAlgorithm
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILES = ("config.json", "params.json", "quant_config.json", "quantize_config.json",
@@ -172,7 +173,7 @@ def _read_memo(memo_file: Path | None, key: LinkKey | None = None) -> dict[str, 
     if memo_file is None:
         return {}
     try:
-        fd = os.open(memo_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(memo_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             raw = f.read(64 << 20)
         loaded = json.loads(raw)
@@ -184,9 +185,10 @@ def _read_memo(memo_file: Path | None, key: LinkKey | None = None) -> dict[str, 
         body = json.dumps(loaded["files"], sort_keys=True).encode()
         try:
             mac = bytes.fromhex(str(loaded.get("mac", "")))
+            alg = MacAlgorithm(int(loaded.get("alg", MacAlgorithm.BLAKE2B)))
         except ValueError:
             return {}
-        if not LinkKey.equal(key.mac(body, person=_MEMO_PERSON), mac):
+        if not LinkKey.equal(key.mac(body, person=_MEMO_PERSON, alg=alg), mac):
             return {}
         loaded = loaded["files"]
     return loaded if isinstance(loaded, dict) else {}
@@ -197,12 +199,12 @@ def _write_memo(memo_file: Path | None, memo: dict[str, dict],
     if memo_file is None:
         return
     body = json.dumps(memo, sort_keys=True)
-    if key is not None:
-        body = json.dumps({"files": memo, "mac": key.mac(body.encode(),
-                                                         person=_MEMO_PERSON).hex()})
-    tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
+    if key is not None:  # the algorithm is recorded: another CPU class reads it all the same
+        body = json.dumps({"files": memo, "alg": int(PREFERRED_MAC),
+                           "mac": key.mac(body.encode(), person=_MEMO_PERSON).hex()})
+    tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}.{uuid.uuid4().hex}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         with os.fdopen(fd, "w") as f:
             f.write(body)

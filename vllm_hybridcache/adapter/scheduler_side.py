@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -593,9 +592,7 @@ class SchedulerSide:
                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s),
                                       key=key, key_file=key_file)
             directory.open()
-            probe = directory.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            directory.probe_writable()
         except (OSError, KeyFileError) as e:
             raise RuntimeError(
                 f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "

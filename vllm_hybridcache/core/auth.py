@@ -189,6 +189,29 @@ def _check_owner_mode(path: Path, st: os.stat_result) -> None:
                        stat.S_IMODE(st.st_mode), path)
 
 
+def _create_key_file(path: Path) -> None:
+    """A new key file at `path`, complete before anyone can see it: the secret is written and
+    fsynced under a temporary name, then linked to `path` (`link` fails when the name exists:
+    another engine starting at the same moment created it first, and both use that one)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        try:
+            os.write(fd, new_secret() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path, follow_symlinks=False)
+        except FileExistsError:
+            return
+        logger.info("hybridcache: created key file %s (mode 0600)", path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def load_key_file(path: Path, *, create: bool = False) -> bytes:
     """The secret held by `path` (see the module docstring for the checks).
 
@@ -197,24 +220,14 @@ def load_key_file(path: Path, *, create: bool = False) -> bytes:
     created.
     """
     path = Path(path).expanduser()
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK: a FIFO under the key's name never blocks the start (it is refused below)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
         if not create:
             raise
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except FileExistsError:  # another engine created it first: use that one
-            return load_key_file(path)
-        try:
-            os.write(fd, new_secret() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        logger.info("hybridcache: created key file %s (mode 0600)", path)
+        _create_key_file(path)
         return load_key_file(path)
     except OSError as e:
         if e.errno == errno.ELOOP:

@@ -37,6 +37,7 @@ import os
 import shutil
 import stat
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,6 +191,16 @@ class LinkDirectory:
         raise OSError(
             errno.EBUSY, f"could not lock {path}: swept by another engine {LOCK_ATTEMPTS} times"
         )
+
+    def probe_writable(self) -> None:
+        """Create and remove a file in this fingerprint's folder (a start-up check: a folder
+        that opened but cannot take a file is refused now, not at the first write). Created
+        O_EXCL under a random name, never through a symlink. Raises OSError."""
+        name = f".probe-{os.getpid()}-{uuid.uuid4().hex}"
+        with dir_fd(self.dir) as d:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=d))
+            os.unlink(name, dir_fd=d)
 
     def close(self) -> None:
         if self._lock_fd is not None:
