@@ -446,3 +446,21 @@ def test_engines_creating_the_disk_key_at_once_agree_on_one(tmp_path):
         got = set(pool.map(lambda _: load_key_file(path, create=True), range(32)))
     assert len(got) == 1 and len(next(iter(got))) == 64
     assert [p.name for p in path.parent.iterdir()] == ["disk.key"]  # no temporary left
+
+
+def test_a_key_file_replaced_after_the_start_is_refused_not_trusted(tmp_path):
+    """The scheduler side reads the key at its start and sends its public id; a worker that
+    reads the file later and finds another key refuses the work (a miss: nothing is deleted
+    or invalidated because of it) instead of calling every file forged."""
+    from vllm_hybridcache.core import auth
+    from vllm_hybridcache.core.disk.reader import SourceOrigin
+
+    path = write_key_file(tmp_path / "disk.key")
+    started = auth.key_from_file(path, "disk")
+    origin = SourceOrigin(FP, str(path), "disk", str(tmp_path), started.key_id)
+    assert origin.key() is started
+    write_key_file(path)  # replaced while the engine runs
+    auth._KEYS.clear()  # a process that reads it only now
+    with pytest.raises(KeyFileError, match="another key"):
+        origin.key()
+    assert auth.key_from_file(path, "disk").key_id != started.key_id  # control: it did change

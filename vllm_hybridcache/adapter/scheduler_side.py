@@ -600,11 +600,11 @@ class SchedulerSide:
             ) from e
         self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
                                        settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                       key_file=str(key_file), spill=spill,
+                                       key_file=str(key_file), key_id=key.key_id, spill=spill,
                                        drain_s=float(settings.spill_timeout_s),
                                        direct_reads=settings.disk_direct_reads)
         self._origins[Tier.DISK.value] = SourceOrigin(fp.digest, str(key_file), "disk",
-                                                      str(root))
+                                                      str(root), key.key_id)
         # sent once, with the first plan (StepPlan.disk_warm)
         self._disk_warm = directory.warm_spans(POOL_BYTES)
         if spill:

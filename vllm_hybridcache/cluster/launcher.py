@@ -34,6 +34,7 @@ import ray
 import requests
 from ray import serve
 
+from vllm_hybridcache.config import SECRET_ENV as SECRET_VARIABLES
 from vllm_hybridcache.core.auth import key_from_file, new_secret
 
 from .directory import NAMESPACE, DirectoryClient
@@ -54,9 +55,15 @@ class LaunchError(RuntimeError):
 
 def replica_env() -> dict[str, str]:
     """The launcher's vLLM and plugin settings (VLLM_*), passed to every replica: on a remote
-    node the actor does not inherit this process's environment."""
+    node the actor does not inherit this process's environment. Variables holding a secret
+    (the admin key) are not passed: an actor's arguments sit in Ray's control store, so give
+    the replicas the admin key as a file (`admin_key_file`) instead (docs/security.md)."""
+    left = sorted(k for k in os.environ if k in SECRET_VARIABLES)
+    if left:
+        logger.warning("hybridcache cluster: %s not passed to the replicas (a secret never "
+                       "travels through Ray); use admin_key_file", ", ".join(left))
     return {k: v for k, v in os.environ.items()
-            if k.startswith("VLLM_") and k not in _OWN_ENV}
+            if k.startswith("VLLM_") and k not in _OWN_ENV and k not in SECRET_VARIABLES}
 
 
 class Cluster:

@@ -253,12 +253,22 @@ _KEYS: dict[tuple[str, str], LinkKey] = {}
 _KEYS_LOCK = threading.Lock()
 
 
-def key_from_file(path: str | Path, purpose: str, *, create: bool = False) -> LinkKey:
+def key_from_file(path: str | Path, purpose: str, *, create: bool = False,
+                  expect_id: str = "") -> LinkKey:
     """The LinkKey of `purpose` from the key file at `path`, read once per process (a worker
-    asks for it with every staged load; a new key takes a restart)."""
+    asks for it with every staged load; a new key takes a restart).
+
+    expect_id: the `key_id` the process that planned the work read (the scheduler side, at
+    its start). Processes read the file at different times; a file replaced in between would
+    make every file the other one wrote look forged. A mismatch raises KeyFileError, so the
+    work fails (a miss) and nothing is deleted or invalidated for it."""
     ident = (os.path.abspath(Path(path).expanduser()), purpose)
     with _KEYS_LOCK:
         key = _KEYS.get(ident)
         if key is None:
             key = _KEYS[ident] = LinkKey(load_key_file(Path(ident[0]), create=create), purpose)
-        return key
+    if expect_id and key.key_id != expect_id:
+        raise KeyFileError(f"the {purpose} key file {ident[0]} holds another key (id "
+                           f"{key.key_id}) than the engine started with ({expect_id}); "
+                           "restart the engine after changing a key")
+    return key

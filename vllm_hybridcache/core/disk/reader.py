@@ -44,8 +44,8 @@ from .hugepages import advise_huge_pages
 from .inplace import fits_in_place, read_in_place, split_point
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
-__all__ = ["DiskReadError", "SourceKey", "SourceOrigin", "read_verified", "stage_chain",
-           "warm_read_buffers"]
+__all__ = ["LOCAL_PROBLEMS", "DiskReadError", "SourceKey", "SourceOrigin", "read_verified",
+           "stage_chain", "warm_read_buffers"]
 
 
 class SourceKey(NamedTuple):
@@ -67,9 +67,15 @@ class SourceOrigin(msgspec.Struct, frozen=True):
     key_file: str
     purpose: str
     root: str
+    key_id: str = ""  # the key the scheduler side read (core/auth.py `key_from_file`)
 
     def key(self) -> LinkKey:
-        return key_from_file(self.key_file, self.purpose)
+        return key_from_file(self.key_file, self.purpose, expect_id=self.key_id)
+
+
+# problems of a read that are this machine's own (the file deleted meanwhile, an I/O error),
+# not the file's content: for a staged copy of a remote payload they say nothing about it
+LOCAL_PROBLEMS = frozenset({"gone", "io_error"})
 
 
 class DiskReadError(MissingLinkError):

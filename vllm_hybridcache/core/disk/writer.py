@@ -62,6 +62,7 @@ class DiskTarget(msgspec.Struct, frozen=True):
     # the disk key's file (core/auth.py): the worker reads the key itself, so the secret never
     # travels in a plan
     key_file: str
+    key_id: str = ""  # the key the scheduler side read: the writer refuses another
     spill: bool = False  # session spill: end anchors are written at shutdown and eviction
     drain_s: float = 10.0  # time limit of the shutdown drain
     direct_reads: bool = True  # a disk hit reads with direct I/O (core/disk/inplace.py)
@@ -325,14 +326,14 @@ def _size(path: Path) -> int | None:
 def _target_path(target: DiskTarget, job: WriteJob) -> Path:
     """Where `job`'s file lands (LinkDirectory's naming, without opening the directory)."""
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
-                      key=key_from_file(target.key_file, "disk"))
+                      key=key_from_file(target.key_file, "disk", expect_id=target.key_id))
     return d.path_for(job.domain, job.end, job.digest, job.kind)
 
 
 def _open_directory(target: DiskTarget) -> LinkDirectory:
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
                       target.min_free_bytes, target.ttl_s,
-                      key=key_from_file(target.key_file, "disk"),
+                      key=key_from_file(target.key_file, "disk", expect_id=target.key_id),
                       key_file=Path(target.key_file))
     d.open()
     return d
