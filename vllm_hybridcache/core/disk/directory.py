@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from ..auth import LinkKey
-from ..keys import PromptKeys
+from ..keys import PromptKeys, in_tenant, tenant_of
 from .folder import own_folder
 from .linkfile import (
     TMP_PREFIX,
@@ -321,9 +321,15 @@ class LinkDirectory:
     # ------------------------------------------------------------------ names
     def path_for(self, domain: bytes, end: int, digest: bytes, kind: str = TREE) -> Path:
         """Where the link of (kind, domain, end, digest) lives (names keyed: module docstring)."""
-        folder = self.key.name(b"domain", domain, size=8)
-        sub = folder if kind == TREE else ANCHOR_PREFIX + folder
-        return self.dir / sub / f"{self.key.name(b'link', domain, digest)}-{end}{SUFFIX}"
+        folder = (self._tenant_prefix(tenant_of(domain), kind)
+                  + self.key.name(b"domain", domain, size=8))
+        return self.dir / folder / f"{self.key.name(b'link', domain, digest)}-{end}{SUFFIX}"
+
+    def _tenant_prefix(self, tag: bytes, kind: str) -> str:
+        """The start of the names of one tenant's domain folders of `kind`: a keyed digest of
+        its tenant tag, so a tenant's clear finds its folders by name, reading no header."""
+        return ((ANCHOR_PREFIX if kind == ANCHOR else "")
+                + self.key.name(b"tenant", tag, size=8) + "-")
 
     # ------------------------------------------------------------------ safe file operations
     def _mkdir(self, path: Path) -> None:
@@ -708,35 +714,33 @@ class LinkDirectory:
         self._account()
         return n
 
-    def clear_domains(self, domains: Callable[[bytes], bool], kind: str) -> int:
-        """Delete every file of `kind` (TREE or ANCHOR) whose domain `domains(domain)` names,
-        e.g. one tenant's; returns how many files were deleted. Files of other domains stay.
-
-        A file's domain and kind come from this index, or from its header for a file another
-        process (the writer thread, another engine) wrote since the index was built; a file
-        whose header cannot be read is left alone (a lookup that meets it deletes it as
-        damaged). Index entries of matching files already gone are forgotten too, so the
-        index of an instance another process cleared first stays true.
-        """
+    def clear_tenant(self, tag: bytes, kind: str) -> int:
+        """Delete every file of `kind` (TREE or ANCHOR) of one tenant (domains ending with its
+        tag, `core/keys.py`): the files of its domain folders, found by their names' tenant
+        prefix (`_tenant_prefix`), so the work is one listing of this fingerprint's folder and
+        the tenant's own files, whoever wrote them; returns how many were deleted. Index
+        entries of the tenant's files already gone are forgotten too. Other tenants' files
+        stay."""
+        prefix = self._tenant_prefix(tag, kind)
         n = 0
-        for p in list(self._files()):
-            if not p.name.endswith(SUFFIX) or p.name.startswith(TMP_PREFIX):
+        with os.scandir(self.dir) as it:
+            folders = [e.name for e in it
+                       if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+        for name in folders:
+            try:
+                with dir_fd(self.dir, name) as d, os.scandir(d) as it:
+                    files = [e.name for e in it if e.name.endswith(SUFFIX)
+                             and not e.name.startswith(TMP_PREFIX)]
+                    for f in files:
+                        try:
+                            os.unlink(f, dir_fd=d)
+                            n += 1
+                        except FileNotFoundError:
+                            pass
+            except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
                 continue
-            entry = self._index.get(p)
-            if entry is not None:
-                domain, file_kind = entry.domain, entry.kind
-            else:
-                try:
-                    header, _ = read_header(p, self.fingerprint, self.key, self.root)
-                except (LinkFileError, FileNotFoundError):
-                    continue
-                domain, file_kind = header.domain, header.kind
-            if file_kind == kind and domains(domain):
-                self._unlink(p)
-                self._forget(p)
-                n += 1
-        for entry in [e for e in self._index.values()
-                      if e.kind == kind and domains(e.domain) and self._lstat(e.path) is None]:
+        ours = in_tenant(tag)
+        for entry in [e for e in self._index.values() if e.kind == kind and ours(e.domain)]:
             self._forget(entry.path)
         self._account()
         return n

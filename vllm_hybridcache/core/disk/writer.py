@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from ..auth import key_from_file
-from ..keys import in_tenant
 from ..stats import SECONDS_BOUNDS, Histogram
 from .directory import TREE, LinkDirectory
 from .tags import EncodedTag
@@ -258,7 +257,7 @@ class LinkWriter:
                 elif directory is not None and op == "clear":
                     directory.clear(TREE)  # anchor files: deleted one by one (`forget`)
                 elif directory is not None and op == "clear_tenant":
-                    directory.clear_domains(in_tenant(item[1]), item[2])
+                    directory.clear_tenant(item[1], item[2])
             except Exception as e:  # never let one bad write end the thread
                 logger.warning("hybridcache: disk writer: %s failed: %s", op, e, exc_info=True)
                 if op == "write":

@@ -373,7 +373,7 @@ class DiskTier(CacheTier):
 
     def _clear_domains(self, tag: bytes, kind: str) -> int:
         ours = in_tenant(tag)
-        n = self.dir.clear_domains(ours, kind)
+        n = self.dir.clear_tenant(tag, kind)
         for lid in [i for i, o in self._offered.items() if ours(o[2])]:
             del self._offered[lid]  # a lookup's offer of a deleted file: begin_restore misses
         self._tenant_clears.append((bytes(tag), kind))
