@@ -1,17 +1,19 @@
 """LinkDirectory: the files of the disk tier, on one directory that several engines may share.
 
-Layout: `ROOT/<F>/<D>/<N>-<end>.link` for tree links and `ROOT/<F>/a-<D>/<N>-<end>.link` for
-spilled end anchors (session-exact state, kept apart: a tree lookup never even stats an
-anchor's name, and every header names its kind), where F, D and N are keyed digests (the disk
-key's `LinkKey.name`, core/auth.py) of the fingerprint, of the domain, and of (domain, digest).
-Nobody without the disk key can tell from the names which domain (tenant, adapter) a folder
-belongs to, nor which prompt a file continues; the files themselves are 0600 in 0700 folders
-(folder.py) and authenticated (linkfile.py). A file's name is a function of its key (kind,
-domain, end, digest), so any engine of the same fingerprint and disk key finds a link written
-by another one by asking for the name: a tree lookup stats the names of the prompt's cuts
-(the segmentation is part of the fingerprint, so links only ever sit at cuts), then reads and
-verifies the headers of the chain it found. The in-memory index only serves accounting and
-eviction; it is rebuilt by `scan()` and corrected whenever a file turns out to be gone.
+Layout: `ROOT/<F>/<T>-<D>/<N>-<end>.link` for tree links and
+`ROOT/<F>/a-<T>-<D>/<N>-<end>.link` for spilled end anchors (session-exact state, kept apart: a
+tree lookup never even stats an anchor's name, and every header names its kind), where F, T, D
+and N are keyed digests (the disk key's `LinkKey.name`, core/auth.py) of the fingerprint, of
+the domain's tenant tag (core/keys.py: a tenant's clear finds its folders by name), of the
+domain, and of (domain, digest). Nobody without the disk key can tell from the names which
+domain (tenant, adapter) a folder belongs to, nor which prompt a file continues; the files
+themselves are 0600 in 0700 folders (folder.py) and authenticated (linkfile.py). A file's name
+is a function of its key (kind, domain, end, digest), so any engine of the same fingerprint and
+disk key finds a link written by another one by asking for the name: a tree lookup stats the
+names of the prompt's cuts (the segmentation is part of the fingerprint, so links only ever sit
+at cuts), then reads and verifies the headers of the chain it found. The in-memory index only
+serves accounting and eviction; it is rebuilt by `scan()` and corrected whenever a file turns
+out to be gone.
 
 Every file and folder below ROOT is reached from ROOT's descriptor one component at a time
 without following a symlink (safeio.py): a symlinked file or folder is refused (`symlink`,
