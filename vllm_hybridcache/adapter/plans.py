@@ -105,7 +105,7 @@ class StepPlan(KVConnectorMetadata):
     disk_writes: list[WriteJob] = field(default_factory=list)
     disk_forget: list[str] = field(default_factory=list)
     disk_clear: bool = False
-    # (tenant tag, kind) of tenants' clears (`POST /v1/cache/clear?cache_salt=`): the writer
+    # (tenant tag, kind) of tenants' clears (`POST /v1/cache/clear` with a cache_salt): the writer
     # deletes that tenant's files of that kind after the writes queued before, in order
     disk_clear_tenants: list[tuple[bytes, str]] = field(default_factory=list)
     # (start, end) of the files found at start-up that a disk hit is likeliest to read, in the

@@ -827,8 +827,8 @@ class ClusterAnchors(ClusterTier):
     replica publishes the anchors it captures (`anchor_job`, the worker publishes right after
     the capture, as for tree links); when a turn of that conversation lands on another replica,
     this tier finds the anchor, fetches it, verifies it like any remote payload (header, kind
-    `anchor`, fingerprint, domain, digest, rows, every token id; every part's CRC in the
-    worker) and serves it like the RAM anchor tier would have on the owner:
+    `anchor`, fingerprint, domain, digest, rows, every token id; every part's CRC and MAC in
+    the worker) and serves it like the RAM anchor tier would have on the owner:
 
     - session-exact (`cold_exact` False): the resumed request publishes nothing shared, exactly
       as after a local anchor; the greedy gate is what holds it to a cold run;
