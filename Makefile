@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 
 env: $(STAMP)
 
-$(STAMP): setup.py requirements-cpu.txt Makefile
+$(STAMP): pyproject.toml requirements-cpu.txt Makefile
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements-cpu.txt
