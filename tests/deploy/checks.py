@@ -126,6 +126,7 @@ def compose_problems(doc: dict[str, Any], target: str, known_env: set[str]) -> l
             out.append(f"{k} is not a variable the plugin reads")
     if not any(k.startswith("VLLM_HYBRIDCACHE_BUDGET_BYTES") for k in env):
         out.append("no cache budget sized for the box")
+    out += settings_problems({k: v for k, v in env.items() if k in known_env})
     cmd = [str(c) for c in vllm.get("command", [])]
     if not cmd or "MODEL" not in cmd[0]:
         out.append(f"command does not start with the model: {cmd[:1]}")
@@ -154,6 +155,18 @@ def compose_problems(doc: dict[str, Any], target: str, known_env: set[str]) -> l
             out.append(f"image {image!r} not pinned by tag")
     out += admin_key_problems(doc)
     return out
+
+
+def settings_problems(env: dict[str, str]) -> list[str]:
+    """The plugin's variables as the engine reads them (sizes with units, `32GiB`): a value
+    the settings loader refuses would stop every start of the container."""
+    from vllm_hybridcache.config import SettingsError, load_settings
+
+    try:
+        load_settings(environ=env)
+    except SettingsError as e:
+        return [f"settings the plugin refuses: {e}"]
+    return []
 
 
 def admin_key_problems(doc: dict[str, Any]) -> list[str]:

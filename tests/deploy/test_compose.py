@@ -49,6 +49,8 @@ def test_compose_checks_fail_on_broken_files(known_env) -> None:
         "not gfx1151": None,
         "not a variable the plugin reads": lambda d: d["services"]["vllm"]["environment"]
         .__setitem__("VLLM_HYBRIDCACHE_BUDGET", "1"),
+        "settings the plugin refuses": lambda d: d["services"]["vllm"]["environment"]
+        .__setitem__("VLLM_HYBRIDCACHE_BUDGET_BYTES", "32G"),
         "HSA_OVERRIDE_GFX_VERSION": lambda d: d["services"]["vllm"]["environment"]
         .__setitem__("HSA_OVERRIDE_GFX_VERSION", "12.0.1"),
         "not pinned": lambda d: d["services"]["grafana"].__setitem__("image",
@@ -90,10 +92,15 @@ def test_strix_halo_and_r9700_sizing_differ(name: str) -> None:
                      .split("=")[1])
 
     def budget(n: str) -> int:
-        return int(docs[n]["services"]["vllm"]["environment"]["VLLM_HYBRIDCACHE_BUDGET_BYTES"])
+        from vllm_hybridcache.config import parse_size
+
+        return parse_size(docs[n]["services"]["vllm"]["environment"]
+                          ["VLLM_HYBRIDCACHE_BUDGET_BYTES"])
 
     assert util("compose.strix-halo.yaml") < util("compose.r9700.yaml")
     assert budget("compose.strix-halo.yaml") < budget("compose.r9700.yaml")
+    assert (budget("compose.strix-halo.yaml"), budget("compose.r9700.yaml")) == (16 << 30,
+                                                                                 32 << 30)
     assert name in docs
 
 
