@@ -274,11 +274,17 @@ class DirectoryClient:
         self.key = key
         self.name = f"{DIRECTORY_NAME}-{key.name(b'directory-actor', size=8)}"
         self._handle: Any = None
+        self._cluster: str | None = None  # the Ray connection the handle belongs to
 
     def handle(self) -> Any:
         """The cluster's directory actor for this secret, created by the first replica that
-        asks (detached, so it outlives that replica; it goes with the cluster)."""
-        if self._handle is None:
+        asks (detached, so it outlives that replica; it goes with the cluster). A handle is
+        only good in the Ray cluster it came from: a process that joined another one since
+        (a restarted cluster) looks the actor up again."""
+        ctx = ray.get_runtime_context()  # a new connection is a new job, even to one cluster
+        cluster = f"{ctx.gcs_address}/{ctx.get_job_id()}"
+        if self._handle is None or self._cluster != cluster:
+            self._cluster = cluster
             self._handle = DirectoryActor.options(
                 name=self.name, namespace=NAMESPACE, get_if_exists=True,
                 lifetime="detached").remote(self.key.directory_key)
