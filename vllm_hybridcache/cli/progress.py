@@ -54,7 +54,7 @@ class Progress:
         self._lines = 0  # log lines written (the last line follows only if one was)
         stream = sys.stderr if stream is None else stream
         self._bar: Any = None
-        if _is_tty(stream):
+        if _is_tty(stream) and self.total > 0:  # nothing to do: nothing to show
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total, desc=desc, unit=unit,
