@@ -485,7 +485,7 @@ def _ls(args: argparse.Namespace) -> int:
         state = {True: "in use by an engine", False: "idle", None: "no .in-use: not a cache "
                  "folder"}[f.in_use]
         fp = f", fingerprint {o['fingerprint']}" if o["fingerprint"] else ""
-        print(f"\n{f.name}  {len(f.links)} files, {human_bytes(f.nbytes)}, {state}{fp}")
+        print(f"\n{f.name}  {_files(len(f.links))}, {human_bytes(f.nbytes)}, {state}{fp}")
         if f.links:
             cols = f"  {'kind':7s} {'domain':17s} {'end':>8s} {'size':>10s} {'last use':>10s}"
             print(cols + (f" {'start':>8s} {'tokens':>7s}" if key is not None else ""))
@@ -521,6 +521,10 @@ def _header_tokens(root: Path, path: Path, fp: bytes | None, key) -> dict[str, A
     return {"start": h.start, "tokens": h.end - h.start}
 
 
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
 def _stats(args: argparse.Namespace) -> int:
     root = _root(args)
     folders, _ = list_root(root)
@@ -551,13 +555,13 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"root": str(root), "folders": rows, "total": total})
         return 0
-    print(f"{root}: {total['files']} files, {human_bytes(total['bytes'])} in {len(rows)} "
+    print(f"{root}: {_files(total['files'])}, {human_bytes(total['bytes'])} in {len(rows)} "
           f"fingerprint folder(s)"
           + (f"; {human_bytes(total['free_bytes'])} free on its file system"
              if "free_bytes" in total else ""))
     for r in rows:
         state = {True: "in use", False: "idle", None: "not a cache folder"}[r["in_use"]]
-        kinds = ", ".join(f"{k} {v['files']} files {human_bytes(v['bytes'])}"
+        kinds = ", ".join(f"{k} {_files(v['files'])} {human_bytes(v['bytes'])}"
                           for k, v in sorted(r["kinds"].items())) or "no files"
         ages = (f"; last use {human_age(now - r['newest_use'])} ago, oldest "
                 f"{human_age(now - r['oldest_use'])} ago" if r["files"] else "")
@@ -606,7 +610,7 @@ def _verify(args: argparse.Namespace) -> int:
     for r in report:
         fp = (f"fingerprint {r['fingerprint']}" if r["fingerprint"] else
               "fingerprint unknown: no file verifies under this disk key")
-        print(f"{r['folder']}: {fp}; {r['files']} files, {human_bytes(r['bytes'])}"
+        print(f"{r['folder']}: {fp}; {_files(r['files'])}, {human_bytes(r['bytes'])}"
               + ("; in use by an engine" if r["in_use"] else ""))
         for v in r["problems"]:
             print(f"  {v['problem']:15s} {v['rel']}: {v['detail']}")
@@ -732,7 +736,7 @@ def _clear(args: argparse.Namespace) -> int:
         how = ("folder removed" if r["removed"] else
                "files deleted, the folder stays" + ("; an engine holds it" if r["in_use"]
                                                     else ""))
-        print(f"{r['folder']}: {r['files']} files ({human_bytes(r['bytes'])}) cleared, {how}")
+        print(f"{r['folder']}: {_files(r['files'])} ({human_bytes(r['bytes'])}) cleared, {how}")
     return 0
 
 
