@@ -1,36 +1,12 @@
-"""Sizes and durations on the operator commands' command lines (cli/units.py)."""
+"""Sizes and ages in the operator commands' output (cli/units.py), and the sizes and durations
+their flags take: the settings' own parsers (config.parse_size, config.parse_duration)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_hybridcache.cli.units import human_age, human_bytes, parse_duration, parse_size
-
-
-@pytest.mark.parametrize("text,expect", [
-    ("32GiB", 32 << 30), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000), ("4096", 4096),
-    ("8 gb", 8_000_000_000), ("64KiB", 65536), ("0", 0)])
-def test_sizes(text, expect):
-    assert parse_size(text) == expect
-
-
-@pytest.mark.parametrize("text", ["", "32GiBs", "-1GiB", "GiB", "1e9", "12XB"])
-def test_sizes_that_are_refused(text):
-    with pytest.raises(ValueError, match="is not a size"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize("text,expect", [
-    ("7d", 7 * 86400), ("12h", 43200), ("30m", 1800), ("90s", 90), ("3600", 3600),
-    ("1.5h", 5400), ("2w", 14 * 86400)])
-def test_durations(text, expect):
-    assert parse_duration(text) == expect
-
-
-@pytest.mark.parametrize("text", ["soon", "7 days", "-1d", ""])
-def test_durations_that_are_refused(text):
-    with pytest.raises(ValueError, match="is not a duration"):
-        parse_duration(text)
+from vllm_hybridcache.cli.disk import _duration, _size
+from vllm_hybridcache.cli.units import human_age, human_bytes
 
 
 def test_human_figures():
@@ -38,3 +14,28 @@ def test_human_figures():
         "0 B", "1023 B", "1.0 KiB", "38.0 MiB", "3.0 TiB", "5120.0 TiB"]
     assert [human_age(s) for s in (0, 59, 60, 7200, 3 * 86400)] == [
         "0 s", "59 s", "1 min", "2 h", "3 d"]
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("32GiB", 32 << 30), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("8GB", 8 * 10**9),
+    ("4096", 4096)])
+def test_a_budget_flag_takes_what_a_size_setting_takes(text, expect):
+    assert _size(text) == expect
+
+
+@pytest.mark.parametrize("text,message", [
+    ("12G", "ambiguous"), ("12XB", "unknown unit"), ("-1GiB", "negative"), ("lots", "size")])
+def test_a_budget_flag_refuses_what_a_size_setting_refuses(text, message):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        _size(text)
+
+
+def test_a_ttl_flag_takes_what_a_duration_setting_takes():
+    import argparse
+
+    assert [_duration(t) for t in ("7d", "12h", "30m", "90s", "3600")] == [
+        7 * 86400, 43200, 1800, 90, 3600]
+    with pytest.raises(argparse.ArgumentTypeError, match="duration"):
+        _duration("soon")

@@ -8,10 +8,11 @@ folders as `LinkDirectory` makes them (core/disk/directory.py), headers and part
 `LinkDirectory.scan`/`evict`, the folder rules of `own_folder` (core/disk/folder.py). No vLLM
 is imported.
 
-Layout reminder: `DIR/<F>/<D>/<N>-<end>.link` (tree links) and `DIR/<F>/a-<D>/...` (spilled
-end anchors); F, D and N are digests keyed by the disk key, so they reveal no fingerprint,
-tenant or prompt. The commands print F and D as they are (digests), never a token id; a file's
-token count only with `ls --tokens`.
+Layout reminder: `DIR/<F>/<T>-<D>/<N>-<end>.link` (tree links) and `DIR/<F>/a-<T>-<D>/...`
+(spilled end anchors); F, T, D and N are digests keyed by the disk key (of the fingerprint, the
+domain's tenant, the domain, the link), so they reveal no fingerprint, tenant or prompt. The
+commands print F, T and D as they are (digests), never a token id; a file's token count only
+with `ls --tokens`.
 
 The fingerprint of a folder is not known offline (it is computed from the engine's weights and
 settings): it is read from the folder's files, from a header whose MAC verifies under the disk
@@ -65,7 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hybridcache.cli.units import human_age, human_bytes, parse_duration, parse_size
+from vllm_hybridcache.cli.units import human_age, human_bytes
 
 __all__ = ["EXIT_PROBLEMS", "EXIT_USAGE", "FolderListing", "LinkEntry", "add_parser",
            "list_root"]
@@ -96,8 +97,9 @@ class CommandError(Exception):
 class LinkEntry:
     """One file below a fingerprint folder, as its name and status say (no header read)."""
 
-    rel: str  # F/D/name, relative to DIR
-    domain: str  # D: the domain folder's name (a keyed digest), without the anchor prefix
+    rel: str  # F/T-D/name, relative to DIR
+    tenant: str  # T: a keyed digest of the domain's tenant (its cache_salt); names no tenant
+    domain: str  # D: a keyed digest of the domain (tenant, adapter, route, rank)
     kind: str  # tree | anchor
     end: int | None  # from the name (None: a name the engine never writes)
     nbytes: int
@@ -211,15 +213,17 @@ def _scan_folder(root: Path, name: str) -> FolderListing:
             stem = fname.removesuffix(d.SUFFIX)
             if fname.endswith(d.SUFFIX) and "-" in stem and stem.rsplit("-", 1)[1].isdigit():
                 end = int(stem.rsplit("-", 1)[1])
-            entry = LinkEntry(rel, sub.removeprefix(d.ANCHOR_PREFIX) if anchor else sub,
-                              d.ANCHOR if anchor else d.TREE, end, st.st_size, st.st_mtime)
+            tenant, _, domain = (sub.removeprefix(d.ANCHOR_PREFIX) if anchor
+                                 else sub).rpartition("-")
+            entry = LinkEntry(rel, tenant, domain, d.ANCHOR if anchor else d.TREE, end,
+                              st.st_size, st.st_mtime)
             if fname.startswith(TMP_PREFIX):
                 listing.temporaries.append(entry)
             elif fname.endswith(d.SUFFIX):
                 listing.links.append(entry)
             else:
                 listing.others.append(rel)
-    listing.links.sort(key=lambda e: (e.domain, e.kind, e.end or 0, e.rel))
+    listing.links.sort(key=lambda e: (e.tenant, e.domain, e.kind, e.end or 0, e.rel))
     return listing
 
 
@@ -487,10 +491,12 @@ def _ls(args: argparse.Namespace) -> int:
         fp = f", fingerprint {o['fingerprint']}" if o["fingerprint"] else ""
         print(f"\n{f.name}  {_files(len(f.links))}, {human_bytes(f.nbytes)}, {state}{fp}")
         if f.links:
-            cols = f"  {'kind':7s} {'domain':17s} {'end':>8s} {'size':>10s} {'last use':>10s}"
+            cols = (f"  {'kind':7s} {'tenant':16s} {'domain':16s} {'end':>8s} {'size':>10s} "
+                    f"{'last use':>10s}")
             print(cols + (f" {'start':>8s} {'tokens':>7s}" if key is not None else ""))
         for e, item in zip(f.links, o["files"], strict=True):
-            line = (f"  {e.kind:7s} {e.domain:17s} {e.end if e.end is not None else '?':>8} "
+            line = (f"  {e.kind:7s} {e.tenant:16s} {e.domain:16s} "
+                    f"{e.end if e.end is not None else '?':>8} "
                     f"{human_bytes(e.nbytes):>10s} {human_age(now - e.last_use) + ' ago':>10s}")
             if key is not None:
                 line += (f" {item['start']:>8d} {item['tokens']:>7d}" if item.get("problem")
@@ -541,7 +547,8 @@ def _stats(args: argparse.Namespace) -> int:
         uses = [e.last_use for e in f.links]
         rows.append({
             "folder": f.name, "in_use": f.in_use, "files": len(f.links), "bytes": f.nbytes,
-            "kinds": kinds, "domains": len({e.domain for e in f.links}),
+            "kinds": kinds, "tenants": len({e.tenant for e in f.links}),
+            "domains": len({(e.tenant, e.domain) for e in f.links}),
             "oldest_use": min(uses) if uses else None, "newest_use": max(uses) if uses else None,
             "temporaries": len(f.temporaries),
             "temporary_bytes": sum(e.nbytes for e in f.temporaries),
@@ -567,7 +574,8 @@ def _stats(args: argparse.Namespace) -> int:
                 f"{human_age(now - r['oldest_use'])} ago" if r["files"] else "")
         extra = (f"; {r['temporaries']} temporaries ({human_bytes(r['temporary_bytes'])})"
                  if r["temporaries"] else "")
-        print(f"  {r['folder']} ({state}): {kinds}; {r['domains']} domain(s){ages}{extra}")
+        print(f"  {r['folder']} ({state}): {kinds}; {r['tenants']} tenant(s), "
+              f"{r['domains']} domain(s){ages}{extra}")
     return 0
 
 
@@ -765,17 +773,23 @@ def _clear_folder(root: Path, f: FolderListing, idle: bool, kind: str | None,
 
 
 def _size(text: str) -> int:
+    """A size as the settings take it (config.parse_size: `32GiB`, `512MiB`, `8GB`)."""
+    from vllm_hybridcache.config import parse_size
+
     try:
         return parse_size(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"size {e}") from None
 
 
-def _duration(text: str) -> float:
+def _duration(text: str) -> int:
+    """A duration as the settings take it (config.parse_duration: `7d`, `12h`, `30m`)."""
+    from vllm_hybridcache.config import parse_duration
+
     try:
         return parse_duration(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"duration {e}") from None
 
 
 def _run(func):
