@@ -49,6 +49,9 @@ SECRET_ENV = "VLLM_HYBRIDCACHE_CLUSTER_SECRET_FILE"
 _OWN_ENV = ("VLLM_HYBRIDCACHE_CLUSTER_ADDRESS", "VLLM_HYBRIDCACHE_CLUSTER_REPLICA", SECRET_ENV)
 
 
+STARTUP_LOG_INTERVAL_S = 15.0  # a line naming the replicas still starting, this often
+
+
 class LaunchError(RuntimeError):
     """A replica did not come up; the message carries the tail of its log."""
 
@@ -92,26 +95,41 @@ class Cluster:
         self.book: Any = None  # the front's owners, kept across front restarts (owners.py)
         self._wait_ready(startup_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, interval_s: float = STARTUP_LOG_INTERVAL_S,
+                    poll_s: float = 1.0) -> None:
+        """Wait until every replica answers /health. A replica's start-up (loading weights,
+        hashing them for the fingerprint on a first start, compiling) can take minutes: a bar
+        on a terminal, else a log line every `interval_s` naming the replicas still starting
+        (cli/progress.py)."""
+        from vllm_hybridcache.cli.progress import Progress
+
         pending = dict(self.endpoints)
         deadline = time.monotonic() + timeout_s
-        while pending:
-            for name, url in list(pending.items()):
-                try:
-                    if requests.get(url + "/health", timeout=5).status_code == 200:
-                        del pending[name]
-                        continue
-                except requests.RequestException:
-                    pass
-                if not ray.get(self.actors[name].alive.remote()):
-                    tail = ray.get(self.actors[name].log_tail.remote())
+
+        def status() -> str:
+            return f"still starting: {', '.join(sorted(pending))}" if pending else "all up"
+
+        with Progress(len(pending), "hybridcache cluster: replicas up", unit="replica",
+                      logger=logger, interval_s=interval_s, status=status) as bar:
+            while pending:
+                for name, url in list(pending.items()):
+                    try:
+                        if requests.get(url + "/health", timeout=5).status_code == 200:
+                            del pending[name]
+                            bar.update(1)
+                            continue
+                    except requests.RequestException:
+                        pass
+                    if not ray.get(self.actors[name].alive.remote()):
+                        tail = ray.get(self.actors[name].log_tail.remote())
+                        self.stop()
+                        raise LaunchError(f"replica {name} exited during start-up:\n{tail}")
+                if pending and time.monotonic() > deadline:
                     self.stop()
-                    raise LaunchError(f"replica {name} exited during start-up:\n{tail}")
-            if pending and time.monotonic() > deadline:
-                self.stop()
-                raise LaunchError(f"replicas {sorted(pending)} not up in {timeout_s:.0f} s")
-            if pending:
-                time.sleep(1.0)
+                    raise LaunchError(f"replicas {sorted(pending)} not up in {timeout_s:.0f} s")
+                if pending:
+                    bar.update(0)
+                    time.sleep(poll_s)
 
     def serve_front(self, host: str, port: int, policy: Policy = Policy.AFFINITY,
                     max_imbalance: int = 4, health_interval_s: float = 2.0) -> str:
