@@ -1,4 +1,4 @@
-"""Progress of long work (cli/progress.py) where it runs: a tqdm bar on a terminal, a few log
+"""Progress of long work (vllm_hybridcache/progress.py): a tqdm bar on a terminal, a few log
 lines in a server log, nothing for short work; the weight hashing of the engine fingerprint
 (the digest unchanged, only files actually read counted) and the cluster launcher's wait for
 its replicas (which ones are still starting)."""
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_hybridcache.adapter import fingerprint
-from vllm_hybridcache.cli.progress import Progress
+from vllm_hybridcache.progress import Progress
 
 LOGGER = "vllm_hybridcache"
 MiB = 1 << 20

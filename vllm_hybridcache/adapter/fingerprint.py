@@ -77,7 +77,7 @@ _PROCESS_MEMO: dict[str, dict] = {}
 the disk tier, every LoRA request) does not read a file again."""
 PROGRESS_INTERVAL_S = 30.0
 """Hashing a large checkpoint's files (an 80B-class one is ~160 GB) takes minutes on the
-first start: a bar on a terminal, else a line in the server log this often (cli/progress.py);
+first start: a bar on a terminal, else a line in the server log this often (progress.py);
 work shorter than that says nothing."""
 LARGE_HASH_BYTES = 1 << 30
 """Bytes to read from which the start of the hashing is announced in the log."""
@@ -241,7 +241,7 @@ def _is_config_file(name: str) -> bool:
 def files_digest(files: Iterable[tuple[str, Path]], memo: dict[str, dict] | None = None) -> str:
     """sha256 over (name, content digest) pairs, in name order. The files that must be read
     (no hub blob name, no remembered digest) are shown as they are read (PROGRESS_INTERVAL_S)."""
-    from vllm_hybridcache.cli.progress import Progress
+    from vllm_hybridcache.progress import Progress
 
     files = sorted(files)
     todo = [p for _, p in files if hub_blob_sha256(p) is None and _remembered(p, memo)[2] is None]

@@ -580,7 +580,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from vllm_hybridcache.cli.progress import Progress
+    from vllm_hybridcache.progress import Progress
 
     root = _root(args)
     key = _key(args)

@@ -100,8 +100,8 @@ class Cluster:
         """Wait until every replica answers /health. A replica's start-up (loading weights,
         hashing them for the fingerprint on a first start, compiling) can take minutes: a bar
         on a terminal, else a log line every `interval_s` naming the replicas still starting
-        (cli/progress.py)."""
-        from vllm_hybridcache.cli.progress import Progress
+        (vllm_hybridcache/progress.py)."""
+        from vllm_hybridcache.progress import Progress
 
         pending = dict(self.endpoints)
         deadline = time.monotonic() + timeout_s
