@@ -174,3 +174,18 @@ def test_a_corruption_fault_that_never_injected_fails_the_run():
     assert s["verdict"] == "fail" and s["corrupt_injected"] == 0
     assert any("never injected" in r for r in s["reasons"])
     assert _summary([_plain()])["verdict"] == "pass"       # the kind did not fire: no proof due
+
+
+def test_an_unjudged_bf16_anchor_divergence_is_recorded_not_failed():
+    """In bf16 an end-anchor hit's answer is recorded without being judged (check.judge: its
+    state descends from decode steps, and no bf16 tolerance is both safe and tight): a flipped
+    pick there shows in the anchor hits' verdicts but fails nothing. The same flip on a tree
+    hit, judged a wrong token, fails the run (control)."""
+    anchor = RequestRecord(t=1.0, life=1, arm="cache", hit_kind="anchor", check="wrong",
+                           outcome="ok")
+    s = _summary([_plain(), anchor])
+    assert s["checks"]["anchor_hits"]["wrong"] == 1 and s["checks"]["cache_on"]["wrong"] == 1
+    assert not any("wrong token" in r for r in s["reasons"]), s["reasons"]
+    tree = RequestRecord(t=1.0, life=1, arm="cache", hit_kind="tree", check="wrong",
+                         outcome="unexpected_error", cause="wrong_token")
+    assert "1 wrong token(s)" in _summary([_plain(), tree])["reasons"]
