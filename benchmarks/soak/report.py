@@ -1,11 +1,12 @@
 """The soak run's summary, its verdict and its plot.
 
 The verdict fails the run on: any wrong token (an answer `check.judge` failed for a different
-greedy pick where the cold run's margin is real; bf16 end-anchor hits are recorded, not judged), any unexpected error (a 5xx, a dropped connection or a failed cold run while
-the server was not being killed, a hit for a fresh salt, a fault that did not end as it
-should), a RAM-tier kind (tree links, end anchors) holding more bytes than its budget, or
-resident memory growing faster than the bound at steady state (least-squares slope over the
-second half of the longest life, judged when that window is at least `min_window_s` long).
+greedy pick where the cold run's margin is real; bf16 end-anchor hits are recorded, not
+judged), any unexpected error (a 5xx, a dropped connection or a failed cold run while the
+server was not being killed, a hit for a fresh salt, a fault that did not end as it should), a
+RAM-tier kind (tree links, end anchors) holding more bytes than its budget, or resident memory
+growing faster than the bound at steady state (least-squares slope over the second half of the
+longest life, judged when that window is at least `min_window_s` long).
 
 Answers served from a restore the worker corrupted on purpose (the `restore_corruption` fault,
 `RequestRecord.injected`) are the checker's proof, kept apart from everything above: each one
