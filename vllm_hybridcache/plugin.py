@@ -14,7 +14,6 @@ requested (`compat` module docstring).
 from __future__ import annotations
 
 import logging
-import multiprocessing
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -48,10 +47,12 @@ def register() -> None:
 
 
 def _say_inactive() -> None:
-    """One line: at info in the process the user started, at debug in vLLM's children."""
+    """One line, at info where vLLM's logging is already set up when plugins load (its engine
+    and worker processes: vLLM's CLI process sets it up only after parsing, and drops
+    everything logged before), at debug elsewhere."""
     from vllm_hybridcache import compat
 
-    level = logging.DEBUG if multiprocessing.parent_process() is not None else logging.INFO
+    level = logging.INFO if logging.getLogger("vllm").handlers else logging.DEBUG
     logger.log(level, "hybridcache: vLLM %s is not a version this plugin supports (%s): the "
                "plugin stays inactive and vLLM runs as without it; asking for the cache "
                "(--plugin hybridcache, its connector or its scheduler) stops with the reason",
