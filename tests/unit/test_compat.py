@@ -34,13 +34,13 @@ def fake_vllm_version(monkeypatch):
 # --------------------------------------------------------------------- version guard
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1", "0.32.0rc1"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.32.1", "0.33.0rc1", "0.32.0rc1"])
 def test_guard_refuses_an_unsupported_version_naming_the_supported_ones(version):
     with pytest.raises(compat.UnsupportedVllmError) as e:
         compat.check_vllm_version(version, environ={})
     msg = str(e.value)
     assert f"found vLLM {version}" in msg
-    assert "supports vLLM 0.32.0" in msg and ALLOW_UNSUPPORTED_VLLM_ENV in msg
+    assert "supports vLLM 0.32.0, 0.33.0" in msg and ALLOW_UNSUPPORTED_VLLM_ENV in msg
 
 
 def test_guard_refuses_a_missing_vllm():
@@ -83,7 +83,7 @@ def test_the_general_plugin_stays_inactive_on_an_unsupported_vllm(fake_vllm_vers
     monkeypatch.setattr(registrations, "register_safe",
                         lambda strict: calls.append(f"safe:{strict}"))
     fake_vllm_version("0.31.0")
-    with caplog.at_level(logging.INFO, logger="vllm_hybridcache"):
+    with caplog.at_level(logging.DEBUG, logger="vllm_hybridcache"):
         plugin.register()
         plugin.register()  # once per process
     assert calls == ["safe:False"] and plugin._registered and plugin.active is False
@@ -102,6 +102,22 @@ def test_the_general_plugin_stays_inactive_on_an_unsupported_vllm(fake_vllm_vers
     monkeypatch.setattr(compat, "route_logs_through_vllm", lambda: False)
     plugin.register()
     assert calls[3:] == ["safe:True", "all"]
+
+
+def test_the_inactive_line_is_info_where_vllm_logs_already(fake_vllm_version, monkeypatch,
+                                                           caplog):
+    """vLLM's CLI process sets its logging up only after parsing (dropping what came before);
+    its engine and worker processes have it when plugins load: the line is info there."""
+    from vllm_hybridcache import plugin
+
+    fake_vllm_version("0.31.0")
+    vllm_logger = logging.getLogger("vllm")
+    for handlers, level in (([], logging.DEBUG), ([logging.NullHandler()], logging.INFO)):
+        monkeypatch.setattr(vllm_logger, "handlers", handlers)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="vllm_hybridcache"):
+            plugin._say_inactive()
+        assert [r.levelno for r in caplog.records] == [level]
 
 
 def test_register_safe_installs_exactly_the_safe_bends(monkeypatch):
@@ -146,7 +162,8 @@ def test_asking_for_the_cache_refuses_an_unsupported_vllm(fake_vllm_version, tmp
         flags.on_serve(compat.parse_vllm_serve(argv, flags.TRACKED))
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "vllm serve: error: vllm-hybridcache supports vLLM 0.32.0; found vLLM 0.40.0" in err
+    assert ("vllm serve: error: vllm-hybridcache supports vLLM 0.32.0, 0.33.0; found vLLM "
+            "0.40.0") in err
     # negative control: on a supported vLLM the same command line goes on (a non-hybrid model)
     fake_vllm_version("0.32.0")
     flags.on_serve(compat.parse_vllm_serve(argv, flags.TRACKED))
@@ -183,7 +200,8 @@ def test_the_vllm_cli_on_an_unsupported_vllm(tmp_path):
     assert out.returncode == 0, text[-3000:]
     assert out.stdout.lstrip().startswith("0.32.0") and "VERSION 0" in out.stdout
     assert "PLUGIN 2" in out.stdout
-    assert "vllm serve: error: vllm-hybridcache supports vLLM 0.32.0; found vLLM 0.40.0" in text
+    assert ("vllm serve: error: vllm-hybridcache supports vLLM 0.32.0, 0.33.0; found vLLM "
+            "0.40.0") in text
     assert "STATE False False [] metadata-alias,logs,serve-flag:--plugin" in out.stdout
     for module in ("scheduler", "connector"):
         assert f"REFUSED vllm_hybridcache.adapter.{module} vllm-hybridcache supports" in text
@@ -532,3 +550,36 @@ def test_vllm_filters_exactly_these_plugin_groups_by_vllm_plugins():
                                 path.read_text(encoding="utf-8", errors="replace")):
             used.add(getattr(plugins, const))
     assert used - {plugins.ENDPOINT_PLUGINS_GROUP} == set(compat.VLLM_PLUGINS_FILTERED_GROUPS)
+
+
+def test_the_platform_probe_installs_the_alias_and_never_claims_a_platform(monkeypatch):
+    """`plugin.probe_platform` (vllm.platform_plugins) runs before vLLM's CLI reads the `vllm`
+    metadata; it must return None (no platform) and never raise, even when the alias fails."""
+    from vllm_hybridcache import plugin
+
+    called: list[bool] = []
+    monkeypatch.setattr(compat, "install_vllm_metadata_alias", lambda: called.append(True))
+    assert plugin.probe_platform() is None and called == [True]
+
+    def broken() -> bool:
+        raise RuntimeError("importlib.metadata changed")
+
+    monkeypatch.setattr(compat, "install_vllm_metadata_alias", broken)
+    assert plugin.probe_platform() is None
+
+
+def test_vllm_reads_platform_plugins_before_its_cli_reads_the_vllm_metadata():
+    """Why the alias is installed by a platform probe: vLLM's `main()` resolves the platform
+    (importing its sub-commands) before `importlib.metadata.version("vllm")`, and catches a
+    probe's errors. Checked in the installed vLLM's own process."""
+    code = textwrap.dedent("""
+        import vllm.platforms as platforms
+        from vllm.entrypoints.cli import main  # noqa: F401
+        import vllm.entrypoints.cli.serve  # noqa: F401  (what main() imports first)
+        import vllm.plugins as plugins
+        print("RESOLVED", platforms._current_platform is not None, plugins.plugins_loaded)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESOLVED True False" in out.stdout  # platform resolved, no general plugin yet
