@@ -10,6 +10,17 @@ from vllm_hybridcache.cli.vllm_entry import split_plugin_args
 from vllm_hybridcache.serving import flags
 
 
+@pytest.fixture(autouse=True)
+def _plugin_env(monkeypatch):
+    """`--plugin` sets VLLM_PLUGINS and the worker's shutdown limit in this process's
+    environment: each test starts without them, and whatever it set is undone (a plain
+    `delenv` of an absent name records nothing to restore, so the value would leak into the
+    processes later tests start)."""
+    for name in ("VLLM_PLUGINS", flags.WORKER_SHUTDOWN_ENV):
+        monkeypatch.setenv(name, "")  # records the value before, or its absence
+        monkeypatch.delenv(name)
+
+
 def test_split_plugin_args():
     plugins, rest = split_plugin_args(["serve", "m", "--plugin", "hybridcache", "--port", "1"])
     assert plugins == ["hybridcache"] and rest == ["serve", "m", "--port", "1"]

@@ -19,6 +19,14 @@ from vllm_hybridcache import compat
 from vllm_hybridcache.config import ALLOW_UNSUPPORTED_VLLM_ENV
 
 
+@pytest.fixture(autouse=True)
+def _plugins_env(monkeypatch):
+    """`enable_endpoint_plugin` sets VLLM_PLUGINS in this process's environment: undo it after
+    each test (a `delenv` of an absent name alone records nothing to restore)."""
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    monkeypatch.delenv("VLLM_PLUGINS")
+
+
 @pytest.fixture
 def fake_vllm_version(monkeypatch):
     """Pretend the installed vLLM is `version` (and forget any version already accepted)."""
