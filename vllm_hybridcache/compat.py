@@ -250,21 +250,18 @@ def install_vllm_metadata_alias() -> bool:
 
 @checked("0.32.0", "0.33.0")
 def rocm_gcn_arch() -> str:
-    """The ROCm GPU's gfx name (e.g. gfx1201), "" off ROCm. vLLM's ROCm platform module
-    resolves it once at import through amdsmi, without initialising the GPU (`_GCN_ARCH`,
-    private); a vLLM without it falls back to torch's device properties."""
+    """The ROCm GPU's gfx name (e.g. gfx1201), "" off ROCm or when vLLM does not say. vLLM's
+    ROCm platform module resolves it once at import through amdsmi, without initialising the
+    GPU (`_GCN_ARCH`, private). No fallback to torch's device properties: this runs at plugin
+    registration in every vLLM process (the API server too), which must not initialise HIP;
+    an unknown architecture picks vLLM's implementation unless the user asks for ours."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_rocm():
         return ""
     from vllm.platforms import rocm
 
-    arch = getattr(rocm, "_GCN_ARCH", None)
-    if not arch:
-        import torch
-
-        arch = torch.cuda.get_device_properties(0).gcnArchName
-    return str(arch).split(":")[0]
+    return str(getattr(rocm, "_GCN_ARCH", "") or "").split(":")[0]
 
 
 @checked("0.32.0", "0.33.0")
@@ -378,7 +375,8 @@ def _plugin_option_is_ours(serve: Any) -> bool:
     if action is not None:
         return bool(getattr(action, "_hybridcache", False))
     group = serve.add_argument_group(
-        "hybridcache", description="vllm-hybridcache: " + (_serve_help[0] or "plugin options"))
+        "hybridcache", description=f"{PLUGIN_OPTION} NAME (vllm-hybridcache): "
+        + (_serve_help[0] or "a vLLM plugin's serving mode"))
     action = group.add_argument(PLUGIN_OPTION, action="append", metavar="NAME",
                                 default=argparse.SUPPRESS, help=_serve_help[0])
     action._hybridcache = True

@@ -1,15 +1,26 @@
 """Plugin settings: one typed struct, each field a config key and an environment variable.
 
-Sources, strongest first: keys given in `--kv-transfer-config`'s `kv_connector_extra_config`
-(or `vllm.LLM(kv_transfer_config=...)`), then `VLLM_HYBRIDCACHE_<KEY>` environment variables,
-then the defaults below. Invalid values raise `SettingsError` at engine start, with the key and
-the reason, so a typo never silently runs with a default.
+Sources, weakest first: the defaults below, a TOML config file named by the `config_file`
+setting (`VLLM_HYBRIDCACHE_CONFIG_FILE`, or a `config_file` key), `VLLM_HYBRIDCACHE_<KEY>`
+environment variables, then keys given in `--kv-transfer-config`'s `kv_connector_extra_config`
+(or `vllm.LLM(kv_transfer_config=...)`): a key written closer to the command wins. The file
+holds the same keys as the variables (the setting names). Sizes (`*_bytes`) take units
+(`32GiB`, `512MiB`, `8GB`) and durations (`*_s`) take `s`/`m`/`h`/`d`/`w`, in every source;
+plain integers still mean bytes and seconds. Invalid values raise `SettingsError` at engine
+start, with the key, where it came from and the reason, so a typo never silently runs with a
+default.
 
 Every `VLLM_HYBRIDCACHE_*` environment variable the project reads is named here (`KNOWN_ENV`):
 the settings, plus the process switches in `PROCESS_ENV`. An unknown one (e.g. the typo
 `VLLM_HYBRIDCACHE_BUDGET`) is refused at start-up with the closest valid name, since vLLM
 cannot tell a typo of ours from a valid name (it warns "Unknown vLLM environment variable" for
-every one of them, see docs/usage.md).
+every one of them, see docs/usage.md). Unknown keys of the config file and of the extra config
+are refused the same way.
+
+Secrets are never settings: the admin key, the disk key and the cluster secret live in files
+named by settings (`*_key_file`, `cluster_secret_file`), because settings are logged at
+start-up and travel on command lines. A key that looks like a secret is refused with the name
+of the setting that takes its file, and its value is never quoted.
 """
 
 from __future__ import annotations
@@ -17,7 +28,11 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
+import stat
+import tomllib
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +81,78 @@ PROCESS_ENV: dict[str, str] = {
 """Our environment variables that are not cache settings: name -> meaning."""
 SECRET_ENV: frozenset[str] = frozenset({ADMIN_KEY_ENV})
 """Variables whose value is never logged (the start-up line says only that they are set)."""
+
+
+# ------------------------------------------------------------------ sizes and durations
+
+MAX_VALUE = (1 << 63) - 1
+"""Largest size or duration accepted: what a signed 64-bit integer holds (file offsets,
+`statvfs`, the C side of the copy kernels), so an overflow is refused here, not wrapped there."""
+SIZE_UNITS: dict[str, int] = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+"""Size units, case-insensitive: SI (kB = 1000 bytes) and IEC (KiB = 1024 bytes) spelled out.
+A bare `K`/`M`/`G`/`T` is refused: which of the two it means is a guess (vLLM's own flags read
+`G` as 2**30 and `g` as 10**9)."""
+DURATION_UNITS: dict[str, int] = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400,
+                                  "w": 7 * 86400}
+"""Duration units: seconds, minutes, hours, days, weeks (the duration settings are whole
+seconds)."""
+_NUMBER_UNIT = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def _shown(raw: str) -> str:
+    """`raw` quoted for an error message, cut short: a value pasted into the wrong place can be
+    long (or something that should not be printed in full)."""
+    return repr(raw if len(raw) <= 40 else raw[:37] + "...")
+
+
+def _parse_with_units(raw: str, units: Mapping[str, int], what: str, example: str) -> int:
+    match = _NUMBER_UNIT.fullmatch(raw)
+    if match is None:
+        raise ValueError(f"must be {what} ({example}), got {_shown(raw)}")
+    number, unit = match.group(1), match.group(2).lower()
+    if unit and unit not in units:
+        if what == "a size" and unit in ("k", "m", "g", "t"):
+            u = unit.upper()
+            raise ValueError(f"unit {match.group(2)!r} is ambiguous: write {u}iB "
+                             f"(2**{10 * ('kmgt'.index(unit) + 1)} bytes) or {u}B "
+                             f"(10**{3 * ('kmgt'.index(unit) + 1)} bytes), got {_shown(raw)}")
+        raise ValueError(f"unknown unit {match.group(2)!r} in {_shown(raw)}; units: "
+                         f"{', '.join(units)} ({example})")
+    try:
+        value = Decimal(number)
+    except InvalidOperation:  # the pattern admits only numbers; kept for a clear message
+        raise ValueError(f"must be {what} ({example}), got {_shown(raw)}") from None
+    if value < 0:
+        raise ValueError(f"must not be negative, got {_shown(raw)}")
+    if value.adjusted() > 40:  # far above MAX_VALUE whatever the unit: no huge product
+        raise ValueError(f"is too large (at most {MAX_VALUE}), got {_shown(raw)}")
+    total = value * units.get(unit, 1)
+    if total != total.to_integral_value():
+        base = "bytes" if what == "a size" else "seconds"
+        raise ValueError(f"must be a whole number of {base}, got {_shown(raw)}")
+    if total > MAX_VALUE:
+        raise ValueError(f"is too large (at most {MAX_VALUE}), got {_shown(raw)}")
+    return int(total)
+
+
+def parse_size(raw: str) -> int:
+    """Bytes from `32GiB`, `512 MiB`, `8GB`, `1.5GiB`, `1e9` or a plain integer.
+
+    Why units: a person writes `32GiB`; `34359738368` is what a program writes, and a digit too
+    many in it goes unnoticed. ValueError (saying what is wrong) for anything else: a negative
+    or fractional byte count, an unknown or ambiguous unit, more than MAX_VALUE.
+    """
+    return _parse_with_units(raw, SIZE_UNITS, "a size",
+                             "bytes, or a number with a unit: 32GiB, 512MiB, 8GB")
+
+
+def parse_duration(raw: str) -> int:
+    """Seconds from `4s`, `10m`, `1h`, `7d`, `2w` or a plain integer; ValueError otherwise."""
+    return _parse_with_units(raw, DURATION_UNITS, "a duration",
+                             "seconds, or a number with a unit: 4s, 10m, 1h, 7d")
 
 
 class SettingsError(ValueError):
@@ -154,6 +241,14 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         an admin key or vLLM's --api-key, `POST /v1/cache/clear` of every tenant's links needs
         the key in the `X-Hybridcache-Admin-Key` header (docs/usage.md, docs/security.md).
         "" = none (the `VLLM_HYBRIDCACHE_ADMIN_KEY` variable may hold it instead).
+    config_file: a TOML file of settings (the same keys, top-level: `budget_bytes = "32GiB"`),
+        read by `load_settings` below the environment variables and the config keys; "" =
+        none. Named by `VLLM_HYBRIDCACHE_CONFIG_FILE` or a `config_file` config key (which
+        wins); it cannot name itself inside a file. Why a file: a deployment's settings in one
+        reviewed place instead of a dozen variables on a command line.
+
+    Sizes (`*_bytes`) and durations (`*_s`) accept units in every source (`parse_size`,
+    `parse_duration`); the struct holds plain bytes and seconds.
     """
 
     enabled: bool = True
@@ -183,8 +278,14 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inner_captures: bool = True
     attention_in_place: bool = True
     admin_key_file: str = ""
+    config_file: str = ""
 
     def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if name.endswith(("_bytes", "_s")):
+                value = getattr(self, name)
+                if isinstance(value, int) and value > MAX_VALUE:
+                    raise SettingsError(f"{name} is too large (at most {MAX_VALUE}), got {value}")
         if self.budget_bytes < 0:
             raise SettingsError(f"budget_bytes must be >= 0 (0 = off), got {self.budget_bytes}")
         if self.grid <= 0 or self.grid % 64:
@@ -207,7 +308,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SettingsError(f"spill_timeout_s must be > 0, got {self.spill_timeout_s}")
         if self.disk_min_free_bytes < 0 or self.disk_ttl_s < 0:
             raise SettingsError("disk_min_free_bytes and disk_ttl_s must be >= 0")
-        for name in ("disk_dir", "disk_key_file", "cluster_secret_file", "admin_key_file"):
+        for name in ("disk_dir", "disk_key_file", "cluster_secret_file", "admin_key_file",
+                     "config_file"):
             value = getattr(self, name)
             if value != value.strip():
                 raise SettingsError(f"{name} has leading or trailing spaces: {value!r}")
@@ -238,6 +340,20 @@ _DEFAULTS = CacheSettings()
 SETTING_ENV: dict[str, str] = {ENV_PREFIX + name.upper(): name for name in FIELDS}
 """Environment variable -> setting it sets."""
 KNOWN_ENV: frozenset[str] = frozenset(SETTING_ENV) | frozenset(PROCESS_ENV)
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
+"""The variable naming the config file (the `config_file` setting's own variable)."""
+SIZE_SETTINGS: frozenset[str] = frozenset(n for n in FIELDS if n.endswith("_bytes"))
+"""Settings in bytes: `parse_size` reads their text in every source."""
+DURATION_SETTINGS: frozenset[str] = frozenset(n for n in FIELDS if n.endswith("_s"))
+"""Settings in seconds: `parse_duration` reads their text in every source."""
+_BOOL_SETTINGS = frozenset(n for n in FIELDS if isinstance(getattr(_DEFAULTS, n), bool))
+_STR_SETTINGS = frozenset(n for n in FIELDS if isinstance(getattr(_DEFAULTS, n), str))
+PRECEDENCE = f"defaults < config file < {ENV_PREFIX}* variables < config keys"
+"""Which source wins, key by key (logged at start-up, documented in docs/usage.md)."""
+_UNQUOTED_UNIT = re.compile(r"\s*([a-z_]+)\s*=\s*([0-9.eE+-]+\s*[A-Za-z]+)\s*(?:#.*)?")
+_SECRET_WORD = re.compile(r"key|secret|token|passw", re.IGNORECASE)
+_SECRET_HOMES = {"admin": "admin_key_file", "disk": "disk_key_file",
+                 "cluster": "cluster_secret_file"}
 
 
 def check_environment(environ: Mapping[str, str]) -> list[str]:
@@ -275,8 +391,8 @@ def _announce(message: str) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if name in ("enabled", "session_spill", "disk_direct_reads", "inner_captures",
-                "attention_in_place"):
+    """The value of setting `name` from its environment variable's text."""
+    if name in _BOOL_SETTINGS:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
@@ -289,22 +405,163 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise SettingsError(
                 f"{ENV_PREFIX}MESSAGE_END_IDS must be integers, got {raw!r}") from None
-    if name in ("policy", "disk_dir", "disk_key_file", "cluster_address", "cluster_secret_file",
-                "cluster_replica", "admin_key_file"):
+    if name in _STR_SETTINGS:
         return raw.strip()
+    if name in SIZE_SETTINGS or name in DURATION_SETTINGS:
+        parse = parse_size if name in SIZE_SETTINGS else parse_duration
+        try:
+            return parse(raw)
+        except ValueError as e:
+            raise SettingsError(f"{ENV_PREFIX}{name.upper()} {e}") from None
     try:
         return int(float(raw)) if any(c in raw for c in ".eE") else int(raw)
     except ValueError:
         raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be an integer, got {raw!r}") from None
 
 
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """A size or duration written as text (`"32GiB"`, `"7d"`) as bytes or seconds; any other
+    value unchanged (msgspec checks its type against the struct)."""
+    if isinstance(value, str) and (name in SIZE_SETTINGS or name in DURATION_SETTINGS):
+        parse = parse_size if name in SIZE_SETTINGS else parse_duration
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise SettingsError(f"{name} {e} (in {where})") from None
+    return value
+
+
+def _looks_secret(name: str) -> bool:
+    return bool(_SECRET_WORD.search(name)) and not name.lower().endswith("_file")
+
+
+def _unknown_key(key: object, where: str) -> SettingsError:
+    """The error for a key that is not a setting, naming what was probably meant.
+
+    Never quotes the key's value: a key that looks like a secret (`admin_key`) most likely
+    holds one, and this message is logged.
+    """
+    name = str(key)
+    upper = name.upper()
+    bare = upper.removeprefix(ENV_PREFIX).lower()
+    if upper.startswith(ENV_PREFIX) and bare in FIELDS:
+        return SettingsError(f"{name!r} in {where} is a variable's name: write the setting's "
+                             f"name, {bare!r}")
+    typo = difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.9)
+    if not typo and _looks_secret(name):
+        home = next((f for word, f in _SECRET_HOMES.items() if word in name.lower()),
+                    "admin_key_file, disk_key_file or cluster_secret_file")
+        return SettingsError(
+            f"{name!r} in {where} looks like a secret, and secrets are never settings (settings "
+            f"are logged and travel on command lines): write it to a file only you may read "
+            f"(mode 0600) and name that file with {home}")
+    variable = upper if upper.startswith(ENV_PREFIX) else ENV_PREFIX + upper
+    if variable in PROCESS_ENV:
+        return SettingsError(f"{name!r} in {where} is not a cache setting: {variable} is a "
+                             f"process variable, read from the environment only")
+    close = typo or difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return SettingsError(
+        f"unknown hybridcache setting {name!r}{hint} in {where}; known: {', '.join(FIELDS)}")
+
+
+def _unquoted_unit_hint(text: str, error: tomllib.TOMLDecodeError) -> str:
+    """The likeliest mistake in a settings file, spelled out: `budget_bytes = 32GiB` is not
+    TOML (a value with a unit is a string). Only for a size or duration setting's line, so the
+    hint never repeats another line's text."""
+    at = re.search(r"at line (\d+)", str(error))
+    lines = text.splitlines()
+    if at is None or not 0 < int(at.group(1)) <= len(lines):
+        return ""
+    line = _UNQUOTED_UNIT.fullmatch(lines[int(at.group(1)) - 1])
+    if line is None or line.group(1) not in SIZE_SETTINGS | DURATION_SETTINGS:
+        return ""
+    return (f"; a value with a unit is a quoted string in TOML: {line.group(1)} = "
+            f"\"{line.group(2)}\"")
+
+
+def read_config_file(path: str, origin: str) -> dict[str, Any]:
+    """The settings of the TOML file at `path` (named by `origin`), sizes and durations in
+    bytes and seconds; SettingsError naming the file for anything unusable.
+
+    Why TOML: the standard library reads it (no dependency beside vLLM's), and its values are
+    typed as written: a string stays a string, where YAML 1.1 turns `no`, `off` or `~` into a
+    boolean or nothing without a word. Sizes with a unit are strings (`budget_bytes = "32GiB"`).
+
+    The file is refused when any user may write it: its settings choose the folders and key
+    files the engine trusts. A symlink is followed (a Kubernetes ConfigMap is one).
+    """
+    file = Path(path).expanduser()
+    where = f"config file {file}"
+    try:
+        info = file.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise SettingsError(f"{where} (from {origin}) is not a regular file")
+        if info.st_mode & stat.S_IWOTH:
+            raise SettingsError(f"{where} may be written by any user (mode "
+                                f"{stat.S_IMODE(info.st_mode):o}); `chmod o-w` it: its settings "
+                                "choose the folders and key files the engine trusts")
+        data = file.read_bytes()
+    except OSError as e:
+        raise SettingsError(f"{where} (from {origin}) cannot be read ({type(e).__name__}: "
+                            f"{e.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{where} is not UTF-8 text (byte {e.start})") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:  # its message gives line and column, not the text
+        raise SettingsError(f"{where} is not valid TOML: {e}{_unquoted_unit_hint(text, e)}"
+                            ) from None
+    values: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            raise SettingsError(f"{where}: {key!r} is a table ([{key}]); write the settings as "
+                                "top-level keys, without a section")
+        if key == "config_file":
+            raise SettingsError(f"{where}: config_file cannot be set inside a config file (one "
+                                f"file, named by {CONFIG_FILE_ENV} or a config_file config key)")
+        if key not in FIELDS:
+            raise _unknown_key(key, where)
+        values[key] = _coerce(key, value, where)
+    return values
+
+
+def format_size(n: int) -> str:
+    """`n` bytes in the largest IEC unit that divides it (`32GiB`), else plain bytes."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        factor = SIZE_UNITS[unit.lower()]
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def _logged(name: str, value: Any) -> str:
+    """A setting's value as the start-up line shows it: sizes in units (what a person wrote)."""
+    if name in SIZE_SETTINGS and isinstance(value, int):
+        return format_size(value)
+    return repr(value)
+
+
+def _origins_of(message: str, origins: Mapping[str, str]) -> str:
+    """" (grid from config file /x.toml)" for the settings `message` names, so an invalid value
+    points at the source it came from."""
+    named = [f"{k} from {v}" for k, v in origins.items() if re.search(rf"\b{k}\b", message)]
+    return f" ({'; '.join(named)})" if named else ""
+
+
 def load_settings(extra: Mapping[str, Any] | None = None,
                   environ: Mapping[str, str] | None = None) -> CacheSettings:
-    """Merge config keys, environment variables and defaults into validated settings.
+    """Merge the config file, environment variables and config keys over the defaults into
+    validated settings (PRECEDENCE: a later source wins, key by key).
 
     Runs at start-up in every process that hosts the connector (and in the `vllm` wrapper and
     `llm_kwargs`), so it is also where an unsupported vLLM is refused when reading the real
-    environment, and where it says which of our variables it read.
+    environment, and where it says, once per process, which file and variables it read, which
+    key a stronger source overrode, and the resulting settings. Values are shown for settings
+    and our variables only; a secret variable shows as set, never its value, and a file or
+    config key that looks like a secret is refused before anything is logged.
     """
     if environ is None:
         environ = os.environ
@@ -312,30 +569,63 @@ def load_settings(extra: Mapping[str, Any] | None = None,
 
         require_supported_vllm()
     present = check_environment(environ)
-    values: dict[str, Any] = {}
+    extra = dict(extra or {})
+    keys_where = "the config keys (kv_connector_extra_config)"
+    for key in extra:
+        if key not in FIELDS:
+            raise _unknown_key(key, keys_where)
+    env_values: dict[str, Any] = {}
     for name in FIELDS:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None and raw != "":
-            values[name] = _parse_env(name, raw)
-    for key, value in (extra or {}).items():
-        if key not in FIELDS:
-            close = difflib.get_close_matches(str(key), FIELDS, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SettingsError(
-                f"unknown hybridcache setting {key!r}{hint}; known: {', '.join(FIELDS)}"
-            )
-        values[key] = value
+            env_values[name] = _parse_env(name, raw)
+    explicit = {k: _coerce(k, v, keys_where) for k, v in extra.items()}
+
+    # the file: named by a config key, else by the variable (the stronger source names it)
+    if "config_file" in explicit:
+        file_setting, origin = explicit["config_file"], "the config_file config key"
+    else:
+        file_setting, origin = env_values.get("config_file", ""), CONFIG_FILE_ENV
+    if not isinstance(file_setting, str):
+        raise SettingsError(f"config_file must be a path (a string), got "
+                            f"{type(file_setting).__name__}")
+    if file_setting != file_setting.strip():
+        raise SettingsError(f"config_file has leading or trailing spaces: {file_setting!r}")
+    file_path = str(Path(file_setting).expanduser().absolute()) if file_setting else ""
+    file_values = read_config_file(file_setting, origin) if file_setting else {}
+
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    overridden: list[str] = []
+    sources = ((file_values, lambda k: f"config file {file_path}"),
+               (env_values, lambda k: ENV_PREFIX + k.upper()),
+               (explicit, lambda k: "config key"))
+    for source, label in sources:
+        for key, value in source.items():
+            if key in origins and values[key] != value:
+                overridden.append(f"{key} ({origins[key]} < {label(key)})")
+            values[key] = value
+            origins[key] = label(key)
     try:
         settings = msgspec.convert(values, CacheSettings)
     except msgspec.ValidationError as e:
-        raise SettingsError(f"invalid hybridcache setting: {e}") from None
+        raise SettingsError(f"invalid hybridcache setting: {e}{_origins_of(str(e), origins)}"
+                            ) from None
+    except SettingsError as e:
+        raise SettingsError(f"{e}{_origins_of(str(e), origins)}") from None
+
     read = [f"{k}=<set, not shown>" if k in SECRET_ENV else f"{k}={environ[k]}"
             for k in present]
-    changed = [f"{name}={getattr(settings, name)!r}" for name in FIELDS
+    changed = [f"{name}={_logged(name, getattr(settings, name))}" for name in FIELDS
                if getattr(settings, name) != getattr(_DEFAULTS, name)]
-    _announce(f"hybridcache: {ENV_PREFIX}* variables read: "
+    file_part = (f"config file {file_path} (from {origin}; keys: "
+                 f"{', '.join(sorted(file_values)) or 'none'})" if file_setting
+                 else "config file: none")
+    _announce(f"hybridcache: {file_part}; {ENV_PREFIX}* variables read: "
               + (", ".join(read) if read else "none")
               + (f"; config keys: {', '.join(sorted(extra))}" if extra else "")
+              + f"; precedence: {PRECEDENCE}"
+              + (f"; overridden: {', '.join(overridden)}" if overridden else "")
               + f"; settings other than the defaults: {', '.join(changed) or 'none'}")
     return settings
 

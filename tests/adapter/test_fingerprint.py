@@ -169,7 +169,7 @@ def test_a_memo_in_the_cache_folder_is_used_only_with_its_mac(tmp_path):
     memo = tmp_path / "memo.json"
     first = weights_digest(a, memo, TEST_KEY)
     stored = json.loads(memo.read_text())
-    assert set(stored) == {"files", "mac"} and (memo.stat().st_mode & 0o777) == 0o600
+    assert set(stored) == {"files", "alg", "mac"} and (memo.stat().st_mode & 0o777) == 0o600
     key = next(k for k in stored["files"] if k.endswith("model.safetensors"))
     stored["files"][key]["sha256"] = "0" * 64
     memo.write_text(json.dumps(stored))

@@ -38,7 +38,7 @@ class Ghost:
     """A replica stand-in (another process) that publishes payloads as their owner `owner`,
     then dies. It reads the cluster secret's file `secret_file` itself: the test's own, to be
     let into the directory (what a member of the Ray cluster who read the directory key can
-    do, docs/security-cluster.md), or another one (a replica of another secret)."""
+    do, docs/security.md), or another one (a replica of another secret)."""
 
     def __init__(self, secret_file: str, owner: str = "ghost") -> None:
         self.t = RayTransport(ray.get_runtime_context().gcs_address,

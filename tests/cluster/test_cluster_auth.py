@@ -1,4 +1,4 @@
-"""The cluster tier's trust boundaries without a Ray cluster (issue 29, docs/security-cluster.md):
+"""The cluster tier's trust boundaries without a Ray cluster (issue 29, docs/security.md):
 the directory's call authentication (MAC, timestamp, nonce) on `AuthenticatedDirectory` with an
 injected clock, and `open_cluster_tier`'s start-up refusals (no secret, a secret file that must
 not be used, a directory that refuses the secret) with fakes for the engine and the transport.
@@ -128,7 +128,7 @@ def test_a_flood_of_calls_never_reopens_a_replay_window(table, monkeypatch):
     with pytest.raises(DirectoryRefused):
         d.call(*first, [])
     assert d.call(*signed("stats", clock=clock), [])["a"]["links"] == 1
-    assert len(d._nonces) <= 4
+    assert len(d._guard.nonces) <= 4
 
 
 def test_only_the_table_operations_can_be_called(table):
@@ -212,3 +212,16 @@ def test_open_cluster_tier_refuses_a_directory_that_refuses_its_secret(monkeypat
         _open(settings)
     assert str(CLUSTER_SECRET_FILE) in str(ei.value) and "clock" in str(ei.value)
     assert [(a, k.key_id) for a, k in made] == [("127.0.0.1:6379", CLUSTER_KEY.key_id)]
+
+
+def test_the_directory_actor_has_one_method():
+    """Ray makes every method of an actor class callable by any member of the cluster,
+    underscored ones included: the directory's only method is `call`, so its replay state can
+    not be reached around the MAC check."""
+    import inspect
+
+    from vllm_hybridcache.cluster.directory import AuthenticatedDirectory
+
+    methods = [n for n, f in inspect.getmembers(AuthenticatedDirectory, inspect.isfunction)
+               if not (n.startswith("__") and n.endswith("__"))]
+    assert methods == ["call"]

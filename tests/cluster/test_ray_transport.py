@@ -2,7 +2,7 @@
 one process and fetched by another, lookups that never wait, and a dead owner counted as such.
 The cluster tier runs over it exactly as over the in-process fake (test_cluster_tier.py).
 
-And its trust boundaries (issue 29, docs/security-cluster.md): the directory answers only
+And its trust boundaries (issue 29, docs/security.md): the directory answers only
 callers that hold the cluster secret, a replica of another secret shares nothing with this
 cluster's replicas (neither way), and the directory holds locators, never a fingerprint,
 domain or prompt digest."""

@@ -143,7 +143,13 @@ def test_without_the_rebuild_another_last_token_differs(llm, monkeypatch):
     assert any(forced["state"][n] != cold["state"][n] for n in names)
     assert {k: v for k, v in forced["state"].items() if k not in names} == {
         k: v for k, v in cold["state"].items() if k not in names}
-    assert forced["tokens"] == cold["tokens"] and forced["logprobs"] == cold["logprobs"]
+    assert forced["tokens"] == cold["tokens"]
+    # the logprobs: equal up to the last bits. Other draft rows propose other draft tokens, so
+    # the verify steps run on other batches, whose GEMMs may round the target's logits in other
+    # bits on some CPUs (seen at 1e-6 on an AMD EPYC with k = 3); the tokens stay the same
+    for got, want in zip(forced["logprobs"], cold["logprobs"], strict=True):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in want), (got, want)
 
 
 @EVERY_K

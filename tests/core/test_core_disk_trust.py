@@ -350,3 +350,117 @@ def test_files_of_either_algorithm_are_read_and_checked_by_any_reader(tmp_path, 
     with pytest.raises(LinkFileError) as e:
         read_header(swapped, FP, TEST_KEY)
     assert e.value.problem is LinkFileProblem.UNAUTHENTICATED
+
+
+# ------------------------------------------------------------------ names are not authenticated
+
+
+def test_a_genuine_file_under_another_links_name_never_stitches_a_chain(tmp_path):
+    """Whoever can write the folder can copy a sound file to another link's name. The root
+    link [0, 64) copied to the name of the [64, 128) link made the [128, 256) link's parent a
+    file ending at 64: a chain with the rows [64, 128) missing (the prompt's tokens there never
+    compared) and another prefix's state. Each file must hold the very link its name was
+    looked up for."""
+    d = _dir(tmp_path)
+    paths = _write_chain(d)
+    paths[1].write_bytes(paths[0].read_bytes())  # genuine bytes, another link's name
+    read_header(paths[1], FP, TEST_KEY)  # negative control: the file itself verifies
+    assert _lookup(d) == [64]  # the sound chain only, no [0, 64) + [128, 256)
+    keys = PromptKeys(PROMPT)
+    # an end anchor's name holding another anchor of the domain is refused the same way
+    assert d.lookup_anchor(keys, DOM, 399, [(256, keys.digest(128))]) is None
+
+
+def test_a_file_swapped_after_the_lookup_is_refused_by_the_worker(tmp_path):
+    """The worker reads a hit's files again: a file renamed or swapped in between the lookup
+    and the read (another domain's genuine link of the same segment) is refused as
+    `mismatch`, never restored as this prompt's state."""
+    from vllm_hybridcache.core import LinkRef, LinkStore, StateLayout
+    from vllm_hybridcache.core.disk.reader import DiskReadError, SourceKey, stage_chain
+    from vllm_hybridcache.core.layout import SectionSpec, ViewSpec
+
+    layout = StateLayout((SectionSpec("state", (4, 4), "float32"),),
+                         (ViewSpec("kv", (32,), "uint8"),), view_block_tokens=16)
+    d = _dir(tmp_path)
+    ours = _write_chain(d)
+    theirs = _write_chain(d, OTHER_DOM)
+    keys = PromptKeys(PROMPT)
+    refs = [LinkRef(1, 0, 64), LinkRef(2, 64, 128)]
+    expect = [SourceKey("tree", DOM, keys.digest(64)), SourceKey("tree", DOM, keys.digest(128))]
+    store = LinkStore(layout, pin_memory=False)
+    stage_chain(store, refs, [str(p) for p in ours[:2]], FP, key=TEST_KEY, root=d.root,
+                expect=expect)  # the files the lookup found: staged
+    store.drop([1, 2])
+    ours[1].write_bytes(theirs[1].read_bytes())  # swapped in after the lookup
+    with pytest.raises(DiskReadError) as e:
+        stage_chain(store, refs, [str(p) for p in ours[:2]], FP, key=TEST_KEY, root=d.root,
+                    expect=expect)
+    assert e.value.problem == "mismatch" and e.value.link_id == 2 and len(store) == 0
+    # negative control: without the lookup's expectation the swapped file would be staged
+    stage_chain(store, refs, [str(p) for p in ours[:2]], FP, key=TEST_KEY, root=d.root)
+
+
+# ------------------------------------------------------------------ odd files
+
+
+def test_short_and_oversized_preludes_and_fifos_are_refused_not_fatal(tmp_path):
+    import threading
+
+    d = _dir(tmp_path)
+    paths = _write_chain(d)
+    for raw, problem in ((b"HCLINK\x00", LinkFileProblem.NOT_A_LINK),
+                         (b"HCLINK\x00\x03" + (1 << 31).to_bytes(4, "little") + bytes(36),
+                          LinkFileProblem.FORMAT)):
+        paths[0].write_bytes(raw)
+        with pytest.raises(LinkFileError) as e:
+            read_header(paths[0], FP, TEST_KEY)
+        assert e.value.problem is problem
+    # a FIFO under a link's name: neither the lookup nor a read of it blocks or reads it
+    d2 = _dir(tmp_path / "fifo")
+    paths = _write_chain(d2)
+    paths[2].unlink()
+    os.mkfifo(paths[2])
+    done: list = []
+
+    def probe() -> None:
+        done.append(_lookup(d2))
+        try:
+            read_header(paths[2], FP, TEST_KEY)
+        except LinkFileError as e:
+            done.append(e.problem)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "blocked on a FIFO"
+    assert done == [[64, 128], LinkFileProblem.SYMLINK]
+
+
+def test_engines_creating_the_disk_key_at_once_agree_on_one(tmp_path):
+    """Data-parallel ranks start together: every one of them creating the missing key file at
+    the same moment reads the same complete secret (never an empty file half made)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "conf" / "disk.key"
+    with ThreadPoolExecutor(8) as pool:
+        got = set(pool.map(lambda _: load_key_file(path, create=True), range(32)))
+    assert len(got) == 1 and len(next(iter(got))) == 64
+    assert [p.name for p in path.parent.iterdir()] == ["disk.key"]  # no temporary left
+
+
+def test_a_key_file_replaced_after_the_start_is_refused_not_trusted(tmp_path):
+    """The scheduler side reads the key at its start and sends its public id; a worker that
+    reads the file later and finds another key refuses the work (a miss: nothing is deleted
+    or invalidated because of it) instead of calling every file forged."""
+    from vllm_hybridcache.core import auth
+    from vllm_hybridcache.core.disk.reader import SourceOrigin
+
+    path = write_key_file(tmp_path / "disk.key")
+    started = auth.key_from_file(path, "disk")
+    origin = SourceOrigin(FP, str(path), "disk", str(tmp_path), started.key_id)
+    assert origin.key() is started
+    write_key_file(path)  # replaced while the engine runs
+    auth._KEYS.clear()  # a process that reads it only now
+    with pytest.raises(KeyFileError, match="another key"):
+        origin.key()
+    assert auth.key_from_file(path, "disk").key_id != started.key_id  # control: it did change

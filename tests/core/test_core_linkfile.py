@@ -172,7 +172,7 @@ def test_rewrite_replaces_atomically(tmp_path):
 
 
 def test_the_crc_of_link_files_is_zlibs_crc32(tmp_path):
-    """core/disk/crc.py picks ISA-L's CRC-32 when installed (a dependency: setup.py); it must
+    """core/disk/crc.py picks ISA-L's CRC-32 when installed (a dependency: pyproject.toml); it must
     give zlib's values, so files written by either verify with the other."""
     import zlib
 

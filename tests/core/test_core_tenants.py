@@ -360,23 +360,34 @@ def test_the_writer_without_the_clear_keeps_the_file(tmp_path, layout):
     assert list(_files(w)) == [tenant_tag("tenant-a")]
 
 
-def test_clear_domains_finds_files_another_instance_wrote(tmp_path, layout):
+def test_a_tenants_clear_finds_files_another_instance_wrote(tmp_path, layout):
     """The scheduler's directory was indexed before the writer wrote A's and B's files: the
-    tenant's clear reads their headers, deletes A's only, and an index that lists a file
-    another process deleted forgets it."""
+    tenant's clear finds A's by their folders' names (no header read), deletes A's only, and
+    an index that lists a file another process deleted forgets it."""
+    from vllm_hybridcache.core.disk import directory as directory_mod
+
     w = World(tmp_path / "w", layout, FakeCluster())
     assert len(w.dir) == 0
     w.hold(A, PROMPT, seed=1)
     w.hold(B, PROMPT, seed=2)
     assert len(w.dir) == 0  # not indexed here: written by another instance
-    assert w.dir.clear_domains(in_tenant(tenant_tag("tenant-a")), TREE) == 3
+    reads: list = []
+    real = directory_mod.read_header
+    directory_mod.read_header = lambda *a, **k: reads.append(a) or real(*a, **k)
+    try:
+        assert w.dir.clear_tenant(tenant_tag("tenant-a"), TREE) == 3
+        assert reads == []  # found by name
+        w.dir.lookup(PromptKeys(PROMPT), B, [64], 400)
+        assert reads  # control: the patch sees the directory's header reads
+    finally:
+        directory_mod.read_header = real
     assert sorted(_files(w)[tenant_tag("tenant-a")]) == ["anchor:320"]  # anchors: own kind
-    assert w.dir.clear_domains(in_tenant(tenant_tag("tenant-a")), ANCHOR) == 1
+    assert w.dir.clear_tenant(tenant_tag("tenant-a"), ANCHOR) == 1
     again = LinkDirectory(w.root / "disk", FP, 1 << 30, key=TEST_KEY)
     again.open()
     assert len(again) == 4  # B's files
-    w.dir.clear_domains(in_tenant(tenant_tag("tenant-b")), TREE)
-    assert len(again) == 4 and again.clear_domains(in_tenant(tenant_tag("tenant-b")), TREE) == 0
+    w.dir.clear_tenant(tenant_tag("tenant-b"), TREE)
+    assert len(again) == 4 and again.clear_tenant(tenant_tag("tenant-b"), TREE) == 0
     assert len(again) == 1  # the three deleted by the other instance are forgotten
     again.sanity_check()
 

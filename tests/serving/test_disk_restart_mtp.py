@@ -23,17 +23,19 @@ makes that run miss). The conversation's third turn resumes at its spilled end a
 tokens = prompt + answer - 1 of turn two, the disk anchor tier) and passes the float32 greedy
 gate against a cold run (session-exact: held to the same gate as in RAM).
 
-Routes never cross. The routes' files sit under different fingerprint folders (the layout
-and the speculative setup are fingerprint fields, docs/disk-tier.md) and carry different
-headers (tagged and hidden-row parts vs untagged). A, asked the same two prompts while the
-MTP files for them lie in the folder under the same digest names, gets no disk hit (tree or
-anchor) and equals its own cold runs. Even an MTP file copied to the very name A looks up is
-refused by its header's fingerprint (a counted `foreign` miss, deleted, never restored), and
-the same for an AR file copied to M2's name: M2 refuses it and equals its cold run.
+Routes never cross. The routes' files sit under different fingerprint folders (the layout and
+the speculative setup are fingerprint fields, docs/disk-tier.md) and carry different headers
+(tagged and hidden-row parts vs untagged) and other names (keyed digests of a domain that holds
+the route). A, asked the same two prompts while the MTP files for them lie in the folder, gets
+no disk hit (tree or anchor) and equals its own cold runs. Even an MTP file copied to the very
+name A looks up is refused by its header's fingerprint (a counted `foreign` miss, deleted,
+never restored), and the same for an AR file copied to M2's name: M2 refuses it and equals its
+cold run.
 
-Negative control: the conversation's spilled anchor rewritten with its recurrent states
-changed (every CRC valid) is restored (cached tokens at the anchor), and the greedy gate
-against the cold run then fails: the comparison catches a bad restore.
+Negative control: the conversation's spilled anchor rewritten with its recurrent states changed
+(every CRC and MAC valid: made with the engines' disk key) is restored (cached tokens at the
+anchor), and the greedy gate against the cold run then fails: the comparison catches a bad
+restore.
 """
 
 from __future__ import annotations
@@ -246,9 +248,9 @@ def test_mtp_route_survives_a_restart_and_never_crosses_the_ar_route(embedded_mo
             assert (st["hits"], st["restores"], st["tokens_served"]) == (1, 1, n2), st
 
             # ---------------------------------------------- routes never cross
-            # A (AR route): the MTP files of these prompts lie in the folder under the same
-            # digest names, in M's fingerprint folder; A gets no disk hit (tree or anchor)
-            # and equals its own cold runs
+            # A (AR route): the MTP files of these prompts lie in the folder, in M's
+            # fingerprint folder; A gets no disk hit (tree or anchor) and equals its own cold
+            # runs
             ar_s2 = _complete(a, s2)
             assert ar_s2["cached"] == 0
             _wait(a, lambda s: _stats(s, "disk", "tree").get("links", 0)
@@ -265,8 +267,9 @@ def test_mtp_route_survives_a_restart_and_never_crosses_the_ar_route(embedded_mo
             for kind in ("tree", "anchor"):
                 st = _stats(a, "disk", kind)
                 assert st.get("hits", 0) == 0 and st.get("restores", 0) == 0, (kind, st)
-            for end in SYS_CUTS:  # the same names; untagged, no hidden row: the AR route
-                assert tree_a[end].name == tree_m[end].name
+            for end in SYS_CUTS:  # untagged, no hidden row: the AR route; and other names
+                # (a name is a keyed digest of the domain, which holds the route)
+                assert tree_a[end].name != tree_m[end].name
                 h, _ = read_header(tree_a[end], _fingerprint(tree_a[end]), TEST_KEY)
                 assert h.tag is None and DRAFT_INPUT not in {e.name for e in h.parts}
                 assert h.fingerprint != _fingerprint(tree_m[end])

@@ -40,14 +40,18 @@ import dataclasses
 import enum
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
-from collections.abc import Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hybridcache.core.auth import LinkKey
+from vllm_hybridcache.core.auth import PREFERRED_MAC, LinkKey, MacAlgorithm
+
+logger = logging.getLogger("vllm_hybridcache")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILES = ("config.json", "params.json", "quant_config.json", "quantize_config.json",
@@ -71,6 +75,12 @@ _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 _PROCESS_MEMO: dict[str, dict] = {}
 """File digests by path and stamp for this process: a second caller (the cluster tier after
 the disk tier, every LoRA request) does not read a file again."""
+PROGRESS_INTERVAL_S = 30.0
+"""Hashing a large checkpoint's files (an 80B-class one is ~160 GB) takes minutes on the
+first start: a bar on a terminal, else a line in the server log this often (progress.py);
+work shorter than that says nothing."""
+LARGE_HASH_BYTES = 1 << 30
+"""Bytes to read from which the start of the hashing is announced in the log."""
 
 
 class FingerprintUnavailable(RuntimeError):
@@ -133,12 +143,8 @@ def hub_blob_sha256(path: Path) -> str | None:
     return target.name
 
 
-def file_digest(path: Path, memo: dict[str, dict] | None = None) -> str:
-    """sha256 of a file's content: the hub cache's blob name when it has one, else a digest
-    remembered by (path, size, mtime, inode) in `memo` and in this process, else the bytes."""
-    named = hub_blob_sha256(path)
-    if named is not None:
-        return named
+def _remembered(path: Path, memo: dict[str, dict] | None) -> tuple[str, list[int], dict | None]:
+    """(the memo key of `path`, its stamp, the remembered entry for that stamp or None)."""
     st = path.stat()
     stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
     key = str(path.resolve())
@@ -146,14 +152,30 @@ def file_digest(path: Path, memo: dict[str, dict] | None = None) -> str:
         hit = m.get(key) if m is not None else None
         if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(
                 hit.get("sha256"), str):
-            if memo is not None:
-                memo[key] = hit
-            _PROCESS_MEMO[key] = hit
-            return hit["sha256"]
+            return key, stamp, hit
+    return key, stamp, None
+
+
+def file_digest(path: Path, memo: dict[str, dict] | None = None,
+                progress: Callable[[int], None] | None = None) -> str:
+    """sha256 of a file's content: the hub cache's blob name when it has one, else a digest
+    remembered by (path, size, mtime, inode) in `memo` and in this process, else the bytes
+    (`progress(n)` is told of every n bytes read)."""
+    named = hub_blob_sha256(path)
+    if named is not None:
+        return named
+    key, stamp, hit = _remembered(path, memo)
+    if hit is not None:
+        if memo is not None:
+            memo[key] = hit
+        _PROCESS_MEMO[key] = hit
+        return hit["sha256"]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     entry = {"stamp": stamp, "sha256": h.hexdigest()}
     if memo is not None:
         memo[key] = entry
@@ -172,7 +194,7 @@ def _read_memo(memo_file: Path | None, key: LinkKey | None = None) -> dict[str, 
     if memo_file is None:
         return {}
     try:
-        fd = os.open(memo_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(memo_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             raw = f.read(64 << 20)
         loaded = json.loads(raw)
@@ -184,9 +206,10 @@ def _read_memo(memo_file: Path | None, key: LinkKey | None = None) -> dict[str, 
         body = json.dumps(loaded["files"], sort_keys=True).encode()
         try:
             mac = bytes.fromhex(str(loaded.get("mac", "")))
+            alg = MacAlgorithm(int(loaded.get("alg", MacAlgorithm.BLAKE2B)))
         except ValueError:
             return {}
-        if not LinkKey.equal(key.mac(body, person=_MEMO_PERSON), mac):
+        if not LinkKey.equal(key.mac(body, person=_MEMO_PERSON, alg=alg), mac):
             return {}
         loaded = loaded["files"]
     return loaded if isinstance(loaded, dict) else {}
@@ -197,12 +220,12 @@ def _write_memo(memo_file: Path | None, memo: dict[str, dict],
     if memo_file is None:
         return
     body = json.dumps(memo, sort_keys=True)
-    if key is not None:
-        body = json.dumps({"files": memo, "mac": key.mac(body.encode(),
-                                                         person=_MEMO_PERSON).hex()})
-    tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
+    if key is not None:  # the algorithm is recorded: another CPU class reads it all the same
+        body = json.dumps({"files": memo, "alg": int(PREFERRED_MAC),
+                           "mac": key.mac(body.encode(), person=_MEMO_PERSON).hex()})
+    tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}.{uuid.uuid4().hex}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         with os.fdopen(fd, "w") as f:
             f.write(body)
@@ -216,11 +239,24 @@ def _is_config_file(name: str) -> bool:
 
 
 def files_digest(files: Iterable[tuple[str, Path]], memo: dict[str, dict] | None = None) -> str:
-    """sha256 over (name, content digest) pairs, in name order."""
+    """sha256 over (name, content digest) pairs, in name order. The files that must be read
+    (no hub blob name, no remembered digest) are shown as they are read (PROGRESS_INTERVAL_S)."""
+    from vllm_hybridcache.progress import Progress
+
+    files = sorted(files)
+    todo = [p for _, p in files if hub_blob_sha256(p) is None and _remembered(p, memo)[2] is None]
+    total = sum(p.stat().st_size for p in todo)
+    if total >= LARGE_HASH_BYTES:
+        logger.info("hybridcache: hashing %d checkpoint file(s), %.1f GiB, for the engine "
+                    "fingerprint (the disk and cluster tiers' links are keyed by the weights' "
+                    "content; a digest is remembered, so a restart does not read them again)",
+                    len(todo), total / (1 << 30))
     h = hashlib.sha256()
-    for name, p in sorted(files):
-        h.update(name.encode() + b"\0")
-        h.update(file_digest(p, memo).encode() + b"\0")
+    with Progress(total, "hybridcache: hashing the checkpoint", unit="B", logger=logger,
+                  interval_s=PROGRESS_INTERVAL_S) as bar:
+        for name, p in files:
+            h.update(name.encode() + b"\0")
+            h.update(file_digest(p, memo, bar.update).encode() + b"\0")
     return h.hexdigest()
 
 

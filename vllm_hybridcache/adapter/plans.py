@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild
 from vllm_hybridcache.core import LinkAddr, LinkRef
-from vllm_hybridcache.core.disk.reader import SourceOrigin
+from vllm_hybridcache.core.disk.reader import SourceKey, SourceOrigin
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.tiers.cluster import ClusterTarget
 
@@ -43,6 +43,9 @@ class LoadJob:
     # None for RAM hits
     sources: tuple[str, ...] = ()
     origin: SourceOrigin | None = None
+    # what each source must hold (kind, domain, digest), as the lookup found it: a file
+    # renamed or swapped in between is refused by the worker
+    expect: tuple[SourceKey, ...] = ()
     # MTP route: rebuild each link's boundary draft row for this prompt (adapter/draft_rows.py)
     draft: DraftRebuild | None = None
     # attention K/V in place: the first tokens vLLM's shared blocks already hold; the view
@@ -102,7 +105,7 @@ class StepPlan(KVConnectorMetadata):
     disk_writes: list[WriteJob] = field(default_factory=list)
     disk_forget: list[str] = field(default_factory=list)
     disk_clear: bool = False
-    # (tenant tag, kind) of tenants' clears (`POST /v1/cache/clear?cache_salt=`): the writer
+    # (tenant tag, kind) of tenants' clears (`POST /v1/cache/clear` with a cache_salt): the writer
     # deletes that tenant's files of that kind after the writes queued before, in order
     disk_clear_tenants: list[tuple[bytes, str]] = field(default_factory=list)
     # (start, end) of the files found at start-up that a disk hit is likeliest to read, in the

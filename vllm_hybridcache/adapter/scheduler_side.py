@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +63,7 @@ from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.folder import own_folder
-from vllm_hybridcache.core.disk.reader import SourceOrigin
+from vllm_hybridcache.core.disk.reader import SourceKey, SourceOrigin
 from vllm_hybridcache.core.disk.spill import SpillBook
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
@@ -593,9 +592,7 @@ class SchedulerSide:
                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s),
                                       key=key, key_file=key_file)
             directory.open()
-            probe = directory.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            directory.probe_writable()
         except (OSError, KeyFileError) as e:
             raise RuntimeError(
                 f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "
@@ -603,11 +600,11 @@ class SchedulerSide:
             ) from e
         self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
                                        settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                       key_file=str(key_file), spill=spill,
+                                       key_file=str(key_file), key_id=key.key_id, spill=spill,
                                        drain_s=float(settings.spill_timeout_s),
                                        direct_reads=settings.disk_direct_reads)
         self._origins[Tier.DISK.value] = SourceOrigin(fp.digest, str(key_file), "disk",
-                                                      str(root))
+                                                      str(root), key.key_id)
         # sent once, with the first plan (StepPlan.disk_warm)
         self._disk_warm = directory.warm_spans(POOL_BYTES)
         if spill:
@@ -860,6 +857,8 @@ class SchedulerSide:
             entry.restoring = res
             sources = self.cache.sources(res)
             origin = self._origins.get(res.tier) if sources else None
+            expect = tuple(SourceKey(res.kind, entry.domain, entry.keys.digest(ref.end))
+                           for ref in res.plan.chain) if sources else ()
             draft = None
             if res.kind == LinkKind.TREE:
                 draft = entry.draft_rebuild(res.plan.chain, int(request.prompt_token_ids[-1]))
@@ -867,7 +866,8 @@ class SchedulerSide:
                 draft = entry.anchor_rebuild(int(request.prompt_token_ids[res.tokens]))
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=res.plan.chain, block_ids=block_ids,
-                                       sources=sources, origin=origin, draft=draft,
+                                       sources=sources, origin=origin, expect=expect,
+                                       draft=draft,
                                        in_place=in_place))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup

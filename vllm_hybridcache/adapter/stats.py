@@ -159,8 +159,8 @@ GAUGES: dict[str, tuple[str, str]] = {
 MISSES = ("vllm:hybridcache_misses", "Snapshot-cache misses by reason (no_prefix, evicted, "
           "verify_failed, domain_mismatch (the same tenant holds it under another route, "
           "adapter or rank; another tenant's links are a no_prefix), disabled, unkeyed_input; "
-          "disk files refused: checksum, truncated, foreign, not_a_link, format, mismatch, gone, "
-          "io_error)." + _BY)
+          "disk files and cluster payloads refused: checksum, unauthenticated, truncated, "
+          "foreign, not_a_link, format, mismatch, symlink, gone, io_error)." + _BY)
 SKIPS = ("vllm:hybridcache_capture_skips", "Captures skipped by reason (budget, memory_guard, "
          "too_large, parent_refused, disabled; disk writes: queue_full, min_free, disk_full, "
          "io_error)." + _BY)

@@ -34,7 +34,12 @@ from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedMode
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
 from vllm_hybridcache.core.cpus import widen_thread_affinity
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain, warm_read_buffers
+from vllm_hybridcache.core.disk.reader import (
+    LOCAL_PROBLEMS,
+    DiskReadError,
+    stage_chain,
+    warm_read_buffers,
+)
 from vllm_hybridcache.core.disk.writer import LinkWriter, WriteJob
 from vllm_hybridcache.ops.link_copy import gather_link
 
@@ -82,6 +87,7 @@ class WorkerSide:
         # cluster tier: the publisher (started by the first plan naming a target; Ray is
         # imported only then), see vllm_hybridcache/cluster/engine.py
         self._publisher = None
+        self._publish_off = False  # the publisher could not start here: links stay local
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/instrumentation.py. None in production.
         self.instrumentation: Instrumentation | None = None
@@ -179,14 +185,16 @@ class WorkerSide:
                 raise DiskReadError(job.chain[0].link_id if job.chain else -1, "mismatch",
                                     "a load with files but no origin")
             stage_chain(self.store, job.chain, job.sources, origin.fingerprint, direct, defer,
-                        key=origin.key(), root=Path(origin.root))
+                        key=origin.key(), root=Path(origin.root), expect=job.expect or None)
         except DiskReadError as e:
             if job.tier == Tier.DISK:
                 if self._writer is not None:
                     self._writer.note_read_failure(e.problem)
-            else:
-                probs = self._report.refused.setdefault((job.tier, job.kind), {})
-                probs[e.problem] = probs.get(e.problem, 0) + 1
+                raise
+            probs = self._report.refused.setdefault((job.tier, job.kind), {})
+            probs[e.problem] = probs.get(e.problem, 0) + 1
+            if e.problem in LOCAL_PROBLEMS:  # this worker's staging copy, not the payload:
+                raise RuntimeError(str(e)) from e  # the load fails, the link is not lost
             raise
 
     def _disk_plan(self, plan: StepPlan) -> None:
@@ -323,11 +331,19 @@ class WorkerSide:
     def _cluster_publish(self, plan: StepPlan) -> None:
         """Publish committed RAM links to the other replicas (before this plan's drops, so
         their buffers are alive); a failure is logged and costs only reuse."""
-        if self._publisher is None:
+        if self._publisher is None and not self._publish_off:
             from vllm_hybridcache.cluster.engine import Publisher
 
-            self._publisher = Publisher(plan.cluster_target)
-            atexit.register(self._publisher.close)
+            try:
+                self._publisher = Publisher(plan.cluster_target)
+            except Exception as e:  # e.g. the secret file is unreadable here: serve on
+                logger.warning("hybridcache: cluster publishing off in this worker: %s: %s",
+                               type(e).__name__, e)
+                self._publish_off = True
+            else:
+                atexit.register(self._publisher.close)
+        if self._publisher is None:
+            return
         for job in plan.cluster_publish:
             if self.store.has(job.link_id):
                 try:

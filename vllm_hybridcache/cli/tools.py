@@ -1,5 +1,7 @@
 """`vllm-hybridcache`: make embedded models, print their paths, serve one with the plugin, or
-N replicas of a model under Ray behind one port (`cluster`, docs/cluster.md)."""
+N replicas of a model under Ray behind one port (`cluster`, docs/cluster.md); a running
+server's cache (`cache stats|clear URL`) and a disk tier's folder offline (`disk
+ls|stats|verify|prune|clear DIR`): docs/operations.md."""
 
 from __future__ import annotations
 
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plugin", action="store_true", help="serve with stock vLLM settings")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="further vllm serve flags")
     p.set_defaults(func=_serve_embedded)
+    from vllm_hybridcache.cli import disk, live
+
+    live.add_parser(sub)
+    disk.add_parser(sub)
     sub.add_parser("cluster", help="N replicas with the cluster tier under Ray, one OpenAI "
                    "port (vllm-hybridcache cluster --help)")
     args = parser.parse_args(argv)

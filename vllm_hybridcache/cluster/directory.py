@@ -23,7 +23,7 @@ What it knows and who may ask (docs/security.md):
   forget one early, calls stamped no later than that one are refused too, so a flood of calls
   never reopens a replay window. The actor's name carries a keyed digest of the secret, so
   clusters with different secrets never share a directory.
-- What a member of the Ray cluster can still do (docs/security-cluster.md): Ray runs any code
+- What a member of the Ray cluster can still do (docs/security.md): Ray runs any code
   its members submit, on any node, as the user the replicas run as. The directory key reaches
   the actor as its creation argument, which Ray keeps in its control store; Ray lets any
   caller run a function inside an actor (`__ray_call__`); payloads sit in Ray's object store;
@@ -47,6 +47,7 @@ import hmac
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -57,7 +58,9 @@ from vllm_hybridcache.core.auth import LinkKey
 DIRECTORY_NAME = "hybridcache-directory"
 NAMESPACE = "hybridcache"
 SKEW_S = 300.0  # how far a call's timestamp may be from the directory's clock
-NONCES_MAX = 1 << 16  # nonces of recent calls kept (a replayed call is refused)
+# nonces of recent calls kept (a replayed call is refused): a window of 2 * SKEW_S holds every
+# call of a cluster making up to ~870 calls/s; past it the floor rises (module docstring)
+NONCES_MAX = 1 << 19
 _PERSON = b"hc-dir-call"
 
 # (parent locator, start, end, nbytes, owner, [payload ref])
@@ -176,66 +179,85 @@ def _ref_ids(refs: list[Any]) -> list[bytes]:
 
 
 def sign_call(key: bytes, op: str, args: list[Any], refs: list[Any],
-              clock=time.time) -> tuple[bytes, bytes]:
+              clock: Callable[[], float] = time.time) -> tuple[bytes, bytes]:
     """The (body, mac) of a directory call (see the module docstring)."""
     body = msgspec.msgpack.encode([op, args, _ref_ids(refs), float(clock()), os.urandom(16)])
     return body, hashlib.blake2b(body, key=key, digest_size=32, person=_PERSON).digest()
 
 
-class AuthenticatedDirectory:
-    """A ClusterDirectory that answers only `call`s MACed with its key (module docstring)."""
+class _ReplayGuard:
+    """Remembers the nonces of recent calls while a replay of them could pass the timestamp
+    check. A plain object held by the actor, so none of this is an actor method (Ray makes
+    every method of an actor class callable by any member, underscored ones included)."""
 
-    def __init__(self, key: bytes, clock=time.time) -> None:
+    def __init__(self) -> None:
+        # nonce -> (arrival, the call's timestamp) of recent calls, in arrival order
+        self.nonces: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        # calls stamped at or before it are refused: a nonce forgotten to keep the set within
+        # NONCES_MAX belonged to a call stamped no later, so its replay is still caught
+        self.floor = float("-inf")
+
+    def admit(self, nonce: bytes, now: float, stamp: float) -> str | None:
+        """None when the call is new (and remember it), else why it is refused. A nonce that
+        arrived more than 2 * SKEW_S ago is dropped (its stamp is more than SKEW_S old by
+        now); past NONCES_MAX the oldest goes and raises the floor to its stamp."""
+        if nonce in self.nonces:
+            return "replayed"
+        if stamp <= self.floor:
+            return "stamped before calls it no longer remembers (a replay?)"
+        self.nonces[nonce] = (now, stamp)
+        while self.nonces:
+            arrived, stamped = next(iter(self.nonces.values()))
+            if now - arrived > 2 * SKEW_S:
+                self.nonces.popitem(last=False)
+            elif len(self.nonces) > NONCES_MAX:
+                self.nonces.popitem(last=False)
+                self.floor = max(self.floor, stamped)
+            else:
+                break
+        return None
+
+
+def _refused(why: str) -> DirectoryRefused:
+    return DirectoryRefused(f"directory call refused: {why}")
+
+
+class AuthenticatedDirectory:
+    """A ClusterDirectory that answers only `call`s MACed with its key (module docstring).
+    `call` is its one method: its state (the table, the replay guard) lives in attributes."""
+
+    def __init__(self, key: bytes, clock: Callable[[], float] = time.time) -> None:
         self._key = bytes(key)
         self._clock = clock
         self._table = ClusterDirectory()
-        # nonce -> (arrival, the call's timestamp) of recent calls, in arrival order
-        self._nonces: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
-        # calls stamped at or before it are refused: a nonce forgotten to keep the set within
-        # NONCES_MAX belonged to a call stamped no later, so its replay is still caught
-        self._floor = float("-inf")
+        self._guard = _ReplayGuard()
         self.refused = 0
 
     def call(self, body: bytes, mac: bytes, refs: list[Any]) -> Any:
         want = hashlib.blake2b(body, key=self._key, digest_size=32, person=_PERSON).digest()
+        why = None
         if not hmac.compare_digest(want, mac):
-            return self._refuse("its MAC does not match this directory's key")
-        try:
-            op, args, ref_ids, stamp, nonce = msgspec.msgpack.decode(body)
-        except (msgspec.DecodeError, ValueError, TypeError):
-            return self._refuse("malformed")
-        now = self._clock()
-        if (op not in OPERATIONS or not isinstance(args, list)
-                or not isinstance(stamp, (int, float)) or not isinstance(nonce, bytes)
-                or ref_ids != _ref_ids(refs) or abs(now - float(stamp)) > SKEW_S):
-            return self._refuse("malformed, stale or with other object refs")
-        if nonce in self._nonces:
-            return self._refuse("replayed")
-        if stamp <= self._floor:
-            return self._refuse("stamped before calls it no longer remembers (a replay?)")
-        self._remember(nonce, now, float(stamp))
+            why = "its MAC does not match this directory's key"
+        else:
+            try:
+                op, args, ref_ids, stamp, nonce = msgspec.msgpack.decode(body)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                op = args = ref_ids = stamp = nonce = None
+                why = "malformed"
+            now = self._clock()
+            if why is None and (op not in OPERATIONS or not isinstance(args, list)
+                                or not isinstance(stamp, (int, float))
+                                or not isinstance(nonce, bytes)
+                                or ref_ids != _ref_ids(refs) or abs(now - float(stamp)) > SKEW_S):
+                why = "malformed, stale or with other object refs"
+            if why is None:
+                why = self._guard.admit(nonce, now, float(stamp))
+        if why is not None:
+            self.refused += 1
+            raise _refused(why)
         if op in _REF_ARG:
             args = [*args, list(refs)]
         return getattr(self._table, op)(*args)
-
-    def _remember(self, nonce: bytes, now: float, stamp: float) -> None:
-        """Keep a call's nonce while a replay of it could pass the timestamp check. One that
-        arrived more than 2 * SKEW_S ago is dropped (its stamp is more than SKEW_S old by
-        now); past NONCES_MAX the oldest goes and raises the floor to its stamp."""
-        self._nonces[nonce] = (now, stamp)
-        while self._nonces:
-            arrived, stamped = next(iter(self._nonces.values()))
-            if now - arrived > 2 * SKEW_S:
-                self._nonces.popitem(last=False)
-            elif len(self._nonces) > NONCES_MAX:
-                self._nonces.popitem(last=False)
-                self._floor = max(self._floor, stamped)
-            else:
-                break
-
-    def _refuse(self, why: str) -> Any:
-        self.refused += 1
-        raise DirectoryRefused(f"directory call refused: {why}")
 
 
 DirectoryActor = ray.remote(num_cpus=0, max_restarts=0)(AuthenticatedDirectory)
@@ -252,11 +274,17 @@ class DirectoryClient:
         self.key = key
         self.name = f"{DIRECTORY_NAME}-{key.name(b'directory-actor', size=8)}"
         self._handle: Any = None
+        self._cluster: str | None = None  # the Ray connection the handle belongs to
 
     def handle(self) -> Any:
         """The cluster's directory actor for this secret, created by the first replica that
-        asks (detached, so it outlives that replica; it goes with the cluster)."""
-        if self._handle is None:
+        asks (detached, so it outlives that replica; it goes with the cluster). A handle is
+        only good in the Ray cluster it came from: a process that joined another one since
+        (a restarted cluster) looks the actor up again."""
+        ctx = ray.get_runtime_context()  # a new connection is a new job, even to one cluster
+        cluster = f"{ctx.gcs_address}/{ctx.get_job_id()}"
+        if self._handle is None or self._cluster != cluster:
+            self._cluster = cluster
             self._handle = DirectoryActor.options(
                 name=self.name, namespace=NAMESPACE, get_if_exists=True,
                 lifetime="detached").remote(self.key.directory_key)

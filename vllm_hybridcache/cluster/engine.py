@@ -124,8 +124,9 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
                        key=key)
     logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s, secret %s)",
                 settings.cluster_address, owner, fp.hex[:16], key.key_id)
-    return (tier, ClusterTarget(settings.cluster_address, fp.digest, owner, secret_file),
-            SourceOrigin(fp.digest, secret_file, "cluster", str(stage)))
+    return (tier, ClusterTarget(settings.cluster_address, fp.digest, owner, secret_file,
+                                key.key_id),
+            SourceOrigin(fp.digest, secret_file, "cluster", str(stage), key.key_id))
 
 
 def open_cluster_anchors(tier: ClusterTier, anchors) -> ClusterAnchors:
@@ -164,7 +165,7 @@ class Publisher:
 
     def __init__(self, target: ClusterTarget) -> None:
         self.target = target
-        self.key = key_from_file(target.secret_file, "cluster")
+        self.key = key_from_file(target.secret_file, "cluster", expect_id=target.key_id)
         self.transport = RayTransport(target.address, self.key, owner=target.owner)
         self._tmp = _scratch("hybridcache-publish-")
         # link id -> (kind, locator)

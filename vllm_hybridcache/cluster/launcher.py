@@ -34,6 +34,7 @@ import ray
 import requests
 from ray import serve
 
+from vllm_hybridcache.config import SECRET_ENV as SECRET_VARIABLES
 from vllm_hybridcache.core.auth import key_from_file, new_secret
 
 from .directory import NAMESPACE, DirectoryClient
@@ -48,15 +49,24 @@ SECRET_ENV = "VLLM_HYBRIDCACHE_CLUSTER_SECRET_FILE"
 _OWN_ENV = ("VLLM_HYBRIDCACHE_CLUSTER_ADDRESS", "VLLM_HYBRIDCACHE_CLUSTER_REPLICA", SECRET_ENV)
 
 
+STARTUP_LOG_INTERVAL_S = 15.0  # a line naming the replicas still starting, this often
+
+
 class LaunchError(RuntimeError):
     """A replica did not come up; the message carries the tail of its log."""
 
 
 def replica_env() -> dict[str, str]:
     """The launcher's vLLM and plugin settings (VLLM_*), passed to every replica: on a remote
-    node the actor does not inherit this process's environment."""
+    node the actor does not inherit this process's environment. Variables holding a secret
+    (the admin key) are not passed: an actor's arguments sit in Ray's control store, so give
+    the replicas the admin key as a file (`admin_key_file`) instead (docs/security.md)."""
+    left = sorted(k for k in os.environ if k in SECRET_VARIABLES)
+    if left:
+        logger.warning("hybridcache cluster: %s not passed to the replicas (a secret never "
+                       "travels through Ray); use admin_key_file", ", ".join(left))
     return {k: v for k, v in os.environ.items()
-            if k.startswith("VLLM_") and k not in _OWN_ENV}
+            if k.startswith("VLLM_") and k not in _OWN_ENV and k not in SECRET_VARIABLES}
 
 
 class Cluster:
@@ -85,26 +95,41 @@ class Cluster:
         self.book: Any = None  # the front's owners, kept across front restarts (owners.py)
         self._wait_ready(startup_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, interval_s: float = STARTUP_LOG_INTERVAL_S,
+                    poll_s: float = 1.0) -> None:
+        """Wait until every replica answers /health. A replica's start-up (loading weights,
+        hashing them for the fingerprint on a first start, compiling) can take minutes: a bar
+        on a terminal, else a log line every `interval_s` naming the replicas still starting
+        (vllm_hybridcache/progress.py)."""
+        from vllm_hybridcache.progress import Progress
+
         pending = dict(self.endpoints)
         deadline = time.monotonic() + timeout_s
-        while pending:
-            for name, url in list(pending.items()):
-                try:
-                    if requests.get(url + "/health", timeout=5).status_code == 200:
-                        del pending[name]
-                        continue
-                except requests.RequestException:
-                    pass
-                if not ray.get(self.actors[name].alive.remote()):
-                    tail = ray.get(self.actors[name].log_tail.remote())
+
+        def status() -> str:
+            return f"still starting: {', '.join(sorted(pending))}" if pending else "all up"
+
+        with Progress(len(pending), "hybridcache cluster: replicas up", unit="replica",
+                      logger=logger, interval_s=interval_s, status=status) as bar:
+            while pending:
+                for name, url in list(pending.items()):
+                    try:
+                        if requests.get(url + "/health", timeout=5).status_code == 200:
+                            del pending[name]
+                            bar.update(1)
+                            continue
+                    except requests.RequestException:
+                        pass
+                    if not ray.get(self.actors[name].alive.remote()):
+                        tail = ray.get(self.actors[name].log_tail.remote())
+                        self.stop()
+                        raise LaunchError(f"replica {name} exited during start-up:\n{tail}")
+                if pending and time.monotonic() > deadline:
                     self.stop()
-                    raise LaunchError(f"replica {name} exited during start-up:\n{tail}")
-            if pending and time.monotonic() > deadline:
-                self.stop()
-                raise LaunchError(f"replicas {sorted(pending)} not up in {timeout_s:.0f} s")
-            if pending:
-                time.sleep(1.0)
+                    raise LaunchError(f"replicas {sorted(pending)} not up in {timeout_s:.0f} s")
+                if pending:
+                    bar.update(0)
+                    time.sleep(poll_s)
 
     def serve_front(self, host: str, port: int, policy: Policy = Policy.AFFINITY,
                     max_imbalance: int = 4, health_interval_s: float = 2.0) -> str:

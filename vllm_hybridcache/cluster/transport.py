@@ -71,9 +71,14 @@ class _Pending:
 
     def result(self) -> Any:
         try:
-            return self._convert(ray.get(self._refs, timeout=0))
+            vals = ray.get(self._refs, timeout=0)
         except (rex.RayError, DirectoryRefused) as e:
             raise ClusterError(_reason(e), f"{type(e).__name__}: {e}") from e
+        try:  # the directory's answers carry no MAC: one of another shape is a miss
+            return self._convert(vals)
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            raise ClusterError(ClusterMiss.VERIFY_FAILED,
+                               f"an answer of an unexpected shape: {type(e).__name__}") from e
 
 
 class _Failed:
@@ -88,8 +93,14 @@ class _Failed:
 
 
 def _entries(vals: list[Any]) -> list[RemoteEntry]:
-    return [RemoteEntry(loc, parent, start, end, nbytes, owner, h[0])
-            for loc, parent, start, end, nbytes, owner, h in vals[0]]
+    out = []
+    for loc, parent, start, end, nbytes, owner, h in vals[0]:
+        if not (isinstance(loc, bytes) and isinstance(parent, bytes) and isinstance(owner, str)
+                and all(isinstance(x, int) and x >= 0 for x in (start, end, nbytes))
+                and start < end and isinstance(h, list) and len(h) == 1):
+            raise ValueError("a malformed directory entry")
+        out.append(RemoteEntry(loc, parent, start, end, nbytes, owner, h[0]))
+    return out
 
 
 class RayTransport:

@@ -3,10 +3,10 @@
 Why: a link file (disk tier) or payload (cluster tier) is restored into an engine as state it
 did not compute. A CRC-32 catches corruption but anyone can compute one, so a forged file with
 valid CRCs would be served as cold-exact (a wrong token). Every link file therefore carries
-MACs keyed by a secret the operator controls: keyed BLAKE2b over its header and over each part
-(core/disk/linkfile.py). A reader without the secret cannot produce a file the engine accepts,
-and names derived from the secret (`LinkKey.name`) let nobody without it find or enumerate
-another domain's links.
+MACs keyed by a secret the operator controls, over its header and over each part
+(core/disk/linkfile.py; the two constructions are below). A reader without the secret cannot
+produce a file the engine accepts, and names derived from the secret (`LinkKey.name`) let
+nobody without it find or enumerate another domain's links.
 
 One secret serves several purposes, each with its own derived key (`LinkKey(secret, purpose)`
 for "disk" and "cluster"; inside it "mac", "name" and "directory"), so a key handed to one
@@ -189,6 +189,29 @@ def _check_owner_mode(path: Path, st: os.stat_result) -> None:
                        stat.S_IMODE(st.st_mode), path)
 
 
+def _create_key_file(path: Path) -> None:
+    """A new key file at `path`, complete before anyone can see it: the secret is written and
+    fsynced under a temporary name, then linked to `path` (`link` fails when the name exists:
+    another engine starting at the same moment created it first, and both use that one)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        try:
+            os.write(fd, new_secret() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path, follow_symlinks=False)
+        except FileExistsError:
+            return
+        logger.info("hybridcache: created key file %s (mode 0600)", path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def load_key_file(path: Path, *, create: bool = False) -> bytes:
     """The secret held by `path` (see the module docstring for the checks).
 
@@ -197,24 +220,14 @@ def load_key_file(path: Path, *, create: bool = False) -> bytes:
     created.
     """
     path = Path(path).expanduser()
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK: a FIFO under the key's name never blocks the start (it is refused below)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
         if not create:
             raise
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except FileExistsError:  # another engine created it first: use that one
-            return load_key_file(path)
-        try:
-            os.write(fd, new_secret() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        logger.info("hybridcache: created key file %s (mode 0600)", path)
+        _create_key_file(path)
         return load_key_file(path)
     except OSError as e:
         if e.errno == errno.ELOOP:
@@ -240,12 +253,22 @@ _KEYS: dict[tuple[str, str], LinkKey] = {}
 _KEYS_LOCK = threading.Lock()
 
 
-def key_from_file(path: str | Path, purpose: str, *, create: bool = False) -> LinkKey:
+def key_from_file(path: str | Path, purpose: str, *, create: bool = False,
+                  expect_id: str = "") -> LinkKey:
     """The LinkKey of `purpose` from the key file at `path`, read once per process (a worker
-    asks for it with every staged load; a new key takes a restart)."""
+    asks for it with every staged load; a new key takes a restart).
+
+    expect_id: the `key_id` the process that planned the work read (the scheduler side, at
+    its start). Processes read the file at different times; a file replaced in between would
+    make every file the other one wrote look forged. A mismatch raises KeyFileError, so the
+    work fails (a miss) and nothing is deleted or invalidated for it."""
     ident = (os.path.abspath(Path(path).expanduser()), purpose)
     with _KEYS_LOCK:
         key = _KEYS.get(ident)
         if key is None:
             key = _KEYS[ident] = LinkKey(load_key_file(Path(ident[0]), create=create), purpose)
-        return key
+    if expect_id and key.key_id != expect_id:
+        raise KeyFileError(f"the {purpose} key file {ident[0]} holds another key (id "
+                           f"{key.key_id}) than the engine started with ({expect_id}); "
+                           "restart the engine after changing a key")
+    return key

@@ -1,17 +1,19 @@
 """LinkDirectory: the files of the disk tier, on one directory that several engines may share.
 
-Layout: `ROOT/<F>/<D>/<N>-<end>.link` for tree links and `ROOT/<F>/a-<D>/<N>-<end>.link` for
-spilled end anchors (session-exact state, kept apart: a tree lookup never even stats an
-anchor's name, and every header names its kind), where F, D and N are keyed digests (the disk
-key's `LinkKey.name`, core/auth.py) of the fingerprint, of the domain, and of (domain, digest).
-Nobody without the disk key can tell from the names which domain (tenant, adapter) a folder
-belongs to, nor which prompt a file continues; the files themselves are 0600 in 0700 folders
-(folder.py) and authenticated (linkfile.py). A file's name is a function of its key (kind,
-domain, end, digest), so any engine of the same fingerprint and disk key finds a link written
-by another one by asking for the name: a tree lookup stats the names of the prompt's cuts
-(the segmentation is part of the fingerprint, so links only ever sit at cuts), then reads and
-verifies the headers of the chain it found. The in-memory index only serves accounting and
-eviction; it is rebuilt by `scan()` and corrected whenever a file turns out to be gone.
+Layout: `ROOT/<F>/<T>-<D>/<N>-<end>.link` for tree links and
+`ROOT/<F>/a-<T>-<D>/<N>-<end>.link` for spilled end anchors (session-exact state, kept apart: a
+tree lookup never even stats an anchor's name, and every header names its kind), where F, T, D
+and N are keyed digests (the disk key's `LinkKey.name`, core/auth.py) of the fingerprint, of
+the domain's tenant tag (core/keys.py: a tenant's clear finds its folders by name), of the
+domain, and of (domain, digest). Nobody without the disk key can tell from the names which
+domain (tenant, adapter) a folder belongs to, nor which prompt a file continues; the files
+themselves are 0600 in 0700 folders (folder.py) and authenticated (linkfile.py). A file's name
+is a function of its key (kind, domain, end, digest), so any engine of the same fingerprint and
+disk key finds a link written by another one by asking for the name: a tree lookup stats the
+names of the prompt's cuts (the segmentation is part of the fingerprint, so links only ever sit
+at cuts), then reads and verifies the headers of the chain it found. The in-memory index only
+serves accounting and eviction; it is rebuilt by `scan()` and corrected whenever a file turns
+out to be gone.
 
 Every file and folder below ROOT is reached from ROOT's descriptor one component at a time
 without following a symlink (safeio.py): a symlinked file or folder is refused (`symlink`,
@@ -37,6 +39,7 @@ import os
 import shutil
 import stat
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ..auth import LinkKey
-from ..keys import PromptKeys
+from ..keys import PromptKeys, in_tenant, tenant_of
 from .folder import own_folder
 from .linkfile import (
     TMP_PREFIX,
@@ -180,10 +183,7 @@ class LinkDirectory:
                 continue  # the folder was removed between mkdir and open
             fcntl.flock(fd, fcntl.LOCK_SH)
             held = os.fstat(fd)
-            try:
-                at_path = os.stat(path)
-            except FileNotFoundError:
-                at_path = None
+            at_path = self._lstat(path)
             if at_path is not None and (at_path.st_dev, at_path.st_ino) == (
                 held.st_dev,
                 held.st_ino,
@@ -193,6 +193,16 @@ class LinkDirectory:
         raise OSError(
             errno.EBUSY, f"could not lock {path}: swept by another engine {LOCK_ATTEMPTS} times"
         )
+
+    def probe_writable(self) -> None:
+        """Create and remove a file in this fingerprint's folder (a start-up check: a folder
+        that opened but cannot take a file is refused now, not at the first write). Created
+        O_EXCL under a random name, never through a symlink. Raises OSError."""
+        name = f".probe-{os.getpid()}-{uuid.uuid4().hex}"
+        with dir_fd(self.dir) as d:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=d))
+            os.unlink(name, dir_fd=d)
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -313,9 +323,15 @@ class LinkDirectory:
     # ------------------------------------------------------------------ names
     def path_for(self, domain: bytes, end: int, digest: bytes, kind: str = TREE) -> Path:
         """Where the link of (kind, domain, end, digest) lives (names keyed: module docstring)."""
-        folder = self.key.name(b"domain", domain, size=8)
-        sub = folder if kind == TREE else ANCHOR_PREFIX + folder
-        return self.dir / sub / f"{self.key.name(b'link', domain, digest)}-{end}{SUFFIX}"
+        folder = (self._tenant_prefix(tenant_of(domain), kind)
+                  + self.key.name(b"domain", domain, size=8))
+        return self.dir / folder / f"{self.key.name(b'link', domain, digest)}-{end}{SUFFIX}"
+
+    def _tenant_prefix(self, tag: bytes, kind: str) -> str:
+        """The start of the names of one tenant's domain folders of `kind`: a keyed digest of
+        its tenant tag, so a tenant's clear finds its folders by name, reading no header."""
+        return ((ANCHOR_PREFIX if kind == ANCHOR else "")
+                + self.key.name(b"tenant", tag, size=8) + "-")
 
     # ------------------------------------------------------------------ safe file operations
     def _mkdir(self, path: Path) -> None:
@@ -331,22 +347,32 @@ class LinkDirectory:
     def _lstat(self, path: Path) -> os.stat_result | None:
         """The file's own status (None when it is missing or a folder on its way is a
         symlink: such a path names nothing this directory uses)."""
+        return self._stat_or_link(path)[0]
+
+    def _stat_or_link(self, path: Path) -> tuple[os.stat_result | None, bool]:
+        """(the file's own status or None, whether a symlink was met on the way or is the
+        file itself)."""
         parts = relative_parts(self.root, path)
         try:
             with dir_fd(self.root, *parts[:-1]) as d:
-                return os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
-        except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
-            return None
+                st = os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
+        except SymlinkRefused:
+            return None, True
+        except (FileNotFoundError, NotADirectoryError):
+            return None, False
+        return st, stat.S_ISLNK(st.st_mode)
 
     def has_file(self, path: Path) -> bool:
         """Whether `path` is a regular file reached without a symlink. A symlink found on the
-        way (planted in the folder) is refused: removed and counted, never followed."""
-        st = self._lstat(path)
+        way (planted in the folder) is refused: removed and counted, never followed. One
+        stat on the way of a lookup; the walk for the symlink only when one was met."""
+        st, linked = self._stat_or_link(path)
         if st is not None and stat.S_ISREG(st.st_mode):
             return True
-        link = self._first_symlink(path)
-        if link is not None:
-            self._refuse_symlink(link)
+        if linked:
+            link = self._first_symlink(path)
+            if link is not None:
+                self._refuse_symlink(link)
         return False
 
     def _first_symlink(self, path: Path) -> Path | None:
@@ -418,7 +444,10 @@ class LinkDirectory:
                 path, key=self.key, fingerprint=self.fingerprint, domain=domain, digest=digest,
                 parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
                 parts=parts, created=self._clock(), kind=kind, tag=tag, root=self.root)
-        except LinkFileError:  # a symlink planted on the way
+        except LinkFileError:  # a symlink planted on the way: removed, counted
+            link = self._first_symlink(path)
+            if link is not None:
+                self._refuse_symlink(link)
             return self._skip("symlink")
         except OSError as e:
             return self._skip("disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -467,7 +496,7 @@ class LinkDirectory:
             path = self.path_for(domain, cut, keys.digest(cut))
             if not self.has_file(path):
                 continue
-            chain = self._chain(path, keys, domain)
+            chain = self._chain(path, keys, domain, cut)
             if not chain:
                 continue
             n = len(chain)
@@ -481,8 +510,16 @@ class LinkDirectory:
                 best = chain[:n]
         return best, refused
 
-    def _chain(self, path: Path, keys: PromptKeys, domain: bytes
+    def _chain(self, path: Path, keys: PromptKeys, domain: bytes, end: int
                ) -> list[tuple[Path, LinkFileHeader, int]]:
+        """The chain root -> the file at `path`, which must hold the link ending at `end`.
+
+        Every file must be the very link its name was looked up for: its header's end is the
+        cut asked for (then each parent's is its child's start), its digests are the prompt's
+        at its bounds, and its own tokens are the prompt's. Names are not authenticated (a
+        writer of the folder can rename a genuine file), so a file found under another link's
+        name must not stitch a chain with a gap or another prefix's state.
+        """
         chain: list[tuple[Path, LinkFileHeader, int]] = []
         while True:
             try:
@@ -493,13 +530,19 @@ class LinkDirectory:
             except FileNotFoundError:
                 self._forget(path)
                 return []
-            if (header.domain != domain or header.kind != TREE or header.end > len(keys)
+            if (header.domain != domain or header.kind != TREE or header.end != end
+                    or header.end > len(keys) or header.digest != keys.digest(end)
+                    or header.parent_digest != (keys.digest(header.start) if header.start
+                                                else b"")
                     or keys.token_bytes(header.start, header.end) != header.tokens):
-                return []  # a digest collision: not this prompt's link (a miss, not damage)
+                # not this prompt's link at this cut: a digest collision, or a file under
+                # another link's name (a miss, never a chain with a gap)
+                return []
             chain.append((path, header, base))
             if header.start == 0:
                 chain.reverse()
                 return chain
+            end = header.start
             path = self.path_for(domain, header.start, header.parent_digest)
 
     def lookup_anchor(self, keys: PromptKeys, domain: bytes, limit: int,
@@ -524,7 +567,7 @@ class LinkDirectory:
             except FileNotFoundError:
                 self._forget(path)
                 continue
-            if (header.kind == ANCHOR and header.domain == domain
+            if (header.kind == ANCHOR and header.domain == domain and header.digest == digest
                     and (header.start, header.end) == (0, end)
                     and keys.token_bytes(0, end) == header.tokens):
                 return path, header, base
@@ -673,35 +716,33 @@ class LinkDirectory:
         self._account()
         return n
 
-    def clear_domains(self, domains: Callable[[bytes], bool], kind: str) -> int:
-        """Delete every file of `kind` (TREE or ANCHOR) whose domain `domains(domain)` names,
-        e.g. one tenant's; returns how many files were deleted. Files of other domains stay.
-
-        A file's domain and kind come from this index, or from its header for a file another
-        process (the writer thread, another engine) wrote since the index was built; a file
-        whose header cannot be read is left alone (a lookup that meets it deletes it as
-        damaged). Index entries of matching files already gone are forgotten too, so the
-        index of an instance another process cleared first stays true.
-        """
+    def clear_tenant(self, tag: bytes, kind: str) -> int:
+        """Delete every file of `kind` (TREE or ANCHOR) of one tenant (domains ending with its
+        tag, `core/keys.py`): the files of its domain folders, found by their names' tenant
+        prefix (`_tenant_prefix`), so the work is one listing of this fingerprint's folder and
+        the tenant's own files, whoever wrote them; returns how many were deleted. Index
+        entries of the tenant's files already gone are forgotten too. Other tenants' files
+        stay."""
+        prefix = self._tenant_prefix(tag, kind)
         n = 0
-        for p in list(self._files()):
-            if not p.name.endswith(SUFFIX) or p.name.startswith(TMP_PREFIX):
+        with os.scandir(self.dir) as it:
+            folders = [e.name for e in it
+                       if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+        for name in folders:
+            try:
+                with dir_fd(self.dir, name) as d, os.scandir(d) as it:
+                    files = [e.name for e in it if e.name.endswith(SUFFIX)
+                             and not e.name.startswith(TMP_PREFIX)]
+                    for f in files:
+                        try:
+                            os.unlink(f, dir_fd=d)
+                            n += 1
+                        except FileNotFoundError:
+                            pass
+            except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
                 continue
-            entry = self._index.get(p)
-            if entry is not None:
-                domain, file_kind = entry.domain, entry.kind
-            else:
-                try:
-                    header, _ = read_header(p, self.fingerprint, self.key, self.root)
-                except (LinkFileError, FileNotFoundError):
-                    continue
-                domain, file_kind = header.domain, header.kind
-            if file_kind == kind and domains(domain):
-                self._unlink(p)
-                self._forget(p)
-                n += 1
-        for entry in [e for e in self._index.values()
-                      if e.kind == kind and domains(e.domain) and self._lstat(e.path) is None]:
+        ours = in_tenant(tag)
+        for entry in [e for e in self._index.values() if e.kind == kind and ours(e.domain)]:
             self._forget(entry.path)
         self._account()
         return n

@@ -58,9 +58,10 @@ def own_folder(root: Path, key_file: Path | None = None) -> Path:
         raise UnsafeFolder(f"disk_dir {root} is writable by group or others (mode "
                            f"{stat.S_IMODE(st.st_mode):04o}): anyone could plant link files. "
                            f"Fix: `chmod 700 {root}`")
-    if key_file is not None:
-        key = Path(os.path.abspath(Path(key_file).expanduser()))
-        if key == root or root in key.parents:
+    if key_file is not None:  # compared as resolved: a symlinked folder must not hide it
+        key = Path(os.path.realpath(Path(key_file).expanduser()))
+        real = Path(os.path.realpath(root))
+        if key == real or real in key.parents:
             raise UnsafeFolder(f"the disk key {key} lies inside disk_dir {root}: a copy of the "
                                "folder would carry the key that authenticates its files. Keep "
                                "it elsewhere (setting disk_key_file)")

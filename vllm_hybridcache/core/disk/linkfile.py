@@ -69,7 +69,6 @@ __all__ = [
     "LinkFileProblem",
     "PartEntry",
     "check_part",
-    "fsync_dir",
     "open_link",
     "read_header",
     "read_parts",
@@ -88,6 +87,9 @@ MAGIC = magic(PREFERRED_MAC)  # what this process writes
 _ALGS = frozenset(int(a) for a in MacAlgorithm)
 FORMAT_VERSION = 3  # 2: the draft tag (MTP route); 3: MACs over the header and every part
 ALIGN = 4096  # page aligned parts: direct I/O and mmap friendly
+# the largest header a reader reads: its token ids are 8 bytes each, so 16 MiB allows a link of
+# about 2M tokens, far past any context; a longer length is refused before it is read
+HEADER_MAX = 16 << 20
 TMP_PREFIX = ".tmp-"
 _PRE = struct.Struct(f"<8sII{MAC_BYTES}s")
 _PRE_MACED = struct.Struct("<8sII")  # the part of the prelude its MAC covers
@@ -167,15 +169,6 @@ def _as_bytes_view(t: torch.Tensor | np.ndarray) -> memoryview:
 
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_part(path: Path, entry: PartEntry, data: memoryview, key: LinkKey, alg: int,
@@ -295,7 +288,7 @@ def read_header(path: Path, fingerprint: bytes, key: LinkKey,
     fd = open_link(path, root)
     with os.fdopen(fd, "rb") as f:
         pre = f.read(_PRE.size)
-        if len(pre) < len(_MAGIC_FAMILY) or pre[:7] != _MAGIC_FAMILY:
+        if len(pre) < 8 or pre[:7] != _MAGIC_FAMILY:
             raise LinkFileError(LinkFileProblem.NOT_A_LINK, str(path))
         if pre[7] not in _ALGS:
             raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: an earlier format")
@@ -303,6 +296,8 @@ def read_header(path: Path, fingerprint: bytes, key: LinkKey,
         if len(pre) < _PRE.size:
             raise LinkFileError(LinkFileProblem.TRUNCATED, f"{path}: prelude cut short")
         _, hlen, hcrc, hmac = _PRE.unpack(pre)
+        if hlen > HEADER_MAX:  # never read a planted length's worth before the MAC check
+            raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: a {hlen}-byte header")
         raw = f.read(hlen)
         size = os.fstat(f.fileno()).st_size
     if len(raw) < hlen:

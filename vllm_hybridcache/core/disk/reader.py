@@ -25,11 +25,13 @@ fresh pages.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -42,8 +44,16 @@ from .hugepages import advise_huge_pages
 from .inplace import fits_in_place, read_in_place, split_point
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
 
-__all__ = ["DiskReadError", "SourceOrigin", "read_verified", "stage_chain",
-           "warm_read_buffers"]
+__all__ = ["LOCAL_PROBLEMS", "DiskReadError", "SourceKey", "SourceOrigin", "read_verified",
+           "stage_chain", "warm_read_buffers"]
+
+
+class SourceKey(NamedTuple):
+    """What a staged file must hold: the link's kind, domain and digest (its end's)."""
+
+    kind: str
+    domain: bytes
+    digest: bytes
 
 
 class SourceOrigin(msgspec.Struct, frozen=True):
@@ -57,9 +67,15 @@ class SourceOrigin(msgspec.Struct, frozen=True):
     key_file: str
     purpose: str
     root: str
+    key_id: str = ""  # the key the scheduler side read (core/auth.py `key_from_file`)
 
     def key(self) -> LinkKey:
-        return key_from_file(self.key_file, self.purpose)
+        return key_from_file(self.key_file, self.purpose, expect_id=self.key_id)
+
+
+# problems of a read that are this machine's own (the file deleted meanwhile, an I/O error),
+# not the file's content: for a staged copy of a remote payload they say nothing about it
+LOCAL_PROBLEMS = frozenset({"gone", "io_error"})
 
 
 class DiskReadError(MissingLinkError):
@@ -87,12 +103,15 @@ def read_verified(path: Path, header: LinkFileHeader, base: int,
 
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
                 fingerprint: bytes, direct: bool = False, defer_sections: bool = False, *,
-                key: LinkKey, root: Path | None = None) -> int:
+                key: LinkKey, root: Path | None = None,
+                expect: Sequence[SourceKey] | None = None) -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified (header and parts
     authenticated with `key`); returns the bytes read. On any problem every link staged by this
     call is dropped and DiskReadError raised, charged to the first file of the chain found at
     fault. `root`: the folder the files lie below (the disk tier's, the cluster staging
-    folder); no symlink below it is followed.
+    folder); no symlink below it is followed. `expect[i]`: the (kind, domain, digest) the
+    scheduler's lookup found in `sources[i]`; a file holding another link now (renamed or
+    swapped in since: names are not authenticated) is refused as `mismatch`.
     `direct`: with direct I/O where the file system takes it (setting `disk_direct_reads`).
     `defer_sections`: of every link but the deepest, read and check only the views now, and
     leave the sections (its recurrent state, which a restore of this chain does not read) to
@@ -103,8 +122,12 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
     thread prepares the next (header, buffers): the device gets the next file's request while
     the CPU checks the last one's CRCs. A link is sealed only once its checks passed, and no
     buffer is dropped while a helper still writes or reads it."""
-    if len(chain) != len(sources):
+    if len(chain) != len(sources) or (expect is not None and len(expect) != len(sources)):
         raise ValueError(f"{len(chain)} links but {len(sources)} files")
+    if chain and (chain[0].start != 0
+                  or any(b.start != a.end for a, b in itertools.pairwise(chain))):
+        raise ValueError(f"the chain {[(r.start, r.end) for r in chain]} is not contiguous "
+                         "from 0")
     layout = store.layout
     staged: list[int] = []
     reads: list[tuple[LinkRef, Future[int]]] = []  # in-place reads in flight, in chain order
@@ -114,6 +137,10 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
         for ref, src in zip(chain, sources, strict=True):
             at, path = ref, Path(src)
             header, base = read_header(path, fingerprint, key, root)
+            want = expect[len(staged)] if expect is not None else None
+            if want is not None and (header.kind, header.domain, header.digest) != want:
+                raise LinkFileError(LinkFileProblem.MISMATCH,
+                                    f"{path}: holds another link than the lookup found")
             if (header.start, header.end) != (ref.start, ref.end):
                 raise LinkFileError(LinkFileProblem.MISMATCH,
                                     f"{path}: holds [{header.start}, {header.end}), the plan "

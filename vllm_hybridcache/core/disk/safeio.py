@@ -69,7 +69,10 @@ def open_below(root: Path, path: Path, flags: int = os.O_RDONLY, mode: int = 0o6
     parts = relative_parts(root, path)
     with dir_fd(root, *parts[:-1]) as parent:
         try:
-            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+            # O_NONBLOCK: a FIFO planted under a link's name must not block the open (it is
+            # then refused as not a regular file); on regular files it changes nothing
+            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode,
+                         dir_fd=parent)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise SymlinkRefused(e.errno, "a symlink", str(path)) from e

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from ..auth import key_from_file
-from ..keys import in_tenant
 from ..stats import SECONDS_BOUNDS, Histogram
 from .directory import TREE, LinkDirectory
 from .tags import EncodedTag
@@ -62,6 +61,7 @@ class DiskTarget(msgspec.Struct, frozen=True):
     # the disk key's file (core/auth.py): the worker reads the key itself, so the secret never
     # travels in a plan
     key_file: str
+    key_id: str = ""  # the key the scheduler side read: the writer refuses another
     spill: bool = False  # session spill: end anchors are written at shutdown and eviction
     drain_s: float = 10.0  # time limit of the shutdown drain
     direct_reads: bool = True  # a disk hit reads with direct I/O (core/disk/inplace.py)
@@ -257,7 +257,7 @@ class LinkWriter:
                 elif directory is not None and op == "clear":
                     directory.clear(TREE)  # anchor files: deleted one by one (`forget`)
                 elif directory is not None and op == "clear_tenant":
-                    directory.clear_domains(in_tenant(item[1]), item[2])
+                    directory.clear_tenant(item[1], item[2])
             except Exception as e:  # never let one bad write end the thread
                 logger.warning("hybridcache: disk writer: %s failed: %s", op, e, exc_info=True)
                 if op == "write":
@@ -325,14 +325,14 @@ def _size(path: Path) -> int | None:
 def _target_path(target: DiskTarget, job: WriteJob) -> Path:
     """Where `job`'s file lands (LinkDirectory's naming, without opening the directory)."""
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
-                      key=key_from_file(target.key_file, "disk"))
+                      key=key_from_file(target.key_file, "disk", expect_id=target.key_id))
     return d.path_for(job.domain, job.end, job.digest, job.kind)
 
 
 def _open_directory(target: DiskTarget) -> LinkDirectory:
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
                       target.min_free_bytes, target.ttl_s,
-                      key=key_from_file(target.key_file, "disk"),
+                      key=key_from_file(target.key_file, "disk", expect_id=target.key_id),
                       key_file=Path(target.key_file))
     d.open()
     return d

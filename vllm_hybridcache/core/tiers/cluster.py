@@ -122,6 +122,14 @@ _REFUSALS = {LinkFileProblem.FOREIGN: ClusterMiss.FOREIGN,
              LinkFileProblem.MISMATCH: ClusterMiss.VERIFY_FAILED}
 
 
+# failures that are the listed entries' own (a bad or lost payload): they leave the directory.
+# Local ones (a full budget or staging folder, a slow answer, an unreachable directory) leave
+# other replicas' entries alone.
+_PAYLOAD_FAULTS = frozenset({ClusterMiss.FOREIGN, ClusterMiss.CORRUPT,
+                             ClusterMiss.UNAUTHENTICATED, ClusterMiss.VERIFY_FAILED,
+                             ClusterMiss.OWNER_LOST, ClusterMiss.OBJECT_LOST})
+
+
 def refusal_reason(problem: LinkFileProblem | str) -> ClusterMiss:
     """The miss reason of a payload refused as a link file for `problem` (its header here, a
     part in the worker): a MAC that fails is `unauthenticated`, another engine's `foreign`,
@@ -225,6 +233,7 @@ class ClusterTarget(msgspec.Struct, frozen=True):
     fingerprint: bytes
     owner: str
     secret_file: str
+    key_id: str = ""  # the secret the scheduler side read: a worker refuses another
 
 
 class _Stage(StrEnum):
@@ -531,7 +540,7 @@ class ClusterTier(CacheTier):
         op.stage, op.reason, op.pending, op.started = _Stage.FAILED, reason, None, now
         self._delete_files(op)
         self._count_failure(reason)
-        if op.chain and reason not in (ClusterMiss.BUDGET, ClusterMiss.TIMEOUT):
+        if op.chain and reason in _PAYLOAD_FAULTS:
             try:
                 self._forget([e.locator for e in op.chain])
             except ClusterError:
@@ -818,8 +827,8 @@ class ClusterAnchors(ClusterTier):
     replica publishes the anchors it captures (`anchor_job`, the worker publishes right after
     the capture, as for tree links); when a turn of that conversation lands on another replica,
     this tier finds the anchor, fetches it, verifies it like any remote payload (header, kind
-    `anchor`, fingerprint, domain, digest, rows, every token id; every part's CRC in the
-    worker) and serves it like the RAM anchor tier would have on the owner:
+    `anchor`, fingerprint, domain, digest, rows, every token id; every part's CRC and MAC in
+    the worker) and serves it like the RAM anchor tier would have on the owner:
 
     - session-exact (`cold_exact` False): the resumed request publishes nothing shared, exactly
       as after a local anchor; the greedy gate is what holds it to a cold run;

@@ -11,7 +11,7 @@ How a disk hit is served (docs/disk-tier.md):
   every RAM hit (`slow`).
 - `begin_restore` checks the files are still there and keeps them for `sources(plan)`: the
   adapter ships the paths with the load job. The worker reads every file into its RAM store
-  under those ids (every part's CRC-32 verified before a byte reaches the engine), then
+  under those ids (every part's CRC-32 and MAC verified before a byte reaches the engine), then
   restores from RAM exactly like a RAM hit. A file that fails makes the load fail (vLLM
   recomputes the request cold), the worker reports the link lost, and `invalidate` deletes the
   file and every longer link of its chain.
@@ -31,7 +31,7 @@ in its header (core/disk/tags.py), and a lookup applies the same predicate to ev
 chain, ending it before the first that does not fit, as the RAM tree does; a promoted link
 keeps its tag. A file with a tag never serves a lookup without one, nor the other way round.
 On Flash-Next's MTP route the target's hidden row at each link's boundary is one more section
-of the layout, so it is in the file with its CRC-32 like every part, and the worker rebuilds
+of the layout, so it is in the file with its CRC-32 and MAC like every part, and the worker rebuilds
 the boundary draft rows from the staged copy as from a RAM link.
 
 Single-threaded: the scheduler thread only.
@@ -373,7 +373,7 @@ class DiskTier(CacheTier):
 
     def _clear_domains(self, tag: bytes, kind: str) -> int:
         ours = in_tenant(tag)
-        n = self.dir.clear_domains(ours, kind)
+        n = self.dir.clear_tenant(tag, kind)
         for lid in [i for i, o in self._offered.items() if ours(o[2])]:
             del self._offered[lid]  # a lookup's offer of a deleted file: begin_restore misses
         self._tenant_clears.append((bytes(tag), kind))
@@ -481,7 +481,7 @@ class DiskAnchors(DiskTier):
     `draft_tag` miss (the file stays: it may fit another prompt). A tagged file never serves
     a lookup without a predicate, nor an untagged one a lookup with one. On Flash-Next's MTP
     route the anchor's boundary hidden row and draft-pass geometry are sections of the layout,
-    so they are parts of the file with their CRC-32, and the worker rebuilds the anchor's
+    so they are parts of the file with their CRC-32 and MAC, and the worker rebuilds the anchor's
     boundary draft row from the staged copy as from a RAM anchor.
     """
 
