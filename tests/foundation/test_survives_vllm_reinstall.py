@@ -101,6 +101,33 @@ def test_reinstalled_vllm_keeps_its_script_and_the_plugin_flag(venv):
     assert "--plugin NAME" in out and "snapshot prefix cache" in out, out[-3000:]
 
 
+def test_the_wheel_with_vllm_032_serves_with_the_cache(venv, embedded_model, tmp_path):
+    """The installed wheel beside the reinstalled vLLM 0.32 (the venv's own packages, not this
+    checkout): `vllm serve --plugin hybridcache` serves, and a resent prompt is served from
+    the snapshot cache (cached tokens reported, the cache's routes answer)."""
+    from benchmarks.servers import ServerSettings, SystemSpec, running_server
+
+    model = str(embedded_model("qwen3-next-tiny"))
+    ours = SystemSpec("ours", ["--plugin", "hybridcache"], "the wheel, vLLM 0.32.0",
+                      env={"PYTHONPATH": "", "VLLM_HYBRIDCACHE_GRID": "64"})
+    settings = ServerSettings(model_path=model, served_name="tiny", max_model_len=2048,
+                              port=8476, vllm=str(venv.vllm), extra_args=["--enforce-eager"])
+    prompt = list(range(10, 300))
+    with running_server(ours, settings, tmp_path / "ours.log") as server:
+        cached = []
+        for _ in range(2):
+            r = requests.post(server.base_url + "/v1/completions", timeout=300, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            details = (r.json()["usage"].get("prompt_tokens_details") or {})
+            cached.append(int(details.get("cached_tokens") or 0))
+        stats = requests.get(server.base_url + "/v1/cache/stats")
+        assert stats.status_code == 200, stats.text
+    assert cached[0] == 0 and cached[1] >= 256, cached  # the grid links of the first request
+    log = (tmp_path / "ours.log").read_text()
+    assert "snapshot cache on" in log, log[-3000:]
+
+
 def test_an_unsupported_vllm_serves_a_stock_model_unharmed(venv, embedded_model, tmp_path):
     from benchmarks.servers import ServerSettings, SystemSpec, running_server
 
