@@ -33,6 +33,7 @@ import msgspec
 
 from benchmarks import report as rep
 from benchmarks.ideal import PromptTokenizer
+from benchmarks.machine_load import LoadSampler, wait_for_quiet
 from benchmarks.replay import ReplayConfig, replay
 from benchmarks.servers import (
     SYSTEMS,
@@ -171,18 +172,32 @@ def parse_base_urls(values: list[str], systems: list[str]) -> dict[str, str]:
     return out
 
 
+# How long a replay waits for the machine to be quiet before it starts (then runs flagged).
+LOAD_WAIT_S = 120.0
+
+
 def _measure(run: rep.SystemRun, trace: Trace, cfg: ReplayConfig,
-             tokenizer: PromptTokenizer, pid: int | None = None) -> None:
-    """Replay one trace into `run`; a failure is recorded in `run.error`, never raised."""
-    before = os.getloadavg()[0]
+             tokenizer: PromptTokenizer, pid: int | None = None,
+             load_wait_s: float = LOAD_WAIT_S) -> None:
+    """Replay one trace into `run`; a failure is recorded in `run.error`, never raised.
+
+    Waits up to `load_wait_s` for the load average to fall to `report.LOAD_LIMIT` first, and
+    samples it during the replay: a run on a busy machine is flagged in its report."""
+    before = wait_for_quiet(rep.LOAD_LIMIT, load_wait_s)
+    if before > rep.LOAD_LIMIT:
+        print(f"   {run.name} {trace.family}: load average {before:.1f} above "
+              f"{rep.LOAD_LIMIT} after {load_wait_s:.0f} s; running, flagged as loaded",
+              flush=True)
     cpu_before = process_tree_cpu_s(pid) if pid is not None else None
     try:
-        result = replay(trace, cfg, tokenizer)
+        with LoadSampler() as load:
+            result = replay(trace, cfg, tokenizer)
     except Exception as e:  # the replay talks to a server: report it, keep the other systems
         run.error = f"{type(e).__name__}: {e}"
         print(f"   {run.name} {trace.family}: FAILED: {run.error.splitlines()[0]}", flush=True)
         return
     run.load_avg = [round(before, 2), round(os.getloadavg()[0], 2)]
+    run.load_max = round(load.peak, 2) if load.peak is not None else None
     cpu_after = process_tree_cpu_s(pid) if pid is not None else None
     if cpu_before is not None and cpu_after is not None:
         run.server_cpu_s = round(cpu_after - cpu_before, 3)
@@ -194,13 +209,14 @@ def _measure(run: rep.SystemRun, trace: Trace, cfg: ReplayConfig,
     print(f"   {run.name} {trace.family}: {m.errors} errors, cached "
           f"{rep._fmt(m.cached_fraction, 'pct')} of {m.prompt_tokens:,} prompt tokens (ideal "
           f"{rep._fmt(m.ideal_fraction, 'pct')}), TTFT p50 {rep._fmt(m.ttft_p50_ms, 'ms')} ms, "
-          f"replay {rep._fmt(m.e2e_s, 's')} s, server CPU {rep._fmt(run.server_cpu_s, 's')} s",
+          f"replay {rep._fmt(m.e2e_s, 's')} s, server CPU {rep._fmt(run.server_cpu_s, 's')} s"
+          + (f", LOADED (load up to {rep.peak_load(run):.1f})" if rep.loaded(run) else ""),
           flush=True)
 
 
 def run_system(spec: SystemSpec, traces: list[Trace], settings: ServerSettings,
                cfg: ReplayConfig, tokenizer: PromptTokenizer, base_url: str | None,
-               log_dir: Path) -> list[rep.SystemRun]:
+               log_dir: Path, load_wait_s: float = LOAD_WAIT_S) -> list[rep.SystemRun]:
     """Replay every trace on one system, each from an empty cache.
 
     A started server replays its first trace fresh and the next ones after
@@ -214,7 +230,8 @@ def run_system(spec: SystemSpec, traces: list[Trace], settings: ServerSettings,
         for run, trace in zip(runs, traces, strict=True):
             run.base_url = base_url
             run.cache_state = "reset" if reset_cache(base_url, headers) else "not reset"
-            _measure(run, trace, msgspec.structs.replace(cfg, base_url=base_url), tokenizer)
+            _measure(run, trace, msgspec.structs.replace(cfg, base_url=base_url), tokenizer,
+                     load_wait_s=load_wait_s)
         return runs
     pending = list(range(len(traces)))
     while pending:
@@ -239,7 +256,7 @@ def run_system(spec: SystemSpec, traces: list[Trace], settings: ServerSettings,
                     run.log, run.startup_s = server.log_path, server.startup_s
                     _measure(run, traces[i],
                              msgspec.structs.replace(cfg, base_url=server.base_url), tokenizer,
-                             server.pid)
+                             server.pid, load_wait_s)
                     pending.pop(0)
                     fresh = False
         except ServerError as e:
@@ -279,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra vllm serve argument for every started server (repeat)")
     p.add_argument("--vllm", default="", help="the vllm command (default: ours, beside python)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--load-wait", type=float, default=LOAD_WAIT_S, metavar="S",
+                   help="seconds each replay waits for the load average to fall to "
+                        f"{rep.LOAD_LIMIT} before it runs anyway, flagged as loaded "
+                        f"(default {LOAD_WAIT_S:.0f})")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="server logs (default bench-out/logs/<time>)")
@@ -333,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{sum(local[t.family]):,} prompt tokens" for t in traces), flush=True)
         started = _utc()
         by_system = {name: run_system(SYSTEMS[name], traces, settings, cfg, tokenizer,
-                                      base_urls.get(name), log_dir)
+                                      base_urls.get(name), log_dir, args.load_wait)
                      for name in systems}
         finished = _utc()
         for i, trace in enumerate(traces):

@@ -25,7 +25,7 @@ def bench_out(tmp_path_factory, embedded_model) -> tuple[Path, int]:
     out = tmp_path_factory.mktemp("bench")
     status = run_main(["--model", "qwen3-next-tiny", "--trace", ",".join(FAMILIES),
                        "--size", "ci", "--systems", "native", "--max-tokens", "8",
-                       "--out", str(out), "--log-dir", str(out / "logs")])
+                       "--load-wait", "0", "--out", str(out), "--log-dir", str(out / "logs")])
     return out, status
 
 
