@@ -203,3 +203,14 @@ def test_inner_states_equal_a_step_ending_there(stepper, one_step):
         for name, parts in prefix.sections.items():
             for i, part in enumerate(parts):
                 assert torch.equal(hook.got[(name, q, i)], part), (name, q, i)
+
+
+def test_every_moe_block_runs_in_fixed_rows(stepper):
+    """The split-invariant backend turns on every MoE block's fixed-row mode (found by its
+    `fixed_rows` attribute, not its class: the op does not import the model's layers); a block
+    left in its variable-row mode would batch a step's rows per expert, which is step-dependent."""
+    from vllm_hybridcache.flash_next.moe import SparseMoE
+    from vllm_hybridcache.flash_next.ops.split_invariant import ROW_TILE
+
+    blocks = [m for m in stepper.model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(m.fixed_rows == ROW_TILE for m in blocks)

@@ -84,9 +84,12 @@ def row_tiles(fn, x: torch.Tensor, *args, tile: int = ROW_TILE):
 
 def tile_linear_layers(model: torch.nn.Module) -> int:
     """Route every `nn.Linear` of `model` (whatever forward the backend gave it) through
-    `row_tiles`, and turn on the MoE blocks' fixed-row mode; returns how many were changed."""
-    from vllm_hybridcache.flash_next.moe import SparseMoE
+    `row_tiles`, and turn on the fixed-row mode of every block that has one; returns how many
+    were changed.
 
+    A block with a fixed-row mode (the MoE block: it gathers rows per expert, so it tiles
+    them itself) says so by its `fixed_rows` attribute (None: off). Asking for the attribute
+    rather than the class keeps this module, an op, from importing the model's layers."""
     n = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not getattr(module, "_row_tiled", False):
@@ -94,7 +97,7 @@ def tile_linear_layers(model: torch.nn.Module) -> int:
             module.forward = lambda x, inner=inner: row_tiles(inner, x)
             module._row_tiled = True
             n += 1
-        elif isinstance(module, SparseMoE):
+        elif hasattr(module, "fixed_rows"):
             module.fixed_rows = ROW_TILE
             n += 1
     return n
