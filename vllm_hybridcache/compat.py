@@ -880,7 +880,7 @@ def install_cpu_gdn_inner_states() -> bool:
 
     Why: fine segmentation (docs/split-invariance.md) captures links at 64-aligned positions
     inside a prefill step, from states the recurrent layers hand to the worker's hook (the
-    `InnerCapture` protocol of flash_next/gdn.py, set as `layer.inner_capture`). vLLM 0.32.0's
+    `InnerCapture` protocol of inner_capture.py, set as `layer.inner_capture`). vLLM 0.32.0's
     CPU GDN op (`cpu_gdn_attention_core`, a registered custom op) runs the private module
     function `_cpu_gdn_attention_nonspec` (looked up by name at each call), whose conv and
     `chunk_gated_delta_rule_cpu` kernels write only the final state into the request's slot.
@@ -899,7 +899,7 @@ def install_cpu_gdn_inner_states() -> bool:
     import torch
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as gdn
 
-    from vllm_hybridcache.flash_next.gdn import capture_pieces
+    from vllm_hybridcache.inner_capture import capture_pieces
 
     original = gdn._cpu_gdn_attention_nonspec
     if getattr(original, "_hybridcache_inner", False):

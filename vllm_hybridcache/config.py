@@ -556,18 +556,17 @@ def load_settings(extra: Mapping[str, Any] | None = None,
     """Merge the config file, environment variables and config keys over the defaults into
     validated settings (PRECEDENCE: a later source wins, key by key).
 
-    Runs at start-up in every process that hosts the connector (and in the `vllm` wrapper and
-    `llm_kwargs`), so it is also where an unsupported vLLM is refused when reading the real
-    environment, and where it says, once per process, which file and variables it read, which
-    key a stronger source overrode, and the resulting settings. Values are shown for settings
-    and our variables only; a secret variable shows as set, never its value, and a file or
-    config key that looks like a secret is refused before anything is logged.
+    Runs at start-up in every process that hosts the connector (and in `vllm serve
+    --plugin`'s flag hook and `llm_kwargs`), and says, once per process, which file and
+    variables it read, which key a stronger source overrode, and the resulting settings. Values
+    are shown for settings and our variables only; a secret variable shows as set, never its
+    value, and a file or config key that looks like a secret is refused before anything is
+    logged. It does not look at vLLM: each of those entries runs the version guard
+    (`compat.require_supported_vllm`) before it loads settings, so this module stays below
+    compat.
     """
     if environ is None:
         environ = os.environ
-        from vllm_hybridcache.compat import require_supported_vllm
-
-        require_supported_vllm()
     present = check_environment(environ)
     extra = dict(extra or {})
     keys_where = "the config keys (kv_connector_extra_config)"
@@ -677,3 +676,24 @@ def admin_key(settings: CacheSettings, environ: Mapping[str, str] | None = None)
         raise SettingsError(f"the admin key in {where} is shorter than {ADMIN_KEY_MIN} "
                             "characters (e.g. `openssl rand -hex 32`)")
     return key
+
+
+def cpu_attention_pinned() -> bool:
+    """Whether vLLM's CPU attention is pinned so that a query's arithmetic does not follow its
+    prefill step (compat.pin_cpu_attention_split; docs/split-invariance.md), which with the CPU
+    GDN op's inner states gives vLLM's Qwen3-Next fine segmentation on CPU.
+
+    `VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT`: `1` = on (only vLLM's CPU attention has
+    anything to pin), `0` or unset = off (the default). Opt-in because of what it
+    costs where agents spend their prefills: a turn after a long cached context cuts its
+    queries into pieces that each read the context's keys and values again (128 tokens after
+    16,384 on qwen3-next-small: 1.42x the wall time, 1.77x the CPU of the unpinned attention,
+    docs/split-invariance.md "Cost of the pin on a turn after a long context"), while it buys
+    more hits only inside steps, which agent traffic, cut at message ends, rarely needs. Any
+    other value raises `SettingsError`, so a typo never silently picks a mode.
+    """
+    value = os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise SettingsError(f"{CPU_ATTN_SPLIT_INVARIANT_ENV} must be 0 or 1 (unset = 0), "
+                            f"got {value!r}")
+    return value == "1"

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from vllm_hybridcache.cli.units import human_bytes
+from vllm_hybridcache.units import human_bytes
 
 __all__ = ["Progress"]
 

@@ -43,6 +43,7 @@ def register_all() -> None:
     surfaces."""
     _register_connector()
     _note(f"connector:{CONNECTOR_NAME}")
+    from vllm_hybridcache.config import cpu_attention_pinned
     from vllm_hybridcache.flash_next.registration import register as register_flash_next
 
     for arch in register_flash_next():
@@ -55,31 +56,6 @@ def register_all() -> None:
         if _install_cpu_gdn_inner_states():
             _note("cpu-gdn-inner-states")
     logger.debug("vllm_hybridcache registered: %s", ", ".join(REGISTERED))
-
-
-def cpu_attention_pinned() -> bool:
-    """Whether vLLM's CPU attention is pinned so that a query's arithmetic does not follow its
-    prefill step (compat.pin_cpu_attention_split; docs/split-invariance.md), which with the CPU
-    GDN op's inner states gives vLLM's Qwen3-Next fine segmentation on CPU.
-
-    `VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT`: `1` = on (only vLLM's CPU attention has
-    anything to pin), `0` or unset = off (the default). Opt-in because of what it
-    costs where agents spend their prefills: a turn after a long cached context cuts its
-    queries into pieces that each read the context's keys and values again (128 tokens after
-    16,384 on qwen3-next-small: 1.42x the wall time, 1.77x the CPU of the unpinned attention,
-    docs/split-invariance.md "Cost of the pin on a turn after a long context"), while it buys
-    more hits only inside steps, which agent traffic, cut at message ends, rarely needs. Any
-    other value raises `SettingsError`, so a typo never silently picks a mode.
-    """
-    import os
-
-    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, SettingsError
-
-    value = os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise SettingsError(f"{CPU_ATTN_SPLIT_INVARIANT_ENV} must be 0 or 1 (unset = 0), "
-                            f"got {value!r}")
-    return value == "1"
 
 
 def _install_cpu_gdn_inner_states() -> bool:

@@ -1,4 +1,4 @@
-"""Sizes and ages in the operator commands' output (cli/units.py), and the sizes and durations
+"""Sizes and ages in the operator commands' output (units.py), and the sizes and durations
 their flags take: the settings' own parsers (config.parse_size, config.parse_duration)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_hybridcache.cli.disk import _duration, _size
-from vllm_hybridcache.cli.units import human_age, human_bytes
+from vllm_hybridcache.units import human_age, human_bytes
 
 
 def test_human_figures():

@@ -28,5 +28,5 @@ def llm(inproc, monkeypatch_module, embedded_model):
 
 def test_qwen3_next_fine_hits_inside_steps_equal_cold(llm):
     # near A's end: the last 64-aligned position leaving a 64-token resume (the floor of
-    # vLLM's GDN models, scheduler_side.MIN_INNER_RESUME): 128 for its 200 tokens
+    # vLLM's GDN models, segmentation_mode.MIN_INNER_RESUME): 128 for its 200 tokens
     check_hits_inside_steps(llm, near_end=(200 - 64) // 64 * 64)

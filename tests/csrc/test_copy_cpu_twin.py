@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hybridcache.adapter.parts import PagedBlocks
 from vllm_hybridcache.ops import copy_select, segments
+from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hybridcache.adapter.parts import PagedBlocks
 from vllm_hybridcache.ops import copy_select
 from vllm_hybridcache.ops.link_copy import gather_link
+from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
 
 def _link(seed: int):

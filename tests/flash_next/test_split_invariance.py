@@ -168,7 +168,7 @@ def test_switch_selects_the_wrapped_backend(monkeypatch):
 
 
 class DictCapture:
-    """An `InnerCapture` hook (gdn.py) that keeps every state it is handed."""
+    """An `InnerCapture` hook (inner_capture.py) that keeps every state it is handed."""
 
     def __init__(self, offsets: tuple[int, ...]) -> None:
         self._offsets = offsets

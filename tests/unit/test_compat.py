@@ -215,14 +215,18 @@ def test_the_vllm_cli_on_an_unsupported_vllm(tmp_path):
         assert f"REFUSED vllm_hybridcache.adapter.{module} vllm-hybridcache supports" in text
 
 
-def test_settings_loader_refuses_an_unsupported_vllm(fake_vllm_version):
-    """The loader every connector process runs: covers engines started without the plugin."""
+def test_every_entry_that_loads_settings_refuses_an_unsupported_vllm(fake_vllm_version):
+    """`llm_kwargs` refuses before it loads settings (the connector module and the serve
+    flag hook refuse at import and parse, tested above); the settings loader itself is a pure
+    parse that never looks at vLLM, so config stays below compat (issue 31: no import cycle)."""
     from vllm_hybridcache.config import load_settings
+    from vllm_hybridcache.serving.python_api import llm_kwargs
 
     fake_vllm_version("0.30.0")
     with pytest.raises(compat.UnsupportedVllmError):
-        load_settings()
-    load_settings(environ={})  # an explicit environment is a pure parse (tests, tools)
+        llm_kwargs()
+    load_settings()  # reads the real environment, asks nothing of vLLM
+    load_settings(environ={})
 
 
 def test_every_bend_was_checked_on_the_supported_versions():

@@ -132,8 +132,7 @@ def test_the_pin_is_part_of_the_engine_fingerprint_only_when_on(monkeypatch):
     """Links captured with the pin hold other attention bits: engines that differ in it must
     never read each other's link files; engines with it off keep their former fingerprint."""
     from vllm_hybridcache.adapter.fingerprint import kernel_backend
-    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
-    from vllm_hybridcache.registrations import cpu_attention_pinned
+    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, cpu_attention_pinned
 
     cfg = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
@@ -147,8 +146,11 @@ def test_the_pin_is_part_of_the_engine_fingerprint_only_when_on(monkeypatch):
 def test_the_pin_is_opt_in_and_refuses_other_values(monkeypatch):
     """Unset or 0 = off (it costs a turn after a long context, docs/split-invariance.md), 1 =
     on; a value other than 0/1 is refused, never read as a mode."""
-    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, SettingsError
-    from vllm_hybridcache.registrations import cpu_attention_pinned
+    from vllm_hybridcache.config import (
+        CPU_ATTN_SPLIT_INVARIANT_ENV,
+        SettingsError,
+        cpu_attention_pinned,
+    )
 
     monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV, raising=False)
     assert not cpu_attention_pinned()

@@ -87,7 +87,7 @@ def test_mode_is_fine_only_where_the_model_says_its_forward_is_split_invariant(
 
     from vllm.config import ModelConfig
 
-    from vllm_hybridcache.adapter.scheduler_side import segmentation_mode
+    from vllm_hybridcache.adapter.segmentation_mode import segmentation_mode
     from vllm_hybridcache.flash_next import registration
     from vllm_hybridcache.flash_next.ops.split_invariant import ENV_VAR
 
@@ -113,25 +113,25 @@ def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
 
     from vllm.config import ModelConfig
 
-    from vllm_hybridcache.adapter import scheduler_side
+    import vllm_hybridcache.adapter.segmentation_mode as modes
     from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 
     mc = ModelConfig(model=str(embedded_model("qwen3-next-tiny")), max_model_len=512)
     config = SimpleNamespace(model_config=mc, speculative_config=None)
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
-    monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: True)
-    mode, why = scheduler_side.segmentation_mode(config)
+    monkeypatch.setattr(modes, "cpu_gdn_inner_states_installed", lambda: True)
+    mode, why = modes.segmentation_mode(config)
     assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
-    assert scheduler_side.segmentation_mode(config)[0] == "fine"
+    assert modes.segmentation_mode(config)[0] == "fine"
     monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default: not pinned
-    assert scheduler_side.segmentation_mode(config)[0] == "step"
+    assert modes.segmentation_mode(config)[0] == "step"
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
-    assert scheduler_side.segmentation_mode(config, inner_captures=False)[0] == "step"
-    assert scheduler_side.segmentation_mode(
+    assert modes.segmentation_mode(config, inner_captures=False)[0] == "step"
+    assert modes.segmentation_mode(
         SimpleNamespace(model_config=mc, speculative_config=object()))[0] == "step"
-    monkeypatch.setattr(scheduler_side, "cpu_gdn_inner_states_installed", lambda: False)
-    mode, why = scheduler_side.segmentation_mode(config)
+    monkeypatch.setattr(modes, "cpu_gdn_inner_states_installed", lambda: False)
+    mode, why = modes.segmentation_mode(config)
     assert mode == "step" and "inside a step" in why
 
 
@@ -143,7 +143,7 @@ def test_a_resume_floor_only_for_vllm_gdn_models_in_fine_mode(embedded_model):
 
     from vllm.config import ModelConfig
 
-    from vllm_hybridcache.adapter.scheduler_side import MIN_INNER_RESUME, inner_resume_floor
+    from vllm_hybridcache.adapter.segmentation_mode import MIN_INNER_RESUME, inner_resume_floor
     from vllm_hybridcache.flash_next import registration
 
     registration.register()

@@ -23,7 +23,7 @@ def test_inner_captures_off_gives_step_mode_on_a_split_invariant_engine(monkeypa
                                                                         embedded_model):
     from vllm.config import ModelConfig
 
-    from vllm_hybridcache.adapter.scheduler_side import segmentation_mode
+    from vllm_hybridcache.adapter.segmentation_mode import segmentation_mode
     from vllm_hybridcache.flash_next import registration
     from vllm_hybridcache.flash_next.ops.split_invariant import ENV_VAR
 

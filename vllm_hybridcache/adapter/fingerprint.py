@@ -550,9 +550,12 @@ def kernel_backend(vllm_config) -> str:
     type and attention backend setting, the Flash-Next implementation, kernel backend and
     split-invariant forward chosen by our environment variables (empty = the platform
     default), and the pin of vLLM's CPU attention when it is on."""
-    from vllm_hybridcache.config import FLASH_NEXT_IMPL_ENV, FLASH_NEXT_OPS_ENV
+    from vllm_hybridcache.config import (
+        FLASH_NEXT_IMPL_ENV,
+        FLASH_NEXT_OPS_ENV,
+        cpu_attention_pinned,
+    )
     from vllm_hybridcache.flash_next.ops import split_invariant
-    from vllm_hybridcache.registrations import cpu_attention_pinned
 
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))
     attn = os.environ.get("VLLM_ATTENTION_BACKEND", "")

@@ -3,7 +3,7 @@
 Where the kernel backend is split-invariant at 64-aligned positions, the scheduler side plans
 captures inside a step (`CaptureJob.inner_offset` > 0; docs/split-invariance.md). The model's
 state layers run their recurrent ops piece by piece at those offsets and hand each state to an
-injected hook (`flash_next/gdn.py`, `InnerCapture`); this module is that hook, owned by the
+injected hook (`InnerCapture`, inner_capture.py); this module is that hook, owned by the
 worker side: it is armed with the step's plan before the forward (which request slot wants
 which offsets), keeps the states the layers hand over, and gives the capture job its sections
 after the forward. The model never sees the cache, and a state that did not arrive fails the
@@ -71,7 +71,7 @@ class InnerStates:
 
 
 class _LayerHook:
-    """`flash_next.gdn.InnerCapture` for the layers of one KV-cache group."""
+    """`inner_capture.InnerCapture` for the layers of one KV-cache group."""
 
     def __init__(self, owner: InnerStates, gid: int) -> None:
         self._owner, self._gid = owner, gid

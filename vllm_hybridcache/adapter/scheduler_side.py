@@ -42,8 +42,8 @@ from vllm_hybridcache.adapter.mm_keys import (
 )
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.compat import CPU_GDN_INNER_MODELS, cpu_gdn_inner_states_installed
-from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, CacheSettings
+from vllm_hybridcache.adapter.segmentation_mode import inner_resume_floor, segmentation_mode
+from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import (
     CacheTier,
     DiskTier,
@@ -70,10 +70,8 @@ from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
 from vllm_hybridcache.core.keys import in_tenant, tenant_tag
 from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
 from vllm_hybridcache.core.tiers.disk import DiskAnchors
-from vllm_hybridcache.registrations import cpu_attention_pinned
 from vllm_hybridcache.segmentation import (
     FINE,
-    STEP,
     RecentPrompts,
     Segmentation,
     first_cut_after,
@@ -82,7 +80,7 @@ from vllm_hybridcache.segmentation import (
 )
 
 if TYPE_CHECKING:
-    from vllm_hybridcache.instrumentation import Instrumentation
+    from vllm_hybridcache.adapter.probes import StepProbes
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -331,73 +329,6 @@ def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
                         message_end_min=settings.message_end_min)
 
 
-def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, str]:
-    """(mode, why) of this engine's segmentation: `fine` (links also at 64-aligned positions
-    inside a step) only where the model says its forward is split-invariant there
-    (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch;
-    Qwen3-Next on vLLM's CPU backend with the attention pin and the GDN inner-state bend,
-    `_cpu_gdn_mode`), and not on a speculative route (the draft rows' tags are step-shaped)
-    nor with the `inner_captures` setting off; `step` otherwise.
-    """
-    if not inner_captures:
-        return STEP, "inner_captures off"
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        return STEP, "speculative decoding"
-    try:
-        from vllm.model_executor.models import ModelRegistry
-
-        mc = vllm_config.model_config
-        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
-    except Exception as e:  # an unknown architecture: no claim about its forward
-        return STEP, f"model class not resolved ({type(e).__name__})"
-    align = getattr(cls, "inner_capture_align", None)
-    if align is None and cls.__name__ in CPU_GDN_INNER_MODELS:
-        return _cpu_gdn_mode(cls.__name__)
-    if align is None:
-        return STEP, f"{cls.__name__} is not known to be split-invariant"
-    if align() != 64:
-        return STEP, f"{cls.__name__} runs a forward that is not split-invariant"
-    return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions"
-
-
-def _cpu_gdn_mode(name: str) -> tuple[str, str]:
-    """A vLLM GDN model on vLLM's CPU backend: `fine` only with the attention pin on and the
-    CPU GDN op handing over inner states in this process (docs/split-invariance.md)."""
-    if not cpu_attention_pinned():
-        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with "
-                      f"{CPU_ATTN_SPLIT_INVARIANT_ENV}=1")
-    if not cpu_gdn_inner_states_installed():
-        return STEP, (f"{name}: vLLM's GDN op does not hand over states inside a step here "
-                      "(not the CPU platform, or this vLLM is not the checked one)")
-    return FINE, f"{name} with the CPU attention pin: split-invariant at 64-aligned positions"
-
-
-MIN_INNER_RESUME = 64
-"""On vLLM's Qwen3-Next in fine mode (CPU): the fewest tokens the step resuming from a tree
-link that is not a cut may hold. vLLM's GEMMs pick their kernels by the step's row count, so
-rows computed in a very short step can differ in bits from the same rows inside a longer one:
-a resume 4 tokens before the prompt's end left layer 0's conv state unlike the cold run's
-(tests/connector/test_attention_in_place.py). Steps of 64 tokens were measured equal to steps
-of 256 and 2048 (docs/split-invariance.md); a cut needs no floor (the cold run's step starts
-there too)."""
-
-
-def inner_resume_floor(vllm_config, mode: str) -> int:
-    """MIN_INNER_RESUME for a vLLM GDN model in fine mode (its forward is vLLM's, pinned), else
-    0: Flash-Next's split-invariant forward computes fixed row tiles whatever the step's
-    length."""
-    if mode != FINE:
-        return 0
-    try:
-        from vllm.model_executor.models import ModelRegistry
-
-        mc = vllm_config.model_config
-        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
-    except Exception:
-        return MIN_INNER_RESUME
-    return MIN_INNER_RESUME if cls.__name__ in CPU_GDN_INNER_MODELS else 0
-
-
 def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:
     """A start-up warning when the memory guard will skip most captures, else None.
 
@@ -537,7 +468,7 @@ class SchedulerSide:
         self._finishing: list[CaptureJob] = []
         # tests only (vllm_hybridcache/instrumentation.py): with `probe_states`, each plan asks
         # the workers for the state of every prefill that ends in its step. None in production.
-        self.instrumentation: Instrumentation | None = None
+        self.instrumentation: StepProbes | None = None
         if self.active:
             import psutil
 

@@ -30,7 +30,7 @@ from vllm_hybridcache.adapter.draft_rows import (
     with_draft_input,
 )
 from vllm_hybridcache.adapter.inner_states import InnerStates
-from vllm_hybridcache.adapter.parts import PagedBlocks, PartMap, UnsupportedModel, part_map
+from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
 from vllm_hybridcache.core.cpus import widen_thread_affinity
@@ -42,9 +42,10 @@ from vllm_hybridcache.core.disk.reader import (
 )
 from vllm_hybridcache.core.disk.writer import LinkWriter, WriteJob
 from vllm_hybridcache.ops.link_copy import gather_link
+from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
 if TYPE_CHECKING:
-    from vllm_hybridcache.instrumentation import Instrumentation
+    from vllm_hybridcache.adapter.probes import StepProbes
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -90,7 +91,7 @@ class WorkerSide:
         self._publish_off = False  # the publisher could not start here: links stay local
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/instrumentation.py. None in production.
-        self.instrumentation: Instrumentation | None = None
+        self.instrumentation: StepProbes | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.parts is None:

@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hybridcache.cli.units import human_age, human_bytes
+from vllm_hybridcache.units import human_age, human_bytes
 
 __all__ = ["EXIT_PROBLEMS", "EXIT_USAGE", "FolderListing", "LinkEntry", "add_parser",
            "list_root"]

@@ -32,8 +32,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from vllm_hybridcache.cli.units import human_bytes
 from vllm_hybridcache.serving.admin import ADMIN_HEADER
+from vllm_hybridcache.units import human_bytes
 
 __all__ = ["EXIT_ERROR", "EXIT_UNREACHABLE", "EXIT_USAGE", "add_parser", "render_stats"]
 

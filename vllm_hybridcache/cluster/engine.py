@@ -142,7 +142,7 @@ def remote_cuts(vllm_config, segmentation):
     about): the segmentation's cuts, and in fine mode every 64-aligned position too, since
     links are captured there inside a step (the prompt's last one, junctions) and are exact
     (docs/split-invariance.md)."""
-    from vllm_hybridcache.adapter.scheduler_side import segmentation_mode
+    from vllm_hybridcache.adapter.segmentation_mode import segmentation_mode
     from vllm_hybridcache.segmentation import FINE, FINE_ALIGN
 
     if segmentation_mode(vllm_config)[0] != FINE:

@@ -8,16 +8,14 @@ state block per request (`mamba_cache_mode="none"`) and hands us its index; the 
 the states of the batch, runs the ops and scatters the new states back.
 
 Inner captures (docs/split-invariance.md): when the kernel backend is split-invariant at
-64-aligned positions, the adapter may inject an `InnerCapture` hook. For a prefilling request
-whose state slot the hook names, the layer runs its conv and chunked GDN ops piece by piece,
-cut at the hook's offsets (multiples of 64 from the step's start): the same arithmetic a step
-ending there performs, since the chunks are counted from each call's start. The state after
-each piece is handed to the hook; the layer never sees the cache.
+64-aligned positions, the adapter may inject an `InnerCapture` hook (inner_capture.py). For a
+prefilling request whose state slot the hook names, the layer runs its conv and chunked GDN
+ops piece by piece, cut at the hook's offsets (multiples of 64 from the step's start): the
+same arithmetic a step ending there performs, since the chunks are counted from each call's
+start. The state after each piece is handed to the hook; the layer never sees the cache.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +28,7 @@ from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.common import SectionBatch, section_batch
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ple import PLE
+from vllm_hybridcache.inner_capture import InnerCapture, capture_pieces
 
 
 def gdn_state_shapes(config) -> list[tuple[int, ...]]:
@@ -52,33 +51,6 @@ def section_dtypes(model_dtype: torch.dtype, with_ple: bool) -> tuple[torch.dtyp
     state is always float32; n-gram context ids are int64."""
     base = (model_dtype, torch.float32)
     return (*base, torch.int64, model_dtype) if with_ple else base
-
-
-INNER_ALIGN = 64  # inner capture offsets are multiples of the GDN chunk size
-
-
-class InnerCapture(Protocol):
-    """Where a layer hands states at positions inside a step (owned by the adapter).
-
-    `offsets(slot)`: the offsets from the step's start (multiples of `INNER_ALIGN`, ascending)
-    at which the prefilling request reading state slot `slot` wants its states; () for none.
-    `put(layer, slot, offset, index, value)`: state `index` of `layer` after `offset` tokens of
-    this step (a tensor the layer no longer writes).
-    """
-
-    def offsets(self, slot: int) -> tuple[int, ...]: ...
-
-    def put(self, layer: str, slot: int, offset: int, index: int, value: torch.Tensor) -> None:
-        ...
-
-
-def capture_pieces(capture: InnerCapture | None, slot: int, length: int) -> list[int]:
-    """Piece ends for one prefilling request of `length` tokens: its wanted offsets inside the
-    step (0 < offset < length, multiples of INNER_ALIGN), then `length`."""
-    if capture is None:
-        return [length]
-    inner = [o for o in capture.offsets(slot) if 0 < o < length and o % INNER_ALIGN == 0]
-    return [*inner, length]
 
 
 class GatedNormSigmoidOrSilu(nn.Module):

@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
     def _ple_in_pieces(self, h, input_ids, batch, ctx, conv, out) -> None:
         """PLE of each prefilling request cut at its inner capture offsets (gdn.py, "Inner
         captures"); its sections after every inner piece go to the GDN layer's hook."""
-        from vllm_hybridcache.flash_next.gdn import capture_pieces
+        from vllm_hybridcache.inner_capture import capture_pieces
 
         gdn = self.linear_attn
         hook = gdn.inner_capture
@@ -265,8 +265,8 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         (VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT), so states at those positions inside a
         step can be handed to an injected capture hook (gdn.py); 0 otherwise. The adapter
         reads this to pick the segmentation mode; the model never talks to the cache."""
-        from vllm_hybridcache.flash_next.gdn import INNER_ALIGN
         from vllm_hybridcache.flash_next.ops import split_invariant
+        from vllm_hybridcache.inner_capture import INNER_ALIGN
 
         return INNER_ALIGN if split_invariant.enabled() else 0
 

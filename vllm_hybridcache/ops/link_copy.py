@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hybridcache.adapter.parts import PagedBlocks
 from vllm_hybridcache.ops import segments
+from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
 
 def _slot_addressable(src: torch.Tensor, dst: torch.Tensor) -> bool:

@@ -29,8 +29,8 @@ def _sync(device: torch.device) -> None:
 
 def run(device: torch.device, layers: int, heads: int, dim: int, block: int, tokens: int,
         reps: int) -> list[dict[str, object]]:
-    from vllm_hybridcache.adapter.parts import PagedBlocks
     from vllm_hybridcache.ops import copy_select
+    from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
     n = -(-tokens // block)
     num_blocks = 4 * n

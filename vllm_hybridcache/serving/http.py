@@ -145,8 +145,10 @@ class HybridCacheEndpoints:
         """The engine client, and the credentials this server was started with: vLLM's API
         key (`args`) and the admin key (config.admin_key; an unusable one stops the start-up,
         SettingsError). Says at start-up who may clear."""
+        from vllm_hybridcache.compat import require_supported_vllm
         from vllm_hybridcache.config import admin_key, load_settings
 
+        require_supported_vllm()
         self.engine_client = engine_client
         settings = load_settings(_our_extra_config(args))
         self.access = Access.of(api_key_set(args), admin_key(settings))

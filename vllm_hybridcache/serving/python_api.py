@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_hybridcache.compat import inproc_scheduler_connector, worker_connector
+from vllm_hybridcache.compat import (
+    inproc_scheduler_connector,
+    require_supported_vllm,
+    worker_connector,
+)
 from vllm_hybridcache.config import load_settings
 from vllm_hybridcache.serving.flags import CONNECTOR_CONFIG, SCHEDULER_CLS
 
@@ -22,7 +26,8 @@ def llm_kwargs(**settings: Any) -> dict[str, Any]:
     """
     from vllm.config import KVTransferConfig
 
-    # fail here, with the setting's name (or the unsupported vLLM version), not in the engine
+    # fail here, with the unsupported vLLM version or the setting's name, not in the engine
+    require_supported_vllm()
     if not load_settings(settings).active:
         return {}
     return {

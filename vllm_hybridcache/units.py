@@ -1,4 +1,5 @@
-"""Sizes and ages as an operator reads them (`38.0 MiB`, `3 d`), for the CLIs' output.
+"""Sizes and ages as an operator reads them (`38.0 MiB`, `3 d`), for the CLIs' output and the
+progress lines of long start-up work (progress.py), which sits below the CLIs.
 
 Why: raw byte counts (`34359738368`) are what issue 32 calls out as unreadable. Sizes and
 durations an operator *writes* (`--budget 32GiB`, `--ttl 7d`) are parsed by the settings' own
