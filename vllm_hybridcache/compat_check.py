@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hybridcache.config import HOME_ENV
+
 
 class WheelUnavailable(RuntimeError):
     """pip could not get the wheel (no network and not in any local index or cache)."""
@@ -23,7 +25,7 @@ class WheelUnavailable(RuntimeError):
 
 def wheel_cache() -> Path:
     """Where downloaded wheels are kept: $VLLM_HYBRIDCACHE_HOME/wheels, else the XDG cache."""
-    env = os.environ.get("VLLM_HYBRIDCACHE_HOME")
+    env = os.environ.get(HOME_ENV)
     if env:
         return Path(env).expanduser() / "wheels"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

@@ -339,6 +339,15 @@ FIELDS: tuple[str, ...] = CacheSettings.__struct_fields__
 _DEFAULTS = CacheSettings()
 SETTING_ENV: dict[str, str] = {ENV_PREFIX + name.upper(): name for name in FIELDS}
 """Environment variable -> setting it sets."""
+
+
+def setting_env(name: str) -> str:
+    """The environment variable of setting `name` (KeyError for a name that is no setting), so
+    a module that reads or sets one never spells it out (issue 31: names declared once)."""
+    if name not in FIELDS:
+        raise KeyError(f"no setting {name!r}")
+    return ENV_PREFIX + name.upper()
+
 KNOWN_ENV: frozenset[str] = frozenset(SETTING_ENV) | frozenset(PROCESS_ENV)
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
 """The variable naming the config file (the `config_file` setting's own variable)."""

@@ -179,3 +179,21 @@ def test_arrows_point_down_the_layers() -> None:
               if RANK[_layer(dst)] > RANK[_layer(src)]}
     assert upward - STILL_UPWARD == set(), "an import up a layer"
     assert STILL_UPWARD - upward == set(), "gone: take it off STILL_UPWARD"
+
+
+def test_environment_variable_names_are_spelled_only_in_config() -> None:
+    """Every `VLLM_HYBRIDCACHE_*` name a module reads or sets comes from config (a constant
+    there, or `config.setting_env`), so a rename or a typo cannot leave two spellings; a name
+    inside a message or a docstring is text, not a read, and is not counted."""
+    import re
+
+    name = re.compile(r"VLLM_HYBRIDCACHE_[A-Z0-9_]+")
+    spelled = []
+    for module, path in MODULES.items():
+        if module == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and name.fullmatch(node.value)):
+                spelled.append(f"{module}:{node.lineno} {node.value}")
+    assert spelled == []

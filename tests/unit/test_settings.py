@@ -170,10 +170,28 @@ def test_deployment_files_set_only_known_variables():
     assert not unknown, f"declare these in config.PROCESS_ENV or drop them: {unknown}"
 
 
+def _names_used_through_config_constants() -> set[str]:
+    """PROCESS_ENV names the package reads through config's constant for them (modules import
+    `CLANG_ENV`, not the spelled-out name: tests/foundation/test_import_graph.py)."""
+    import re
+    from pathlib import Path
+
+    import vllm_hybridcache
+    from vllm_hybridcache import config
+
+    constants = {k: v for k, v in vars(config).items()
+                 if k.isupper() and isinstance(v, str) and v in config.PROCESS_ENV}
+    root = Path(vllm_hybridcache.__file__).parent
+    text = "\n".join(p.read_text(encoding="utf-8") for p in root.rglob("*.py")
+                     if not (p.name == "config.py" and p.parent == root))
+    return {v for k, v in constants.items() if re.search(rf"\b{k}\b", text)}
+
+
 def test_every_declared_process_variable_is_used():
     from vllm_hybridcache.config import PROCESS_ENV
 
-    used = set().union(*_package_env_names().values(), *_deployment_env_names().values())
+    used = set().union(*_package_env_names().values(), *_deployment_env_names().values(),
+                       _names_used_through_config_constants())
     assert not set(PROCESS_ENV) - used, "declared but set or read nowhere: remove it"
 
 

@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.units import human_age, human_bytes
 
 __all__ = ["EXIT_PROBLEMS", "EXIT_USAGE", "FolderListing", "LinkEntry", "add_parser",
@@ -73,8 +74,8 @@ __all__ = ["EXIT_PROBLEMS", "EXIT_USAGE", "FolderListing", "LinkEntry", "add_par
 
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
-DISK_DIR_ENV = "VLLM_HYBRIDCACHE_DISK_DIR"
-DISK_KEY_ENV = "VLLM_HYBRIDCACHE_DISK_KEY_FILE"
+DISK_DIR_ENV = setting_env("disk_dir")
+DISK_KEY_ENV = setting_env("disk_key_file")
 # verify: what an engine would refuse (and delete) or could never serve; not problems:
 # temporaries (a write in progress, or swept at the next start), files not named *.link
 # (never read by an engine), files deleted meanwhile by a running engine ("gone")

@@ -32,6 +32,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.serving.admin import ADMIN_HEADER
 from vllm_hybridcache.units import human_bytes
 
@@ -40,7 +41,7 @@ __all__ = ["EXIT_ERROR", "EXIT_UNREACHABLE", "EXIT_USAGE", "add_parser", "render
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
-ADMIN_KEY_FILE_ENV = "VLLM_HYBRIDCACHE_ADMIN_KEY_FILE"
+ADMIN_KEY_FILE_ENV = setting_env("admin_key_file")
 
 
 class CommandError(Exception):

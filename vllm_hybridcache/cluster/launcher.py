@@ -35,6 +35,7 @@ import requests
 from ray import serve
 
 from vllm_hybridcache.config import SECRET_ENV as SECRET_VARIABLES
+from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.core.auth import key_from_file, new_secret
 
 from .directory import NAMESPACE, DirectoryClient
@@ -45,8 +46,8 @@ from .server_replica import server_replica_actor
 
 logger = logging.getLogger("vllm_hybridcache")
 
-SECRET_ENV = "VLLM_HYBRIDCACHE_CLUSTER_SECRET_FILE"
-_OWN_ENV = ("VLLM_HYBRIDCACHE_CLUSTER_ADDRESS", "VLLM_HYBRIDCACHE_CLUSTER_REPLICA", SECRET_ENV)
+SECRET_ENV = setting_env("cluster_secret_file")
+_OWN_ENV = (setting_env("cluster_address"), setting_env("cluster_replica"), SECRET_ENV)
 
 
 STARTUP_LOG_INTERVAL_S = 15.0  # a line naming the replicas still starting, this often

@@ -68,11 +68,6 @@ class EngineReplica:
         cache = self._sched().cache
         return {f"{t}/{k}": msgspec.to_builtins(s) for (t, k), s in cache.stats().items()}
 
-    def cluster_transfer(self) -> dict[str, float]:
-        """Remote payload bytes fetched and the seconds from locate to staged (cumulative)."""
-        t = self._sched().cluster
-        return {} if t is None else {"bytes": t.remote_bytes, "seconds": t.remote_seconds}
-
     def clear(self, tier: str | None = None) -> int:
         return self._sched().clear(tier)
 

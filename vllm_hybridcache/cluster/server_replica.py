@@ -25,6 +25,8 @@ from typing import Any
 
 import ray
 
+from vllm_hybridcache.config import setting_env
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -59,8 +61,8 @@ class ServerReplica:
         self.log_path = Path(tempfile.gettempdir()) / f"hybridcache-{name}-{self.port}.log"
         full_env = {**os.environ, **env}
         if plugin and cluster_tier:
-            full_env["VLLM_HYBRIDCACHE_CLUSTER_ADDRESS"] = gcs
-            full_env["VLLM_HYBRIDCACHE_CLUSTER_REPLICA"] = name
+            full_env[setting_env("cluster_address")] = gcs
+            full_env[setting_env("cluster_replica")] = name
         full_env.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.argv = [sys.executable, "-m", "vllm_hybridcache.cli.vllm_entry", "serve", model,
                      *(["--plugin", "hybridcache"] if plugin else []),

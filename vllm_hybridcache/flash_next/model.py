@@ -18,6 +18,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from vllm_hybridcache.config import FLASH_NEXT_SKIP_ENV
 from vllm_hybridcache.flash_next.common import RopeTable
 from vllm_hybridcache.flash_next.gdn import (
     GatedDeltaNet,
@@ -36,7 +37,7 @@ from vllm_hybridcache.flash_next.qsa import QSAAttention
 # Read once at model construction from VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP (comma list; "ple");
 # never set in production. (The indexer's negative control rewires the loaded model from the
 # test instead: tests/flash_next/helpers.py.)
-SKIP_ENV = "VLLM_HYBRIDCACHE_FLASH_NEXT_SKIP"
+SKIP_ENV = FLASH_NEXT_SKIP_ENV
 
 
 def _skips() -> set[str]:

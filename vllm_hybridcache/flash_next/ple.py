@@ -109,10 +109,6 @@ class PLE(nn.Module):
         self.norm_conv = Qwen4RMSNorm(hc_hidden, eps, group_size=config.hidden_size)
         self.conv_weight = nn.Parameter(torch.zeros(hc_hidden, self.kernel))
 
-    def state_shapes(self) -> list[tuple[int, ...]]:
-        """(n-gram context ids, conv inputs) per sequence."""
-        return [(self.ple_embedding.context_len,), (self.hc_hidden, self.state_len)]
-
     def forward(self, streams: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 contexts: torch.Tensor, conv_states: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

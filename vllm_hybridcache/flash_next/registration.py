@@ -28,7 +28,9 @@ import os
 from functools import cache
 from typing import Any, NamedTuple
 
-IMPL_ENV = "VLLM_HYBRIDCACHE_FLASH_NEXT_IMPL"
+from vllm_hybridcache.config import FLASH_NEXT_IMPL_ENV
+
+IMPL_ENV = FLASH_NEXT_IMPL_ENV
 CHOICES = ("auto", "hybridcache", "vllm")
 
 logger = logging.getLogger("vllm_hybridcache")

@@ -17,6 +17,8 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+from vllm_hybridcache.config import HOME_ENV
+
 FINGERPRINT_FILE = "fingerprint.json"
 _VERSIONED = ("vllm-hybridcache", "transformers", "torch", "tokenizers", "safetensors")
 
@@ -27,7 +29,7 @@ class ModelStoreError(RuntimeError):
 
 def cache_root() -> Path:
     """Where embedded models live: $VLLM_HYBRIDCACHE_HOME, else the XDG user cache."""
-    env = os.environ.get("VLLM_HYBRIDCACHE_HOME")
+    env = os.environ.get(HOME_ENV)
     if env:
         return Path(env).expanduser() / "models"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

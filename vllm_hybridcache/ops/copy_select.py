@@ -24,9 +24,10 @@ from functools import cache
 
 import torch
 
+from vllm_hybridcache.config import COPY_BACKEND_ENV
 from vllm_hybridcache.ops.segments import SegmentTable
 
-ENV_VAR = "VLLM_HYBRIDCACHE_COPY_BACKEND"
+ENV_VAR = COPY_BACKEND_ENV
 BACKENDS = ("csrc", "triton", "torch")
 # Work per tile: a GPU workgroup of 256 lanes moving 4 x 16 B each; a CPU task of 256 KiB (big
 # enough that ATen's thread pool overhead is amortised, small enough to split a link's blocks).

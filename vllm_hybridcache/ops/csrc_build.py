@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from vllm_hybridcache.config import CLANG_ENV, CSRC_ENV
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 CPU_NAME = "hybridcache_copy_cpu"
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 def csrc_dir() -> Path | None:
     """The csrc/ sources: beside the package in a checkout (editable install) or an image build
     context; None in an installed wheel, which carries prebuilt modules instead."""
-    env = os.environ.get("VLLM_HYBRIDCACHE_CSRC")
+    env = os.environ.get(CSRC_ENV)
     for cand in ([Path(env)] if env else []) + [PACKAGE_DIR.parents[1] / "csrc"]:
         if (cand / "snapshot_copy.h").is_file():
             return cand
@@ -160,7 +162,7 @@ def load_device_extension(out: Path | None = None, verbose: bool = False) -> Mod
 
 def clang() -> str | None:
     """Path of the clang that compiles the AMD code objects (Debian's clang-19)."""
-    return shutil.which(os.environ.get("VLLM_HYBRIDCACHE_CLANG", CLANG))
+    return shutil.which(os.environ.get(CLANG_ENV, CLANG))
 
 
 def compile_code_object(target: str, out_dir: Path, extra: tuple[str, ...] = ()) -> Path:

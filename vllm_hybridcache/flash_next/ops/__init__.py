@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from functools import cache
 
+from vllm_hybridcache.config import FLASH_NEXT_OPS_ENV
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 
-ENV_VAR = "VLLM_HYBRIDCACHE_FLASH_NEXT_OPS"
+ENV_VAR = FLASH_NEXT_OPS_ENV
 BACKENDS = ("reference", "cpu", "triton")
 
 

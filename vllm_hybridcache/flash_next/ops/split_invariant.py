@@ -43,10 +43,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
 
-ENV_VAR = "VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT"
+ENV_VAR = FLASH_NEXT_SPLIT_INVARIANT_ENV
 
 ROW_TILE = 64  # rows of every GEMM call; divides the 64-token alignment of steps
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-ENV_VAR = "VLLM_HYBRIDCACHE_FLASH_NEXT_OPS"
+from vllm_hybridcache.config import FLASH_NEXT_OPS_ENV
+
+ENV_VAR = FLASH_NEXT_OPS_ENV
 
 
 class PlatformLike(Protocol):
