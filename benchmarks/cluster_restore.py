@@ -61,8 +61,8 @@ def _run(args: argparse.Namespace, secret: str) -> None:
 
     import ray
 
-    from vllm_hybridcache.cluster.replica import replica_actor
     from vllm_hybridcache.models import ensure_model
+    from vllm_hybridcache.testing.replica import replica_actor
 
     model = str(ensure_model(args.model))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

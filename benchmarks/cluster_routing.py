@@ -147,8 +147,8 @@ def run_system(name: str, model: str, families: list[str], size: str, seed: int,
     from benchmarks.servers import free_port
     from benchmarks.traces import generate
     from vllm_hybridcache.cluster.directory import NAMESPACE
-    from vllm_hybridcache.cluster.launcher import Cluster
-    from vllm_hybridcache.cluster.routing import Policy
+    from vllm_hybridcache.fleet.launcher import Cluster
+    from vllm_hybridcache.fleet.routing import Policy
 
     spec = SYSTEMS[name]
     os.environ["VLLM_HYBRIDCACHE_GRID"] = str(grid)

@@ -53,7 +53,7 @@ def _engine(model_path: str, extra: dict | None):
 def _instrument(llm) -> None:
     """Give the worker's connector an `Instrumentation` (copy totals); production engines have
     none, so the benchmark installs one in the worker process."""
-    from vllm_hybridcache.instrumentation import install_on_worker
+    from vllm_hybridcache.testing.instrumentation import install_on_worker
 
     if not all(llm.collective_rpc(install_on_worker)):
         raise RuntimeError("the engine's workers have no hybridcache connector")
@@ -61,7 +61,7 @@ def _instrument(llm) -> None:
 
 def _totals(llm) -> dict:
     """Rank 0's cumulative copy counts and seconds."""
-    from vllm_hybridcache.instrumentation import worker_totals
+    from vllm_hybridcache.testing.instrumentation import worker_totals
 
     return llm.collective_rpc(worker_totals)[0]
 

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         model_path=path, served_name=served, max_model_len=SIZES[args.size].max_model_len,
         port=args.port, seed=args.seed,
         extra_args=["--dtype", dtype, "--num-gpu-blocks-override", str(args.kv_blocks),
-                    "--worker-extension-cls", "vllm_hybridcache.instrumentation.FaultInjection"])
+                    "--worker-extension-cls",
+                    "vllm_hybridcache.testing.instrumentation.FaultInjection"])
     server = SoakServer(settings, env, out / "logs")
     ledger = Ledger()
     interrupted = _stop_on_signals()

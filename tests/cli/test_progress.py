@@ -162,7 +162,7 @@ class _Remote:
 
 def _cluster(monkeypatch, ready_after: dict[str, int]):
     """A launcher Cluster without Ray: replica `name` answers /health from its n-th poll."""
-    from vllm_hybridcache.cluster import launcher
+    from vllm_hybridcache.fleet import launcher
 
     polls = {name: 0 for name in ready_after}
 

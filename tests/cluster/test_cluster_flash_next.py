@@ -8,7 +8,7 @@ deepest link of a request, committed by its last step, is in the directory once 
 returned, with no further step on its replica (the in-process engine steps only while it has
 requests), so a turn moved right after it resumes from the full depth.
 
-The replicas are the in-process engine actors of `vllm_hybridcache.cluster.replica` (two Ray
+The replicas are the in-process engine actors of `vllm_hybridcache.testing.replica` (two Ray
 actors, no HTTP front): the cheapest pair of engines with the cluster tier on. The qwen3-next-tiny
 pair of test_cluster_serving.py covers the launcher, the front and routing.
 """
@@ -25,7 +25,7 @@ from tests.cluster.directory_view import entries_of
 from tests.cluster.forgery import Ghost, forged_chain
 from tests.keys import CLUSTER_KEY, CLUSTER_SECRET_FILE
 from vllm_hybridcache.cluster.directory import NAMESPACE
-from vllm_hybridcache.cluster.replica import replica_actor
+from vllm_hybridcache.testing.replica import replica_actor
 
 pytestmark = pytest.mark.slow
 

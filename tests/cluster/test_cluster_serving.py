@@ -46,9 +46,9 @@ from tests.cluster.directory_view import IDS, anchors_of, ask, entries_of, ident
 from tests.cluster.forgery import Ghost, forge, forge_keeping_header, forged_chain
 from tests.keys import CLUSTER_KEY, CLUSTER_SECRET_FILE, other_key
 from vllm_hybridcache.cluster.directory import NAMESPACE
-from vllm_hybridcache.cluster.launcher import Cluster
 from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.core.tiers.cluster import locator
+from vllm_hybridcache.fleet.launcher import Cluster
 
 pytestmark = pytest.mark.slow
 

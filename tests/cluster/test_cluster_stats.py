@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from tests.prom_registry import private_prom
 from vllm_hybridcache.adapter.stats import encode
-from vllm_hybridcache.cluster.front import sum_stats
 from vllm_hybridcache.core import CacheStats
 from vllm_hybridcache.core.tiers.cluster import ClusterStats
+from vllm_hybridcache.fleet.front import sum_stats
 from vllm_hybridcache.serving.http import aggregate
 
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from vllm_hybridcache.cluster.front import Front, sum_stats
-from vllm_hybridcache.cluster.relabel import merge
-from vllm_hybridcache.cluster.routing import Router
+from vllm_hybridcache.fleet.front import Front, sum_stats
+from vllm_hybridcache.fleet.relabel import merge
+from vllm_hybridcache.fleet.routing import Router
 
 ENDPOINTS = {"r0": "http://r0", "r1": "http://r1"}
 

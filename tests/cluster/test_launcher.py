@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybridcache.cluster import launcher
 from vllm_hybridcache.core.auth import MIN_SECRET_BYTES, key_from_file
+from vllm_hybridcache.fleet import launcher
 
 
 def test_embedded_names_become_folders_served_under_their_name(monkeypatch, tmp_path):

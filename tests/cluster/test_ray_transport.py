@@ -162,8 +162,8 @@ def test_owner_killed_before_the_fetch_is_a_counted_miss(local_ray, tmp_path, la
 
 def test_the_owner_book_keeps_the_fronts_owners_in_a_ray_actor(local_ray):
     """What a restarted front reads back: owners written fire-and-forget, dumped in order."""
-    from vllm_hybridcache.cluster.owners import OwnerBookActor
-    from vllm_hybridcache.cluster.routing import Outcome, Router
+    from vllm_hybridcache.fleet.owners import OwnerBookActor
+    from vllm_hybridcache.fleet.routing import Outcome, Router
 
     book = OwnerBookActor.remote()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hybridcache.cluster.routing import Outcome, Policy, Router, prefix_keys
+from vllm_hybridcache.fleet.routing import Outcome, Policy, Router, prefix_keys
 
 
 def chat(*contents: str, **extra) -> dict:
@@ -121,7 +121,7 @@ def test_owners_written_to_the_book_route_a_restarted_front_like_the_old_one():
     """The front's Serve replica restarts with an empty Router: the owners it wrote to the
     OwnerBook behind each answered turn are read back, so the next turns go to their owners;
     without the book they would go by load (negative control)."""
-    from vllm_hybridcache.cluster.owners import OwnerBook
+    from vllm_hybridcache.fleet.owners import OwnerBook
 
     book = OwnerBook(max_keys=8)
     old = Router(["a", "b"], on_owner=book.remember)

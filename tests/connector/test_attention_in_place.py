@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.connector.conftest import connector_engine, cpu_attention_pinned, engine_parts
-from vllm_hybridcache.instrumentation import instrument, instrumentation_of
+from vllm_hybridcache.testing.instrumentation import instrument, instrumentation_of
 
 pytestmark = pytest.mark.slow
 

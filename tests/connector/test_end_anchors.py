@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import emulated_cpu_isa
 from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_exactness import GRID, anchored_session, clear, run
-from vllm_hybridcache.instrumentation import instrument
+from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
 from vllm_hybridcache.adapter.domain import request_domain
-from vllm_hybridcache.instrumentation import instrument, instrumentation_of
+from vllm_hybridcache.testing.instrumentation import instrument, instrumentation_of
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.connector.conftest import connector_engine, cpu_attention_pinned
 from tests.connector.test_fine_cuts import check_hits_inside_steps
-from vllm_hybridcache.instrumentation import instrument
+from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_exactness import GRID, A, B, clear, run
-from vllm_hybridcache.instrumentation import instrument
+from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 

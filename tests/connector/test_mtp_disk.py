@@ -49,7 +49,7 @@ from tests.keys import KEY_FILE, TEST_KEY
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
 from vllm_hybridcache.adapter.scheduler_side import DraftStep, NextToken, RebuiltAnchor
 from vllm_hybridcache.core.disk.linkfile import read_header, read_parts, write_link_file
-from vllm_hybridcache.instrumentation import instrument
+from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 

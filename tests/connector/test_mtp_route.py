@@ -40,7 +40,7 @@ from vllm_hybridcache.adapter import scheduler_side
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, BoundaryTap
 from vllm_hybridcache.adapter.scheduler_side import _Live
 from vllm_hybridcache.adapter.scheduler_side import anchor_end as scheduler_side_anchor_end
-from vllm_hybridcache.instrumentation import instrument
+from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 

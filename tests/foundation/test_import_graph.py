@@ -6,11 +6,11 @@ test needs no vLLM and sees imports a run would not execute.
 
 The layers, low to high (docs/architecture.md): the pure base (the cache core and the small
 shared pieces below everything), settings, the bends of vLLM and the copy ops, the model, the
-adapter (the request lifecycle), the cluster tier, and the serving surface with the entry
-points. A module may import its own layer and the ones below. `STILL_UPWARD` lists the arrows
-that still point up, which issue 31 moves (the cluster tier's transport below the adapter, the
-fleet above serving); the test fails when a new one appears and when a listed one is gone, so
-the list only shrinks.
+adapter (the request lifecycle), the cluster tier, the serving surface, the fleet of replicas,
+and the entry points with the test tooling. A module may import its own layer and the ones
+below. `STILL_UPWARD` lists the arrows that still point up, which issue 31 moves (the cluster
+tier's transport below the adapter); the test fails when a new one appears and when a listed
+one is gone, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("flash_next",),
     ("adapter",),
     ("cluster",),
-    ("serving", "registrations", "plugin", "cli", "tools", "instrumentation"),
+    ("serving",),
+    ("fleet",),
+    ("registrations", "plugin", "cli", "tools", "testing"),
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -39,12 +41,6 @@ STILL_UPWARD = {
     # transport moves below the adapter, behind the tier interface)
     ("adapter.scheduler_side", "cluster.engine"),
     ("adapter.worker_side", "cluster.engine"),  # the cluster publisher (a tier handler to be)
-    # the fleet (front, routing) reuses the serving surface (issue 31: its own package above
-    # serving)
-    ("cluster.front", "serving.admin"),
-    ("cluster.front", "serving.http"),
-    # an in-process replica for the cluster tests (issue 31: test code into a testing/ package)
-    ("cluster.replica", "serving.python_api"),
 }
 
 
@@ -154,7 +150,7 @@ def test_the_graph_reader_sees_imports_of_every_kind() -> None:
     """The negative control of the reader: function-level, relative and TYPE_CHECKING imports
     are all edges (a reader that missed them would pass a cyclic graph)."""
     assert "segmentation" in GRAPH["cluster.engine"]               # inside a function
-    assert "adapter.plans" in GRAPH["instrumentation"]             # under TYPE_CHECKING
+    assert "adapter.plans" in GRAPH["testing.instrumentation"]     # under TYPE_CHECKING
     assert "cluster.directory" in GRAPH["cluster.engine"]          # relative (from .directory)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -179,6 +175,12 @@ def test_arrows_point_down_the_layers() -> None:
               if RANK[_layer(dst)] > RANK[_layer(src)]}
     assert upward - STILL_UPWARD == set(), "an import up a layer"
     assert STILL_UPWARD - upward == set(), "gone: take it off STILL_UPWARD"
+
+
+def test_production_code_never_imports_the_test_tooling() -> None:
+    users = {src for src, targets in GRAPH.items() if _layer(src) != "testing"
+             for dst in targets if _layer(dst) == "testing"}
+    assert users == set()
 
 
 def test_environment_variable_names_are_spelled_only_in_config() -> None:

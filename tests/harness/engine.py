@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from vllm_hybridcache.instrumentation import Instrumentation
+from vllm_hybridcache.testing.instrumentation import Instrumentation
 
 BLOCK = 16                        # tokens per attention KV block
 MAX_LEN = 1024                    # max model length (the Mamba group's block covers it)

@@ -162,7 +162,7 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
     settings = ServerSettings(model_path=str(embedded_model("qwen3-next-tiny")),
                               served_name="tiny", max_model_len=8192, port=8340,
                               extra_args=["--api-key", KEY, "--worker-extension-cls",
-                                          "vllm_hybridcache.instrumentation.FaultInjection"])
+                                          "vllm_hybridcache.testing.instrumentation.FaultInjection"])
     other = msgspec.structs.replace(settings, port=8345)  # server B: same engine, another port
     # the negative control's two domains: one restored as is, one corrupted (life 2)
     intact, corrupted = f"intact-{uuid.uuid4().hex}", f"corrupted-{uuid.uuid4().hex}"

@@ -2,9 +2,9 @@
 
 vLLM takes one `--worker-extension-cls`, and the image server needs two: the vision probe
 (benchmarks/vision_probe.py: the tower's calls) and the fault injection
-(vllm_hybridcache/instrumentation.py: restores corrupted for the negative control). The worker
-imports this module by name, so the server needs the repository on its PYTHONPATH (the image
-tests' fixture puts it there).
+(vllm_hybridcache/testing/instrumentation.py: restores corrupted for the negative control).
+The worker imports this module by name, so the server needs the repository on its PYTHONPATH
+(the image tests' fixture puts it there).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import requests
 
 from benchmarks.vision_probe import VisionProbe
-from vllm_hybridcache.instrumentation import FaultInjection
+from vllm_hybridcache.testing.instrumentation import FaultInjection
 
 
 class VisionProbeAndFaults(VisionProbe, FaultInjection):

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.soak.check import DRIFT_NATS, Generation, compare, parse_logprobs
 from benchmarks.soak.report import slope_per_min, steady_rss
-from vllm_hybridcache.instrumentation import InjectedFault, LoadFailures
+from vllm_hybridcache.testing.instrumentation import InjectedFault, LoadFailures
 
 
 def gen(rows: list[dict[int, float]]) -> Generation:

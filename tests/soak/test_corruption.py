@@ -14,7 +14,11 @@ from benchmarks.soak.ledger import FaultRecord, RequestRecord
 from benchmarks.soak.report import summarize
 from vllm_hybridcache.adapter.plans import LoadJob
 from vllm_hybridcache.core import LinkRef
-from vllm_hybridcache.instrumentation import Instrumentation, RestoreCorruption, corrupt_state
+from vllm_hybridcache.testing.instrumentation import (
+    Instrumentation,
+    RestoreCorruption,
+    corrupt_state,
+)
 
 
 class FakeWorker:

@@ -96,7 +96,7 @@ class StepPlan(KVConnectorMetadata):
     captures: list[CaptureJob] = field(default_factory=list)
     drops: list[LinkAddr] = field(default_factory=list)
     # (req_id, prompt tokens, block ids) of prefills that end this step, when an instrumented
-    # engine asks for state probes (tests; see vllm_hybridcache/instrumentation.py)
+    # engine asks for state probes (tests; see vllm_hybridcache/testing/instrumentation.py)
     probes: list[tuple[str, int, list[list[int]]]] = field(default_factory=list)
     # disk tier: where the worker's writer writes (every plan, so a worker starts its writer
     # on the first one), committed RAM links to write, files deleted by the scheduler side

@@ -1,8 +1,8 @@
 """What the adapter calls on an attached probe: the slots test instrumentation fills.
 
-The adapter never imports the instrumentation (vllm_hybridcache/instrumentation.py, test
-tooling that sits above it and reads its state); it declares here the calls it makes on one,
-and a test attaches an object that has them. In production nothing is attached (None), and
+The adapter never imports the instrumentation (vllm_hybridcache/testing/instrumentation.py,
+test tooling that sits above it and reads its state); it declares here the calls it makes on
+one, and a test attaches an object that has them. In production nothing is attached (None), and
 every slot costs one `is None` check.
 """
 

@@ -466,8 +466,9 @@ class SchedulerSide:
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
         self._loads: list[LoadJob] = []
         self._finishing: list[CaptureJob] = []
-        # tests only (vllm_hybridcache/instrumentation.py): with `probe_states`, each plan asks
-        # the workers for the state of every prefill that ends in its step. None in production.
+        # tests only (vllm_hybridcache/testing/instrumentation.py): with `probe_states`, each
+        # plan asks the workers for the state of every prefill that ends in its step. None in
+        # production.
         self.instrumentation: StepProbes | None = None
         if self.active:
             import psutil

@@ -90,7 +90,7 @@ class WorkerSide:
         self._publisher = None
         self._publish_off = False  # the publisher could not start here: links stay local
         # tests and benchmarks only (fault injection, state probes, copy totals); see
-        # vllm_hybridcache/instrumentation.py. None in production.
+        # vllm_hybridcache/testing/instrumentation.py. None in production.
         self.instrumentation: StepProbes | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -50,7 +50,7 @@ def _serve_embedded(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cluster"]:  # its own parser (flags after `--` go to vllm serve)
-        from vllm_hybridcache.cluster.launcher import main as cluster_main
+        from vllm_hybridcache.fleet.launcher import main as cluster_main
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         return cluster_main(argv[1:])

@@ -34,11 +34,11 @@ import ray
 import requests
 from ray import serve
 
+from vllm_hybridcache.cluster.directory import NAMESPACE, DirectoryClient
 from vllm_hybridcache.config import SECRET_ENV as SECRET_VARIABLES
 from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.core.auth import key_from_file, new_secret
 
-from .directory import NAMESPACE, DirectoryClient
 from .front import Front
 from .owners import OwnerBookActor
 from .routing import Policy, Router

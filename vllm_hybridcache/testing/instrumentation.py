@@ -28,7 +28,7 @@ How it gets in:
 - no engine at all: the test harness (tests/harness) builds the connector halves itself and
   passes the object in directly;
 - a server (`vllm serve`): started with `--worker-extension-cls
-  vllm_hybridcache.instrumentation.FaultInjection` and `VLLM_SERVER_DEV_MODE=1`, its workers
+  vllm_hybridcache.testing.instrumentation.FaultInjection` and `VLLM_SERVER_DEV_MODE=1`, its workers
   fail or corrupt restores on demand through vLLM's `POST /collective_rpc` (the soak runner,
   benchmarks/soak; the disk and image tests). Without that flag no worker has the methods.
 """
@@ -263,7 +263,7 @@ class RestoreCorruption:
 
 
 class FaultInjection:
-    """vLLM worker extension (`--worker-extension-cls vllm_hybridcache.instrumentation.
+    """vLLM worker extension (`--worker-extension-cls vllm_hybridcache.testing.instrumentation.
     FaultInjection`): restore failures and restore corruptions on demand in a running server.
 
     Why: a server's workers live in other processes, so a soak run cannot put an
