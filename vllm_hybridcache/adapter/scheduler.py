@@ -12,7 +12,8 @@ With `attention_in_place` the scheduler also gets an attention-only prefix cache
 capped by the connector below the link that restores the recurrent state. Requests are hashed
 again with a provenance key on the blocks they write off the segmentation
 (`compat.provenance_block_hasher`); positions found off it during a step are marked at the
-start of the next `schedule()`, before vLLM registers those blocks.
+end of that `schedule()` (and any found between steps at the start of the next), before vLLM
+registers those blocks.
 
 Async scheduling: `--scheduler-cls` names one class, but vLLM decides whether it schedules
 asynchronously only after the command line is parsed (`VllmConfig`: on by default on GPUs, off
@@ -24,9 +25,10 @@ which is this class over vLLM's `AsyncScheduler` (the shape of vLLM's own
 placeholders for the step in flight. Nothing here depends on when outputs arrive: the cut hook
 reads `num_computed_tokens`, which vLLM advances when it schedules a step, so a prefill chunk
 scheduled while the previous one is in flight starts where that one ends. Off-segmentation
-marks are still applied before their blocks are registered: the async scheduler registers a
-request's blocks on output only once the request samples, when its prompt steps' marks (found
-one plan earlier at the latest) were applied at the start of the `schedule()` before it.
+marks are applied before `schedule()` returns as well as at its start: the async scheduler
+also registers a request's blocks when a step's output arrives, up to the tokens scheduled so
+far (the step in flight included), so the marks a plan finds must not wait for the next
+`schedule()`.
 """
 
 from __future__ import annotations
@@ -111,18 +113,30 @@ class SegmentedScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        if self._in_place is not None:
-            for req_id, position in self._side.take_off_segmentation():
-                request = self.requests.get(req_id)
-                if request is None:
-                    continue
-                old = self._off_from(request)
-                if position < old:
-                    self._in_place.mark(request, old, position)
-                    self._marked[req_id] = position
-            for req_id in [r for r in self._marked if r not in self.requests]:
-                del self._marked[req_id]
-        return super().schedule(*args, **kwargs)
+        self._apply_off_segmentation()
+        out = super().schedule(*args, **kwargs)
+        # the positions this step's plan found: marked before schedule() returns, so before
+        # anything registers the step's blocks (under async scheduling, the output of the step
+        # in flight can: `AsyncScheduler` caches a request's blocks up to its scheduled tokens
+        # when a token arrives, a stale one after a preemption included)
+        self._apply_off_segmentation()
+        return out
+
+    def _apply_off_segmentation(self) -> None:
+        """Mark the blocks of positions the connector found written off the segmentation
+        (`compat.mark_off_segmentation`) before vLLM registers them."""
+        if self._in_place is None:
+            return
+        for req_id, position in self._side.take_off_segmentation():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            old = self._off_from(request)
+            if position < old:
+                self._in_place.mark(request, old, position)
+                self._marked[req_id] = position
+        for req_id in [r for r in self._marked if r not in self.requests]:
+            del self._marked[req_id]
 
     def _split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int,
                num_external_computed_tokens: int) -> int | None:
