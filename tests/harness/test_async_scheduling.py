@@ -46,6 +46,9 @@ def test_the_scheduler_class_follows_the_engines_async_setting():
         assert isinstance(s, SegmentedScheduler)
         assert isinstance(s, AsyncScheduler) is on
         assert type(s) is (SegmentedAsyncScheduler if on else SegmentedScheduler)
+        # the config passed positionally (Scheduler.__init__'s first parameter) decides too
+        bare = SegmentedScheduler.__new__(SegmentedScheduler, e.vllm_config)
+        assert isinstance(bare, AsyncScheduler) is on
         # our hook, not vLLM's own mamba-block clipping
         assert s.need_mamba_block_aligned_split
         assert s._mamba_block_aligned_split.__qualname__.startswith("install_prefill_split")
