@@ -305,11 +305,12 @@ def test_a_rebuilt_anchor_row_is_the_row_its_decode_pass_wrote(llm, monkeypatch)
     assert any(bad_block["state"][k] != raw["state"][k] for k in raw["state"] if k not in names)
 
 
-def _last_block(num_computed, num_tokens, prompt_len, last_start, last_len, speculative):
+def _last_block(num_computed, num_tokens, prompt_len, last_start, last_len, speculative,
+                in_flight=None):
     """anchor_end, but with the state block of the verify step's last token (a rejected
     draft's, while drafts are rejected): the rollback undone."""
     end = scheduler_side_anchor_end(num_computed, num_tokens, prompt_len, last_start, last_len,
-                                    speculative)
+                                    speculative, in_flight)
     return None if end is None else (end[0], last_len - 1)
 
 

@@ -19,7 +19,12 @@ seconds with the real pieces and only the model faked:
   `KVConnectorModelRunnerMixin._get_kv_connector_output` (bind metadata, forward, start the
   asynchronous loads, wait for saves, transfer results, worker metadata, clear), merges the
   workers' outputs with vLLM's `KVOutputAggregator`, and hands a `ModelRunnerOutput` to
-  `Scheduler.update_from_output`, as `EngineCore.step` does.
+  `Scheduler.update_from_output`, as `EngineCore.step` does;
+- or, with `async_scheduling`, the async flavour (`SegmentedAsyncScheduler`, over vLLM's
+  `AsyncScheduler`) stepped as `EngineCore.step_with_batch_queue` steps it: step N + 1 is
+  scheduled and run before step N's output is applied (one step in flight), and the fake model
+  reads the tokens it sampled itself, as vLLM's model runner does, not the scheduler's (which
+  holds placeholders for them until the output arrives).
 
 Tests read the cache only through `cache_stats` (the connector's stats payload, the one place
 that knows its layout) and through what a client sees: cached tokens, output tokens and the
@@ -33,6 +38,7 @@ import functools
 import json
 import shutil
 import tempfile
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,7 +90,7 @@ def kv_cache_config(num_blocks: int):
 
 
 def vllm_config(settings: dict[str, Any], num_blocks: int, max_num_batched_tokens: int,
-                max_num_seqs: int, tp: int):
+                max_num_seqs: int, tp: int, async_scheduling: bool = False):
     """A real `VllmConfig` with our connector and scheduler, as `--plugin hybridcache` sets."""
     from vllm.config import (
         CacheConfig,
@@ -109,6 +115,10 @@ def vllm_config(settings: dict[str, Any], num_blocks: int, max_num_batched_token
                      kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
     # domain field only: the connector keys links by TP size; no process group is built here
     cfg.parallel_config.tensor_parallel_size = tp
+    # vLLM's CPU platform turns async scheduling off in its config hook; where it is on (a GPU
+    # platform's default) the field is resolved to True by the time EngineCore builds the
+    # scheduler, which is all the scheduler and the connector read
+    cfg.scheduler_config.async_scheduling = async_scheduling
     return cfg
 
 
@@ -199,8 +209,12 @@ class FakeWorker:
         self.sections[1][mb] = rec
         return 10 + int(abs(float(rec.sum() + conv.sum())) * 1e4) % (VOCAB - 10)
 
-    def execute(self, so, scheduler):
-        """One step on this worker: vLLM's model-runner order around the connector."""
+    def execute(self, so, scheduler, tokens: dict[str, list[int]]):
+        """One step on this worker: vLLM's model-runner order around the connector.
+
+        `tokens`: each scheduled request's tokens as the model runner knows them (its prompt
+        and every token sampled so far, also those whose output the scheduler has not applied
+        yet under async scheduling)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         conn = self.connector
@@ -208,12 +222,11 @@ class FakeWorker:
         req_ids, sampled = [], []
         for req_id, start in _scheduled(so):
             n = so.num_scheduled_tokens[req_id]
-            req = scheduler.requests[req_id]
-            tok = self.forward(list(req.all_token_ids), start, n,
-                               scheduler.kv_cache_manager.get_block_ids(req_id))
+            toks = tokens[req_id]
+            tok = self.forward(toks, start, n, scheduler.kv_cache_manager.get_block_ids(req_id))
             req_ids.append(req_id)
             # a partial prefill samples nothing (the model runner discards its sample)
-            sampled.append([tok] if start + n >= req.num_tokens else [])
+            sampled.append([tok] if start + n >= len(toks) else [])
         # asynchronous loads start after the forward (no synchronous loads in this connector)
         conn.start_load_kv(None)
         if not self.defer_save:
@@ -264,11 +277,16 @@ class HarnessEngine:
     floor). One `Instrumentation` per worker (`instrumentation[rank]`); rank 0's is also the
     scheduler side's, with state probes on. `defer_save`: workers report a step's copies with
     the next step, as vLLM's runner does with a draft model (see `FakeWorker`).
+    `async_scheduling`: vLLM's async scheduler and
+    `EngineCore.step_with_batch_queue`'s order (see `step`).
     """
+
+    BATCH_QUEUE = 2  # vLLM's max_concurrent_batches with async scheduling, no pipeline stages
 
     def __init__(self, settings: dict[str, Any] | None = None, *, workers: int = 1,
                  num_blocks: int = 160, max_num_batched_tokens: int = 256,
-                 max_num_seqs: int = 8, defer_save: bool = False) -> None:
+                 max_num_seqs: int = 8, defer_save: bool = False,
+                 async_scheduling: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.structured_output import StructuredOutputManager
@@ -276,7 +294,7 @@ class HarnessEngine:
         merged = {"grid": 64, "message_end_ids": [-1], "memory_floor_bytes": 0}
         merged.update(settings or {})
         self.vllm_config = cfg = vllm_config(merged, num_blocks, max_num_batched_tokens,
-                                             max_num_seqs, workers)
+                                             max_num_seqs, workers, async_scheduling)
         kv_config = kv_cache_config(num_blocks)
         self.instrumentation = [HarnessInstrumentation(probe_states=r == 0)
                                 for r in range(workers)]
@@ -304,6 +322,11 @@ class HarnessEngine:
         self.connector._sched.instrumentation = self.instrumentation[0]
         self.aggregator = KVOutputAggregator.from_connector(self.connector, workers)
         self.runs: dict[str, Run] = {}
+        # the model runner's tokens per request: prompt + every token rank 0 sampled
+        self.tokens: dict[str, list[int]] = {}
+        # async scheduling: steps scheduled and run whose outputs are not applied yet, newest
+        # first (EngineCore's batch queue); None when synchronous
+        self.queue: deque | None = deque() if async_scheduling else None
         self.plans: list = []
         self._n = 0
         self.steps = 0
@@ -311,12 +334,14 @@ class HarnessEngine:
     # ------------------------------------------------------------------ requests
     def add(self, prompt: list[int], *, max_tokens: int = 3, req_id: str | None = None,
             cache_salt: str | None = None, image: str | None = None,
-            uuid: str | None = None, embeds: bool = False) -> str:
+            uuid: str | None = None, embeds: bool = False,
+            stop_token_ids: list[int] | None = None) -> str:
         """Queue a request; `image` adds one multimodal item (placeholder tokens at 8..40)
         whose processed tensors are a function of that string ("" = no content at the
         scheduler, no identifier), identified by the client's `uuid` when given, else by the
         string itself (as vLLM's own content hash would); `embeds` sends prompt embeddings
-        along with the ids."""
+        along with the ids; `stop_token_ids` ends the request on one of these tokens (vLLM's
+        FINISHED_STOPPED, before `max_tokens`)."""
         from vllm import SamplingParams
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.v1.request import Request
@@ -334,7 +359,8 @@ class HarnessEngine:
                                         mm_position=PlaceholderRange(offset=8, length=32),
                                         mm_hash=identifier)]
         req = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens,
-                                                           ignore_eos=True),
+                                                           ignore_eos=True,
+                                                           stop_token_ids=stop_token_ids),
                       None, mm_features=mm, cache_salt=cache_salt,
                       prompt_embeds=torch.zeros(len(prompt), 8) if embeds else None)
         self.scheduler.add_request(req)
@@ -353,8 +379,26 @@ class HarnessEngine:
         return so
 
     def execute(self, so) -> list:
-        """Every worker runs the step (forward and connector copies): their outputs."""
-        return [w.execute(so, self.scheduler) for w in self.workers]
+        """Every worker runs the step (forward and connector copies): their outputs. Rank 0's
+        samples extend the model runner's tokens (what every rank forwards next, as vLLM's
+        workers all get the same sampled tokens)."""
+        tokens = {}
+        # new and resumed requests come with the scheduler's tokens (a resumed one's output
+        # in flight at its preemption is dropped or delivered stale, not forwarded)
+        fresh = {d.req_id for d in so.scheduled_new_reqs}
+        fresh |= set(so.scheduled_cached_reqs.resumed_req_ids)
+        for req_id, _ in _scheduled(so):
+            known = list(self.scheduler.requests[req_id].all_token_ids)
+            mine = self.tokens.get(req_id)
+            if (req_id not in fresh and mine is not None and len(mine) >= len(known)
+                    and mine[:len(known)] == known):
+                known = mine  # sampled tokens the scheduler does not hold yet (async)
+            tokens[req_id] = self.tokens[req_id] = known
+        outputs = [w.execute(so, self.scheduler, tokens) for w in self.workers]
+        first = outputs[0]
+        for req_id, sampled in zip(first.req_ids, first.sampled_token_ids, strict=True):
+            tokens[req_id].extend(sampled)
+        return outputs
 
     def update(self, so, outputs: list) -> None:
         """Merge the workers' outputs (vLLM's `KVOutputAggregator`) and hand them to vLLM's
@@ -375,9 +419,36 @@ class HarnessEngine:
         self.steps += 1
 
     def step(self) -> None:
-        """One `EngineCore.step`: schedule, run every worker, merge, update."""
+        """One `EngineCore.step`: schedule, run every worker, merge, update. Under async
+        scheduling one `EngineCore.step_with_batch_queue` instead (see `_step_async`)."""
+        if self.queue is not None:
+            self._step_async()
+            return
         so = self.schedule()
         self.update(so, self.execute(so))
+
+    def _step_async(self, force: bool = False) -> None:
+        """`EngineCore.step_with_batch_queue` with a queue of `BATCH_QUEUE` (async scheduling):
+        schedule a step while the queue has room and the scheduler has requests (`force`:
+        also without, as the harness's synchronous `step` does, to deliver the last reports)
+        and run it; return at once while the queue is not full and there is more to do,
+        otherwise apply the oldest step's output. The workers run a step as soon as it is
+        scheduled, before the outputs of steps before it are applied (vLLM's device executes
+        steps in order; its scheduler learns of them later)."""
+        q = self.queue
+        if force or self.scheduler.has_requests():
+            so = self.schedule()
+            q.appendleft((so, self.execute(so)))
+            if len(q) < self.BATCH_QUEUE and (so.total_num_scheduled_tokens > 0
+                                              or self.scheduler.has_requests()):
+                return
+        if q:
+            so, outputs = q.pop()
+            self.update(so, outputs)
+
+    def in_flight(self) -> int:
+        """Steps scheduled whose outputs are not applied yet (0 when synchronous)."""
+        return len(self.queue) if self.queue is not None else 0
 
     def step_until(self, done, limit: int = 200) -> None:
         for _ in range(limit):
@@ -388,9 +459,15 @@ class HarnessEngine:
 
     def drain(self) -> None:
         """Step until no request is left, then once more: the last step's reports (end
-        anchors, finished sends) arrive with the step after it."""
-        self.step_until(lambda: not self.scheduler.has_requests())
-        self.step()
+        anchors, finished sends) arrive with the step after it. Under async scheduling also
+        until no step is in flight, and the last step is applied at once."""
+        if self.queue is None:
+            self.step_until(lambda: not self.scheduler.has_requests())
+            self.step()
+            return
+        self.step_until(lambda: not self.scheduler.has_requests() and not self.queue)
+        self._step_async(force=True)
+        assert not self.queue
 
     def run(self, prompt: list[int], **kw: Any) -> Run:
         """One request from start to finish, alone in the engine."""

@@ -4,7 +4,9 @@ With `attention_in_place` a hit's attention blocks come from vLLM's block pool, 
 ref-counted, below the tree link whose recurrent state the connector restores; the connector
 copies the sections and the rows of the hit's last block. The fake model reads K rows of
 earlier blocks at every position, so a shared block holding the wrong rows shows in the state
-digests and the sampled tokens, exactly as a wrong copy does.
+digests and the sampled tokens, exactly as a wrong copy does. The tests marked with
+`async_scheduling` also run in vLLM's async order (tests/harness/test_async_scheduling.py):
+blocks registered on output there must carry their provenance marks too.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ def same(warm, ref) -> None:
     assert warm.state is not None and warm.state == ref.state
 
 
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
 def _attn_blocks(e: HarnessEngine, req_id: str) -> list[int]:
     return list(e.scheduler.kv_cache_manager.get_block_ids(req_id)[ATTN])
 
 
-def test_a_hit_shares_the_blocks_below_the_link_and_equals_cold():
+@ASYNC
+def test_a_hit_shares_the_blocks_below_the_link_and_equals_cold(async_scheduling):
     a_cold, b_cold = cold(A), cold(B)
-    e = HarnessEngine(ON)
+    e = HarnessEngine(ON, async_scheduling=async_scheduling)
     assert e.scheduler.block_size == BLOCK     # hits align to the attention block
     a = e.run(A)
     same(a, a_cold)
@@ -107,25 +113,29 @@ def test_no_link_no_local_hit():
     same(warm, ref)
 
 
+@ASYNC
 @pytest.mark.parametrize("marks", [True, False])
-def test_blocks_written_off_the_segmentation_are_never_taken_with_a_link(marks):
+def test_blocks_written_off_the_segmentation_are_never_taken_with_a_link(marks,
+                                                                         async_scheduling):
     """Request `off` is cut short by the token budget (it shares a step with another
     request): from its first step on it is off the segmentation and its blocks are hashed
     apart. A cold run of the same prompt then captures links; a third run takes its in-place
     blocks from the cold run, never from `off`, though `off` registered its blocks first. The
     negative control (`marks=False`: the scheduler never marks) takes `off`'s blocks."""
-    e = HarnessEngine(ON, max_num_batched_tokens=100)
+    e = HarnessEngine(ON, max_num_batched_tokens=100, async_scheduling=async_scheduling)
     if not marks:
         e.scheduler._side.take_off_segmentation = list
     other = [9 + (i * 11) % 3000 for i in range(150)]
     e.add(other, req_id="other")
     off = e.add(A, req_id="off")
     off_blocks: set[int] = set()
-    while e.scheduler.has_requests():           # step 1: other 64 tokens to its cut, off 36
+    while e.scheduler.has_requests() or e.in_flight():  # step 1: other 64 to its cut, off 36
         e.step()
         if off in e.scheduler.requests:
             off_blocks |= set(_attn_blocks(e, off))
-    e.step()
+        if marks:  # marked as schedule() returns: before a step's output can register blocks
+            assert not e.scheduler._side._off_marks
+    e.drain()
     assert e.runs[off].finished and cache_stats(e)["links"] == 2   # other's cuts only
     # off's blocks are registered under provenance hashes only (or, unmarked, under A's)
     assert len(_registered(e, A)) == (0 if marks else len(A) // BLOCK)
@@ -164,10 +174,11 @@ def _registered(e: HarnessEngine, prompt: list[int]) -> list[int]:
     return out
 
 
-def test_an_end_anchor_hit_is_copied_whole_and_equals_cold():
+@ASYNC
+def test_an_end_anchor_hit_is_copied_whole_and_equals_cold(async_scheduling):
     """An end anchor is session-exact: the cap is 0, its rows are copied as before, and the
     next turn equals a cold run of its prompt."""
-    e = HarnessEngine(ON)
+    e = HarnessEngine(ON, async_scheduling=async_scheduling)
     first = e.run(A[:100], max_tokens=4)
     turn = A[:100] + first.tokens + [7, 8, 9, 10, 11]
     ref = cold(turn)

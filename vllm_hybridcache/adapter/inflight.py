@@ -7,8 +7,11 @@ step is committed or aborted. With a draft model (speculative decoding) vLLM's m
 builds the step's connector output before the draft runs and calls the connector's
 `wait_for_save` after it (the capture must copy the rows the draft head wrote), so a step's
 copies are reported with the next step's output: for one more step the link is pending and
-invisible. A request that shares the prefix and arrives right then (sessions in lockstep, a
-parent and its sub-agents) would prefill from the root what the link serves a step later.
+invisible. Under async scheduling (vLLM's `AsyncScheduler`, adapter/scheduler.py) the next step
+is planned before the previous step's output arrives, so a link is pending at the next plan
+even without a draft model, and two plans on with one. A request that shares the prefix and
+arrives right then (sessions in lockstep, a parent and its sub-agents) would prefill from the
+root what the link serves a step later.
 
 The scheduler side records every tree capture it plans here, and a lookup whose answer is
 shallower than such a link on the same prompt (same domain, same tokens up to the link's cut,
@@ -29,7 +32,8 @@ import numpy as np
 
 from vllm_hybridcache.core import LinkAddr, PromptKeys
 
-MAX_AGE = 2    # plans: a report is due with the next step (two under async scheduling)
+MAX_AGE = 2    # plans: a report lands before the next plan, one plan later with a draft
+               # model's deferred saves or under async scheduling, two with both
 MAX_WAITS = 2  # steps one request may wait for links in flight, in all
 
 

@@ -12,7 +12,23 @@ With `attention_in_place` the scheduler also gets an attention-only prefix cache
 capped by the connector below the link that restores the recurrent state. Requests are hashed
 again with a provenance key on the blocks they write off the segmentation
 (`compat.provenance_block_hasher`); positions found off it during a step are marked at the
-start of the next `schedule()`, before vLLM registers those blocks.
+end of that `schedule()` (and any found between steps at the start of the next), before vLLM
+registers those blocks.
+
+Async scheduling: `--scheduler-cls` names one class, but vLLM decides whether it schedules
+asynchronously only after the command line is parsed (`VllmConfig`: on by default on GPUs, off
+on vLLM's CPU platform), and `get_scheduler_cls` returns a custom class as is. So the class
+named, `SegmentedScheduler`, picks its own flavour when `EngineCore` instantiates it: with
+`scheduler_config.async_scheduling` on, `__new__` makes a `SegmentedAsyncScheduler` instead,
+which is this class over vLLM's `AsyncScheduler` (the shape of vLLM's own
+`DiffusionAsyncScheduler(DiffusionScheduler, AsyncScheduler)`): the same hooks, with vLLM's
+placeholders for the step in flight. Nothing here depends on when outputs arrive: the cut hook
+reads `num_computed_tokens`, which vLLM advances when it schedules a step, so a prefill chunk
+scheduled while the previous one is in flight starts where that one ends. Off-segmentation
+marks are applied before `schedule()` returns as well as at its start: the async scheduler
+also registers a request's blocks when a step's output arrives, up to the tokens scheduled so
+far (the step in flight included), so the marks a plan finds must not wait for the next
+`schedule()`.
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ from vllm_hybridcache.compat import require_supported_vllm
 # that may have moved is imported.
 require_supported_vllm()
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from vllm_hybridcache.compat import (  # noqa: E402
@@ -40,10 +57,30 @@ from vllm_hybridcache.segmentation import first_cut_after  # noqa: E402
 logger = logging.getLogger("vllm_hybridcache")
 
 
+def _async_scheduling(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the engine being built schedules asynchronously: its `VllmConfig` (the keyword
+    `EngineCore` passes, or the first positional argument of `Scheduler.__init__`) says so,
+    resolved by the time a scheduler is built."""
+    cfg = kwargs.get("vllm_config", args[0] if args else None)
+    return bool(getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False))
+
+
 class SegmentedScheduler(Scheduler):
+    """vLLM's scheduler with the segmentation hook (and attention K/V in place): the class
+    `--scheduler-cls` names. Built under async scheduling it is a `SegmentedAsyncScheduler`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SegmentedScheduler:
+        # A subclass is returned, so Python runs its __init__ with these arguments as usual.
+        target = (SegmentedAsyncScheduler
+                  if cls is SegmentedScheduler and _async_scheduling(args, kwargs) else cls)
+        return super().__new__(target)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_supported_vllm()
         super().__init__(*args, **kwargs)
+        if isinstance(self, AsyncScheduler):
+            logger.info("hybridcache: segmentation scheduler on vLLM's AsyncScheduler "
+                        "(async scheduling)")
         connector = self.get_kv_connector()
         active = bool(getattr(connector, "snapshot_cache_active", False))
         self._cuts_for = connector.cuts_for if active else None
@@ -76,18 +113,30 @@ class SegmentedScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        if self._in_place is not None:
-            for req_id, position in self._side.take_off_segmentation():
-                request = self.requests.get(req_id)
-                if request is None:
-                    continue
-                old = self._off_from(request)
-                if position < old:
-                    self._in_place.mark(request, old, position)
-                    self._marked[req_id] = position
-            for req_id in [r for r in self._marked if r not in self.requests]:
-                del self._marked[req_id]
-        return super().schedule(*args, **kwargs)
+        self._apply_off_segmentation()
+        out = super().schedule(*args, **kwargs)
+        # the positions this step's plan found: marked before schedule() returns, so before
+        # anything registers the step's blocks (under async scheduling, the output of the step
+        # in flight can: `AsyncScheduler` caches a request's blocks up to its scheduled tokens
+        # when a token arrives, a stale one after a preemption included)
+        self._apply_off_segmentation()
+        return out
+
+    def _apply_off_segmentation(self) -> None:
+        """Mark the blocks of positions the connector found written off the segmentation
+        (`compat.mark_off_segmentation`) before vLLM registers them."""
+        if self._in_place is None:
+            return
+        for req_id, position in self._side.take_off_segmentation():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            old = self._off_from(request)
+            if position < old:
+                self._in_place.mark(request, old, position)
+                self._marked[req_id] = position
+        for req_id in [r for r in self._marked if r not in self.requests]:
+            del self._marked[req_id]
 
     def _split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int,
                num_external_computed_tokens: int) -> int | None:
@@ -101,3 +150,10 @@ class SegmentedScheduler(Scheduler):
             return num_new_tokens
         end = min(start + num_new_tokens, first_cut_after(cuts, start, start + num_new_tokens))
         return max(end - start, 0)
+
+
+class SegmentedAsyncScheduler(SegmentedScheduler, AsyncScheduler):
+    """`SegmentedScheduler` over vLLM's `AsyncScheduler` (method order: ours, then vLLM's async
+    placeholders, then `Scheduler`): what `SegmentedScheduler(...)` builds when the engine
+    schedules asynchronously. Nothing is overridden here; the end anchors' reading of the
+    async scheduler's placeholders is in `scheduler_side.anchor_end`."""

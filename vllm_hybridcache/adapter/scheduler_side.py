@@ -224,10 +224,30 @@ class RebuiltAnchor(NamedTuple):
 
 
 def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: int,
-               last_len: int, speculative: bool) -> tuple[int, int] | None:
+               last_len: int, speculative: bool,
+               in_flight: int | None = None) -> tuple[int, int] | None:
     """(tokens, section block) of a finished request's end anchor, or None for no anchor.
 
-    Without drafts the anchor is the state after every forwarded token, in block 0. With
+    Without drafts the anchor is the state after every forwarded token, in block 0: the
+    capture runs in a step planned after the request finished, after every step that
+    forwarded its tokens, and vLLM counts a step's tokens in `num_computed` when it schedules
+    it. Under synchronous scheduling that is every token but the last one sampled.
+
+    `in_flight` (async scheduling only; None when synchronous): the request's output
+    placeholders when it finished, the tokens still to come from steps in flight. vLLM's
+    `AsyncScheduler` schedules a decode before the previous step's token is known (one step in
+    flight), and takes the placeholder of the token it just received off before the request
+    finishes. So a request that stopped on a token (a stop id, EOS) has usually been scheduled
+    once more: that step forwards the stop token and leaves the state after all `num_tokens`
+    (`num_computed == num_tokens`, one placeholder left); one that reached `max_tokens` was not
+    (vLLM skips a step it knows to be the last's successor: `num_computed == num_tokens - 1`,
+    none left). Either way the tokens settled (`num_computed - in_flight`) are all but the last
+    sampled, and the anchor covers `num_computed` tokens; any other count (more than one step
+    in flight, a count vLLM rolled back) gives no anchor. Drafts under async scheduling give
+    none either: their in-flight verify step overwrites the state blocks (see
+    `SchedulerSide.__init__`).
+
+    With
     drafts the last step is a verify step that forwarded `last_len` tokens from `last_start`
     and wrote the state after its j-th token to block j; its rejected tokens are already taken
     off `num_computed`, and a stop inside the accepted ones leaves fewer tokens in the request
@@ -235,6 +255,10 @@ def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: 
     last one is the first the next turn forwards) and copies that token's block. A request
     that finished in a prefill step gets none (a short chunk runs as a decode: on doubt, miss).
     """
+    if in_flight is not None:
+        if speculative or in_flight not in (0, 1) or num_computed - in_flight != num_tokens - 1:
+            return None
+        return num_computed, 0
     if not speculative:
         return num_computed, 0
     n = min(num_computed, num_tokens - 1)
@@ -374,8 +398,11 @@ class SchedulerSide:
         self._resume_floor = inner_resume_floor(vllm_config, self.segmentation_mode)
         anchors = settings.session_anchors
         self._speculative = vllm_config.speculative_config is not None
-        if (self._speculative and anchors
-                and getattr(vllm_config.scheduler_config, "async_scheduling", False)):
+        # vLLM's AsyncScheduler runs (adapter/scheduler.py): a step may be in flight when a
+        # request finishes (see anchor_end)
+        self._async = bool(getattr(getattr(vllm_config, "scheduler_config", None),
+                                   "async_scheduling", False))
+        if self._speculative and anchors and self._async:
             # An end anchor copies the state block of the last accepted token of the request's
             # last verify step. Async scheduling has usually scheduled the request once more
             # (placeholders) before its finish is known, and that step overwrites the state
@@ -1141,9 +1168,14 @@ class SchedulerSide:
                 return False
         elif entry.unkeyed or entry.unbound:
             return False
+        if self._async and getattr(request, "num_preemptions", 0):
+            # a preemption under async scheduling resets vLLM's counts while a step may be in
+            # flight (its output is delivered stale): what the state holds is not read here
+            return False
         all_tokens = list(request.all_token_ids)
+        in_flight = int(request.num_output_placeholders) if self._async else None
         end = anchor_end(request.num_computed_tokens, len(all_tokens), request.num_prompt_tokens,
-                         *last, self._speculative)
+                         *last, self._speculative, in_flight)
         if end is None:
             return False
         n, section_block = end
