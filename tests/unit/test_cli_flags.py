@@ -202,7 +202,7 @@ def vllm_cli(monkeypatch):
 
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     compat.extend_vllm_serve(flags.on_serve, flags.TRACKED, flags.PLUGIN_HELP)
-    return compat._vllm_cli_parser()
+    return compat.serve_cli._vllm_cli_parser()
 
 
 def test_vllm_serve_takes_plugin_before_the_model(vllm_cli, embedded_model):
@@ -220,7 +220,7 @@ def test_vllm_serve_takes_plugin_before_the_model(vllm_cli, embedded_model):
     assert not hasattr(args, "plugin")  # vLLM's namespace, nothing of ours left in it
     # negative control: vLLM's parser alone refuses `--plugin` there
     with pytest.raises(ValueError, match="first positional argument"):
-        compat._original_parse_args()(vllm_cli, ["serve", "--plugin", "hybridcache", path,
+        compat.serve_cli._original_parse_args()(vllm_cli, ["serve", "--plugin", "hybridcache", path,
                                                  "--served-model-name", "tiny"])
 
 
@@ -231,7 +231,7 @@ def test_vllm_serve_without_plugin_is_parsed_exactly_as_by_vllm(vllm_cli, embedd
             "--kv-transfer-config.kv_connector", "LMCacheConnectorV1",
             "--kv-transfer-config.kv_role", "kv_both", "--no-enable-prefix-caching"]
     ours = vars(vllm_cli.parse_args(argv))
-    theirs = vars(compat._original_parse_args()(vllm_cli, argv))
+    theirs = vars(compat.serve_cli._original_parse_args()(vllm_cli, argv))
     ours_kv, theirs_kv = ours.pop("kv_transfer_config"), theirs.pop("kv_transfer_config")
     assert ours == theirs
     assert ours_kv.kv_connector == theirs_kv.kv_connector == "LMCacheConnectorV1"

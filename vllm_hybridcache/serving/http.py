@@ -6,7 +6,7 @@ route; on top of it, serving/admin.py decides what needs the admin key
 (`{"cache_salt": ...}` in the body) does not, and only the admin's stats carry the domain count
 (docs/security.md). Stats come from the snapshots the connector's stats carry to this process
 (see adapter/stats.py). Clearing goes to every engine as a utility call
-(`adapter.connector.clear_utility`, through compat.py), so the `tier`, `kind` and tenant asked
+(`adapter.connector.clear_utility`, through compat), so the `tier`, `kind` and tenant asked
 for reach the cache and only those links are dropped; the engines answer with the tiers they
 have, and a tier or kind they do not have is a 400. Links being restored at that moment leave
 lookups at once and their payload when the restore ends, so a clear never breaks a request in
