@@ -127,6 +127,9 @@ class LookupResult(msgspec.Struct, frozen=True):
     pending: bool = False
     shortened: bool = False
     refused: int = 0
+    # why the facade served this hit among the tiers' (a ChoiceReason value, core/choice.py);
+    # None when no cost model chose (or on a miss)
+    choice: str | None = None
 
 
 class Reservation(msgspec.Struct, frozen=True):
@@ -274,7 +277,8 @@ def record_lookup(rec: StatsRecorder, res: LookupResult) -> None:
     chain = len(res.plan.chain) if res.hit and res.plan is not None else 0
     rec.lookup(prompt_tokens=res.prompt_tokens, hit_tokens=res.tokens, chain_links=chain,
                miss_reason=res.miss_reason, shortened=res.shortened,
-               verify_collisions=res.verify_collisions)
+               verify_collisions=res.verify_collisions,
+               choice=res.choice if chain else None)
 
 
 class IdSource:
