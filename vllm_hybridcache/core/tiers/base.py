@@ -175,8 +175,10 @@ class CacheTier(ABC):
     tier: Tier
     kind: LinkKind
     cold_exact: bool  # whether a request resumed from this tier may publish tree links
-    # A slow tier (disk) serves a hit only when it is strictly deeper than every faster tier's:
-    # on a tie the bytes are already in RAM, and reading them again costs time for nothing.
+    # A slow tier (disk, cluster) loses every tie to a faster tier's hit: on a tie the bytes
+    # are already in RAM, and reading them again costs time for nothing. (Without a cost model
+    # it serves a hit only when strictly deeper; with one, core/choice.py prices its reads at
+    # its own measured rate, so a slightly deeper slow hit can lose to a RAM hit too.)
     slow: bool = False
 
     def sources(self, plan: RestorePlan) -> tuple[str, ...]:
