@@ -202,7 +202,7 @@ def plugin_series(stats_module: Any) -> dict[str, frozenset[str]]:
     out: dict[str, frozenset[str]] = {}
     for n in (*stats_module.COUNTERS, *stats_module.IN_PLACE):
         out[n + "_total"] = base
-    for n, _ in (stats_module.MISSES, stats_module.SKIPS):
+    for n, _ in (stats_module.MISSES, stats_module.SKIPS, stats_module.CHOICES):
         out[n + "_total"] = base | {"reason"}
     for n in stats_module.GAUGES:
         out[n] = base
@@ -289,12 +289,13 @@ def vllm_series(source: str) -> dict[str, frozenset[str]]:
 
 
 def reason_values(stats_module: Any) -> frozenset[str]:
-    """The `reason` values the plugin's series take: the miss and skip enums, the disk files'
-    problems, and the disk writer's reasons its series' help text names."""
-    from vllm_hybridcache.core import MissReason, SkipReason
+    """The `reason` values the plugin's series take: the miss, skip and hit-choice enums, the
+    disk files' problems, and the disk writer's reasons its series' help text names."""
+    from vllm_hybridcache.core import ChoiceReason, MissReason, SkipReason
     from vllm_hybridcache.core.disk.linkfile import LinkFileProblem
 
-    values = {r.value for e in (MissReason, SkipReason, LinkFileProblem) for r in e}
+    values = {r.value for e in (MissReason, SkipReason, ChoiceReason, LinkFileProblem)
+              for r in e}
     for _, text in (stats_module.MISSES, stats_module.SKIPS):  # "(budget, memory_guard, ..."
         values.update(w.strip() for w in re.split(r"[,;:()]", text)
                       if re.fullmatch(r"[a-z_]+", w.strip()))

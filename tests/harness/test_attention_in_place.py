@@ -187,3 +187,50 @@ def test_an_end_anchor_hit_is_copied_whole_and_equals_cold(async_scheduling):
     assert warm.cached == 100 + len(first.tokens) - 1 and job.in_place == 0
     same(warm, ref)
     assert cache_stats(e, "anchor")["hits"] == 1
+
+
+def _forks(head: list[int], first: int, n: int) -> list[list[int]]:
+    """`n` extensions of a finished head, each its first token and a suffix of its own."""
+    return [head + [first] + [50 + (i * 13 + 101 * k) % 3000 for i in range(40)]
+            for k in range(n)]
+
+
+@pytest.mark.parametrize("margin", [None, 0.0])
+def test_forks_of_a_head_share_its_blocks_instead_of_copying_its_anchor(margin):
+    """Issue 33: a head that ends at a cut (a tree link there) and its end anchor one token
+    deeper, then 4 concurrent forks. By expected time to first token the anchor is ahead by
+    one token of prefill and behind by a copy of every row, within the cold-exact margin:
+    each fork resumes from the tree link, shares the head's blocks below it, equals a cold
+    run, and the choice is counted. Rates are pinned (the priors), so timing cannot move the
+    choice. Negative control (`margin=0`): the anchor is the cheaper by the estimate, every
+    fork copies its rows into blocks of its own (no block shared), still exact."""
+    from vllm_hybridcache.core import CostModel
+
+    e = HarnessEngine(ON)
+    cache = e.connector._sched.cache
+    cache.cost = CostModel(pinned=True)
+    if margin is not None:
+        cache.margin = margin
+    head = A[: 3 * GRID]                         # ends at the cut 192: a link there
+    first = e.run(head, max_tokens=2)
+    forks = _forks(head, first.tokens[0], 4)
+    refs = [cold(f) for f in forks]
+    ids = [e.add(f, req_id=f"fork{k}") for k, f in enumerate(forks)]
+    e.step()                                      # all four admitted: loads planned
+    n = (3 * GRID - BLOCK) // BLOCK               # blocks strictly below the link at 192
+    jobs = [load_jobs(e, r) for r in ids]
+    blocks = [_attn_blocks(e, r) for r in ids]
+    e.drain()
+    for r, ref in zip(ids, refs, strict=True):
+        same(e.runs[r], ref)
+    if margin is None:
+        assert all([(j.kind, j.in_place) for j in js] == [("tree", n * BLOCK)] for js in jobs)
+        assert all(b[:n] == blocks[0][:n] for b in blocks)   # one set of head blocks
+        assert all(e.runs[r].cached == 3 * GRID for r in ids)
+        assert cache_stats(e)["choices"] == {"cold_exact": 4}
+        assert cache_stats(e, "anchor")["hits"] == 0
+    else:
+        assert all([(j.kind, j.in_place) for j in js] == [("anchor", 0)] for js in jobs)
+        assert not set(blocks[0][:n]) & set(blocks[1][:n])  # every fork holds its own rows
+        assert all(e.runs[r].cached == 3 * GRID + 1 for r in ids)
+        assert cache_stats(e, "anchor")["choices"] == {"deepest": 4}

@@ -342,3 +342,42 @@ def test_tensor_free_plans_pickle():
     rep = StepReport(saved={LinkAddr("ram", "tree", 1): 0.1}).aggregate(
         StepReport(saved={LinkAddr("ram", "tree", 1): 0.2}))
     assert rep.saved_count == {LinkAddr("ram", "tree", 1): 2}
+
+
+# ------------------------------------------------------------------ issue 33: hit choices
+def _choice_payload(seq: int, tree: dict[str, int], anchor: dict[str, int]):
+    from vllm_hybridcache.adapter.stats import encode
+    from vllm_hybridcache.core import CacheStats
+
+    return encode({("ram", "tree"): CacheStats(hits=sum(tree.values()), choices=tree),
+                   ("ram", "anchor"): CacheStats(hits=sum(anchor.values()), choices=anchor)},
+                  seq, "e")
+
+
+def _choices(reg, kind: str, reason: str) -> float | None:
+    return reg.get_sample_value("vllm:hybridcache_hit_choices_total",
+                                {"engine": "0", "tier": "ram", "kind": kind, "reason": reason})
+
+
+def test_hit_choices_are_counted_by_reason_under_the_chosen_route(prom):
+    p, reg = prom
+    # every reason is exported as a zero before any snapshot arrives
+    assert _choices(reg, "tree", "cold_exact") == 0.0
+    assert _choices(reg, "anchor", "deepest") == 0.0
+    p.observe(_choice_payload(1, {"cheaper": 2}, {"deepest": 1}))
+    p.observe(_choice_payload(2, {"cheaper": 5, "cold_exact": 1}, {"deepest": 1}))
+    assert _choices(reg, "tree", "cheaper") == 5.0
+    assert _choices(reg, "tree", "cold_exact") == 1.0
+    assert _choices(reg, "anchor", "deepest") == 1.0
+    assert _choices(reg, "anchor", "cheaper") == 0.0    # negative control: nothing leaks
+
+
+def test_stats_json_sums_hit_choices():
+    from vllm_hybridcache.serving.http import aggregate
+
+    out = aggregate({0: _choice_payload(1, {"cheaper": 2}, {"deepest": 1}),
+                     1: _choice_payload(1, {"cheaper": 1, "only": 3}, {})})
+    ram = out["tiers"]["ram"]
+    assert ram["kinds"]["tree"]["choices"] == {"cheaper": 3, "only": 3}
+    assert ram["kinds"]["anchor"]["choices"] == {"deepest": 1}
+    assert ram["choices"] == {"cheaper": 3, "only": 3, "deepest": 1}

@@ -46,6 +46,7 @@ from vllm_hybridcache.adapter.segmentation_mode import inner_resume_floor, segme
 from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import (
     CacheTier,
+    CostModel,
     DiskTier,
     EndAnchors,
     IdSource,
@@ -466,7 +467,9 @@ class SchedulerSide:
 
                 self.cluster_anchors = open_cluster_anchors(self.cluster, ram_anchors)
                 tiers.append(self.cluster_anchors)
-            self.cache = SnapshotCache(tiers)
+            # which hit serves a request: the least expected seconds to first token (bytes
+            # moved at measured rates + prefill left; core/choice.py), rates fed below
+            self.cache = SnapshotCache(tiers, cost=CostModel())
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
         # target's hidden state there and one more token, which vLLM takes from past the cut
@@ -700,19 +703,41 @@ class SchedulerSide:
         entry.answer = answer
         tokens, _ = answer
         res = entry.lookup
-        if (not tokens or res is None or not res.hit or res.kind != LinkKind.TREE
+        if not tokens or res is None:
+            return 0
+        return self._in_place_rows(request, entry, res)
+
+    def _in_place_rows(self, request, entry: _Live, res: LookupResult) -> int:
+        """Tokens of hit `res` whose attention K/V vLLM's blocks serve in place: the whole
+        attention blocks strictly below a cold-exact tree link (0 for an end anchor, a miss,
+        with in place off, or a request that must stay cold)."""
+        if (not self.in_place_block or not res.hit or res.kind != LinkKind.TREE
                 or not self.cache.cold_exact(res) or request.num_preemptions > 0
                 or entry.lora_id is not None):
             # vLLM's block hashes name an adapter by its name and path, not its weights: no
             # block of a LoRA request is taken from vLLM's prefix cache beside our link
             return 0
         b = self.in_place_block
-        cap = (tokens - 1) // b * b
+        cap = (res.tokens - 1) // b * b
         if entry.items:
             # vLLM's block hashes name an item by its identifier (a client's uuid, maybe):
             # only blocks before the first item are taken beside our content-keyed link
             cap = min(cap, min(i.start for i in entry.items) // b * b)
         return cap
+
+    def _moved_bytes(self, res: LookupResult, in_place: int) -> int:
+        """Bytes a hit moves before its prefill resumes (what the hit choice prices): the whole
+        plan, less the view blocks served in place below `in_place` tokens for a RAM hit (a
+        disk or cluster hit reads its files whole, whatever the copy then skips)."""
+        if res.plan is None:
+            return 0
+        total = res.plan.total_bytes
+        if in_place <= 0 or res.tier != Tier.RAM or self.parts is None:
+            return total
+        saved = in_place // self.parts.layout.view_block_tokens * sum(
+            self.parts.block_bytes.values())
+        return max(total - saved, sum(res.plan.part_bytes.get(s.name, 0)
+                                      for s in self.parts.layout.sections))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         entry = self._live.get(request.request_id) if self.in_place_block else None
@@ -745,13 +770,16 @@ class SchedulerSide:
         if entry.unkeyed:
             entry.lookup = self.cache.miss(MissReason.UNKEYED_INPUT, len(entry.keys), limit)
             return 0, False
+        def moved(r: LookupResult) -> int:
+            return self._moved_bytes(r, self._in_place_rows(request, entry, r))
+
         res = self.cache.lookup(entry.keys, entry.domain, limit,
-                                entry.fits if entry.draft_route else None)
+                                entry.fits if entry.draft_route else None, moved)
         while (res.hit and self._short_resume(entry, res, request.num_prompt_tokens)
                and not res.pending):
             limit = res.tokens - 1          # a shallower link: its resumed step is longer
             res = self.cache.lookup(entry.keys, entry.domain, limit,
-                                    entry.fits if entry.draft_route else None)
+                                    entry.fits if entry.draft_route else None, moved)
         if res.pending:
             entry.lookup = None
             return None, False  # its copy lands with the next step: ask again then
@@ -985,8 +1013,7 @@ class SchedulerSide:
         end = start + n
         if entry.items and not entry.unkeyed and not entry.unbound:
             self._check_items(req_id, entry, start, min(end, prompt_len))
-        if self.disk is not None and self.disk.cost is not None:
-            self._time_prefill(entry, start, n, prompt_len)
+        self._time_prefill(entry, start, n, prompt_len)
         entry.last_start, entry.last_len = start, n
         if (self.instrumentation is not None and self.instrumentation.probe_states
                 and start < prompt_len <= end):
@@ -1056,13 +1083,17 @@ class SchedulerSide:
                                             inner_offset=q - start))
 
     def _time_prefill(self, entry: _Live, start: int, n: int, prompt_len: int) -> None:
-        """Measure the prefill rate for the disk tier's cost check: a request's previous
-        prefill step took until its next step is planned (steps of a request in flight follow
-        each other). Batched with other requests, a step's tokens are only this request's, so
-        the rate errs low, on the side of reading from disk."""
+        """Measure the prefill rate for the hit choice and the disk tier's cost check: a
+        request's previous prefill step took until its next step is planned (steps of a
+        request in flight follow each other). Batched with other requests, a step's tokens are
+        only this request's, so the rate errs low, on the side of restoring deeper."""
         now = time.monotonic()
         if start == entry.prefill_next and entry.prefill_n > 0:
-            self.disk.cost.observe_prefill(entry.prefill_n, now - entry.prefill_t)
+            seconds = now - entry.prefill_t
+            if self.cache is not None and self.cache.cost is not None:
+                self.cache.cost.observe_prefill(entry.prefill_n, seconds)
+            if self.disk is not None and self.disk.cost is not None:
+                self.disk.cost.observe_prefill(entry.prefill_n, seconds)
         prefill = max(0, min(start + n, prompt_len) - start)
         entry.prefill_t, entry.prefill_n, entry.prefill_next = now, prefill, start + n
 
@@ -1138,7 +1169,11 @@ class SchedulerSide:
                 self._unspill(LinkAddr(entry.restoring.tier, entry.restoring.kind,
                                        ref.link_id))
         if entry.restoring is not None:
-            self.cache.end_restore(entry.restoring, ok, seconds)
+            res = entry.restoring
+            self.cache.end_restore(res, ok, seconds)
+            if ok and self.cache.cost is not None:  # the route's rate, for the hit choice
+                self.cache.cost.observe_restore(res.tier, self._moved_bytes(res, entry.in_place),
+                                                seconds)
             entry.restoring = None
         if entry.finished:
             del self._live[req_id]

@@ -27,7 +27,14 @@ from typing import Any
 
 import msgspec
 
-from vllm_hybridcache.core import CacheStats, LinkKind, MissReason, SkipReason, Tier
+from vllm_hybridcache.core import (
+    CacheStats,
+    ChoiceReason,
+    LinkKind,
+    MissReason,
+    SkipReason,
+    Tier,
+)
 
 _latest_lock = threading.Lock()
 _latest: dict[int, dict[str, Any]] = {}
@@ -164,6 +171,12 @@ MISSES = ("vllm:hybridcache_misses", "Snapshot-cache misses by reason (no_prefix
 SKIPS = ("vllm:hybridcache_capture_skips", "Captures skipped by reason (budget, memory_guard, "
          "too_large, parent_refused, disabled; disk writes: queue_full, min_free, disk_full, "
          "io_error)." + _BY)
+CHOICES = ("vllm:hybridcache_hit_choices", "Hits served, by why the cache chose that link among "
+           "every tier's hit for the prompt (only: one tier hit; deepest: the cheapest is "
+           "also the deepest; cheaper: a shallower or slower-tier hit was expected to reach "
+           "the first token sooner; cold_exact: a cold-exact link within the margin of a "
+           "cheaper end anchor; docs/cache-core.md), counted under the link's tier and kind."
+           + _BY)
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "vllm:hybridcache_capture_seconds": ("Seconds to copy one link into the cache." + _BY,
                                          "capture_seconds"),
@@ -210,6 +223,8 @@ class HybridCacheProm(KVConnectorPromMetrics):
         rl = [*tl, "reason"]
         self._misses = self._counter_cls(name=MISSES[0], documentation=MISSES[1], labelnames=rl)
         self._skips = self._counter_cls(name=SKIPS[0], documentation=SKIPS[1], labelnames=rl)
+        self._choices = self._counter_cls(name=CHOICES[0], documentation=CHOICES[1],
+                                          labelnames=rl)
         from vllm_hybridcache.core.stats import SECONDS_BOUNDS
 
         self._hists = {n: self._histogram_cls(name=n, documentation=h, labelnames=tl,
@@ -225,6 +240,8 @@ class HybridCacheProm(KVConnectorPromMetrics):
                     self._misses.labels(*values, tier, kind, r.value)
                 for r in SkipReason:
                     self._skips.labels(*values, tier, kind, r.value)
+                for r in ChoiceReason:
+                    self._choices.labels(*values, tier, kind, r.value)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Count the growth since this engine's previous snapshot.
@@ -250,7 +267,8 @@ class HybridCacheProm(KVConnectorPromMetrics):
                     self._counters[name].labels(*values, tier, kind).inc(delta)
             for name, (_, key) in GAUGES.items():
                 self._gauges[name].labels(*values, tier, kind).set(cur.get(key, 0))
-            for metric, key in ((self._misses, "misses"), (self._skips, "skips")):
+            for metric, key in ((self._misses, "misses"), (self._skips, "skips"),
+                                (self._choices, "choices")):
                 for reason, n in cur.get(key, {}).items():
                     delta = n - prev.get(key, {}).get(reason, 0)
                     if delta > 0:

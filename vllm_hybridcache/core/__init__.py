@@ -33,9 +33,13 @@ API notes beyond the contract (additions only; nothing renamed or removed):
 - Disk tier: DiskTier (core/tiers/disk.py) over core/disk/ (link files, directory, writer
   thread, staging reader); CacheTier.slow and CacheTier.sources(plan); SnapshotTree.link_record
   (what a link file names) and SnapshotTree.adopt (a disk hit promoted into RAM).
+- Hit choice (core/choice.py): SnapshotCache(tiers, cost=CostModel(...)) serves the hit with
+  the least expected seconds to first token among every tier's (lookup's `moved(res)` says
+  what a hit copies); LookupResult.choice and CacheStats.choices count why (ChoiceReason).
 """
 
 from .cache import SnapshotCache
+from .choice import COLD_EXACT_MARGIN, ChoiceReason, CostModel
 from .config import GiB, TreeConfig
 from .eviction import CostPolicy, EvictionPolicy, LRUPolicy, make_policy
 from .keys import (
@@ -70,8 +74,11 @@ from .tiers import (
 
 __all__ = [
     "BLOCK",
+    "COLD_EXACT_MARGIN",
     "CacheStats",
     "CacheTier",
+    "ChoiceReason",
+    "CostModel",
     "CostPolicy",
     "DiskTier",
     "EndAnchors",

@@ -1,22 +1,26 @@
 """SnapshotCache: one facade over every tier, so a new tier plugs in as one CacheTier object.
 
-The adapter talks to this facade only. A lookup asks every tier and keeps the deepest hit;
-everything handed out (lookup results, reservations, dropped ids) carries the tier and kind
-that own it, and every later call (begin/end restore, commit, abort, invalidate, clear, stats)
-is routed by that pair, never by the value of a link id. The tiers share one id source, so a
-worker store holding the payloads of several tiers never sees two links with one id.
+The adapter talks to this facade only. A lookup asks every tier and, with a cost model
+injected, serves the hit expected to reach the first token soonest (core/choice.py: bytes moved
+at measured rates plus the prefill left, a cold-exact hit preferred within a stated margin);
+without one, the deepest hit. Everything handed out (lookup results, reservations, dropped
+ids) carries the tier and kind that own it, and every later call (begin/end restore, commit,
+abort, invalidate, clear, stats) is routed by that pair, never by the value of a link id. The
+tiers share one id source, so a worker store holding the payloads of several tiers never sees
+two links with one id.
 
 Single-threaded like the tiers: the scheduler thread of vLLM's EngineCore process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from .choice import COLD_EXACT_MARGIN, Candidate, CostModel, choose, legacy_pick
 from .keys import TENANT_BYTES, PromptKeys
 from .stats import CacheStats, MissReason
 from .tiers.base import (
@@ -29,21 +33,31 @@ from .tiers.base import (
     Tokens,
 )
 
-__all__ = ["SnapshotCache"]
+__all__ = ["Moved", "SnapshotCache"]
 
 Route = tuple[str, str]  # (tier, kind)
+# moved(res) -> bytes a hit moves before its prefill resumes (what its route's rate prices);
+# the adapter knows what is served in place, the default is the whole plan
+Moved = Callable[[LookupResult], int]
+
+
+def _plan_bytes(res: LookupResult) -> int:
+    return res.plan.total_bytes if res.plan is not None else 0
 
 
 class SnapshotCache:
     """The cache as the adapter sees it: an ordered list of tiers behind one set of calls.
 
-    Order matters twice: the first tier is the *primary* one (it names the miss reason when
-    nothing hits, and records misses), and on a tie in depth a later tier's hit wins (end
-    anchors come after the tree: an anchor as deep as a tree link is this conversation's own
-    state, kept for it).
+    Order matters: the first tier is the *primary* one (it names the miss reason when nothing
+    hits, and records misses). Without a cost model, on a tie in depth a later tier's hit wins
+    unless it is slow (end anchors come after the tree: an anchor as deep as a tree link is
+    this conversation's own state, kept for it). With `cost` (core/choice.py) hits are chosen
+    by expected seconds to first token; `margin` is the fraction by which a cold-exact hit may
+    cost more than a session-exact one and still be served.
     """
 
-    def __init__(self, tiers: Sequence[CacheTier]) -> None:
+    def __init__(self, tiers: Sequence[CacheTier], cost: CostModel | None = None,
+                 margin: float = COLD_EXACT_MARGIN) -> None:
         if not tiers:
             raise ValueError("a cache needs at least one tier")
         self._tiers: dict[Route, CacheTier] = {}
@@ -53,6 +67,10 @@ class SnapshotCache:
                 raise ValueError(f"two tiers for {route}")
             self._tiers[route] = t
         self._primary = tiers[0]
+        self.cost = cost
+        if margin < 0:
+            raise ValueError("margin must be >= 0")
+        self.margin = margin
 
     # ------------------------------------------------------------------ routing
     def tier(self, tier: str, kind: str) -> CacheTier | None:
@@ -83,15 +101,21 @@ class SnapshotCache:
 
     # ------------------------------------------------------------------ lookups and restores
     def lookup(self, tokens: Tokens, domain: bytes, limit: int | None = None,
-               fits: Fits | None = None) -> LookupResult:
-        """The deepest hit of any tier (pending hits included: the caller asks again), else the
-        primary tier's miss. On a tie a later tier wins unless it is `slow` (a disk hit only
-        counts when it is deeper than what RAM holds). Pure, like every tier's lookup.
+               fits: Fits | None = None, moved: Moved | None = None) -> LookupResult:
+        """One hit of the tiers' (pending hits included: the caller asks again), else the
+        primary tier's miss. Pure, like every tier's lookup.
+
+        With a cost model every tier's hit is a candidate and `choose` (core/choice.py) serves
+        the least expected seconds to first token: `moved(res)` bytes (default: the whole plan)
+        over the route's rate plus the prompt tokens left over the prefill rate, a cold-exact
+        hit preferred within `margin`; the result carries the reason (`choice`), counted when
+        the lookup is recorded. Without one, the deepest hit; on a tie a later tier wins unless
+        it is `slow` (a disk hit only counts when it is deeper than what RAM holds).
 
         `shortened` says whether any tier refused (by `fits`) a link deeper than the answer:
         an end anchor refused beyond a tree hit counts, a tree link refused below an anchor
         hit does not."""
-        best: LookupResult | None = None
+        cands: list[Candidate] = []
         primary: LookupResult | None = None
         refused = 0
         for t in self._tiers.values():
@@ -99,11 +123,19 @@ class SnapshotCache:
             refused = max(refused, res.refused)
             if t is self._primary:
                 primary = res
-            if res.hit and (best is None or res.tokens > best.tokens
-                            or (res.tokens == best.tokens and not t.slow)):
-                best = res
+            if res.hit:
+                cands.append(Candidate(res, t.cold_exact, t.slow))
         assert primary is not None
-        out = best if best is not None else primary
+        if not cands:
+            out = primary
+        elif self.cost is None:
+            out = cands[legacy_pick(cands)].res
+        else:
+            cost, mv = self.cost, moved or _plan_bytes
+            picked = choose(cands, lambda r: cost.seconds(r.tier, mv(r),
+                                                          r.prompt_tokens - r.tokens),
+                            self.margin)
+            out = msgspec.structs.replace(picked.res, choice=picked.reason.value)
         shortened = refused > out.tokens
         if shortened != out.shortened or refused != out.refused:
             out = msgspec.structs.replace(out, shortened=shortened, refused=refused)
@@ -123,7 +155,8 @@ class SnapshotCache:
         return self._route(res.tier, res.kind).begin_restore(res)
 
     def end_restore(self, res: LookupResult, ok: bool, seconds: float = 0.0) -> None:
-        """End a restore begun with begin_restore(res). KeyError if it is not active."""
+        """End a restore begun with begin_restore(res). KeyError if it is not active. (The
+        cost model's restore rate is observed by the caller, which knows what was moved.)"""
         if res.plan is None:
             raise KeyError("a miss has no restore to end")
         self._route(res.tier, res.kind).end_restore(res.plan, ok, seconds)

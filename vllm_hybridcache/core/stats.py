@@ -79,6 +79,9 @@ class CacheStats(msgspec.Struct, kw_only=True):
     misses: dict[str, int] = msgspec.field(default_factory=dict)  # by MissReason
     verify_collisions: int = 0  # digest matched, tokens differed (also on lookups that hit)
     shortened: int = 0  # lookups the adapter cut back to a shallower link (see record_shortened)
+    # hits by why the facade chose this tier's among several (ChoiceReason, core/choice.py),
+    # counted under the route chosen
+    choices: dict[str, int] = msgspec.field(default_factory=dict)
     hit_depth: Histogram = msgspec.field(
         default_factory=lambda: Histogram.empty(HIT_TOKEN_BOUNDS)
     )
@@ -132,9 +135,10 @@ class StatsRecorder:
 
     def lookup(self, *, prompt_tokens: int, hit_tokens: int, chain_links: int,
                miss_reason: str | None, shortened: bool = False,
-               verify_collisions: int = 0) -> None:
+               verify_collisions: int = 0, choice: str | None = None) -> None:
         """Count one recorded lookup: a hit of `hit_tokens` over `chain_links` links when
-        chain_links > 0, else a miss by reason (no_prefix when none is given)."""
+        chain_links > 0 (and why it was chosen, when a cost model chose), else a miss by
+        reason (no_prefix when none is given)."""
         s = self.s
         s.lookups += 1
         s.prompt_tokens += prompt_tokens
@@ -145,6 +149,8 @@ class StatsRecorder:
             s.hit_tokens += hit_tokens
             s.hit_chain_links += chain_links
             s.hit_depth.observe(float(hit_tokens))
+            if choice is not None:
+                s.choices[choice] = s.choices.get(choice, 0) + 1
         else:
             self.miss(miss_reason or MissReason.NO_PREFIX.value)
 
@@ -154,6 +160,7 @@ class StatsRecorder:
             s,
             misses=dict(s.misses),
             skips=dict(s.skips),
+            choices=dict(s.choices),
             hit_depth=s.hit_depth.copy(),
             restore_seconds=s.restore_seconds.copy(),
             capture_seconds=s.capture_seconds.copy(),

@@ -127,6 +127,9 @@ class LookupResult(msgspec.Struct, frozen=True):
     pending: bool = False
     shortened: bool = False
     refused: int = 0
+    # why the facade served this hit among the tiers' (a ChoiceReason value, core/choice.py);
+    # None when no cost model chose (or on a miss)
+    choice: str | None = None
 
 
 class Reservation(msgspec.Struct, frozen=True):
@@ -172,8 +175,10 @@ class CacheTier(ABC):
     tier: Tier
     kind: LinkKind
     cold_exact: bool  # whether a request resumed from this tier may publish tree links
-    # A slow tier (disk) serves a hit only when it is strictly deeper than every faster tier's:
-    # on a tie the bytes are already in RAM, and reading them again costs time for nothing.
+    # A slow tier (disk, cluster) loses every tie to a faster tier's hit: on a tie the bytes
+    # are already in RAM, and reading them again costs time for nothing. (Without a cost model
+    # it serves a hit only when strictly deeper; with one, core/choice.py prices its reads at
+    # its own measured rate, so a slightly deeper slow hit can lose to a RAM hit too.)
     slow: bool = False
 
     def sources(self, plan: RestorePlan) -> tuple[str, ...]:
@@ -274,7 +279,8 @@ def record_lookup(rec: StatsRecorder, res: LookupResult) -> None:
     chain = len(res.plan.chain) if res.hit and res.plan is not None else 0
     rec.lookup(prompt_tokens=res.prompt_tokens, hit_tokens=res.tokens, chain_links=chain,
                miss_reason=res.miss_reason, shortened=res.shortened,
-               verify_collisions=res.verify_collisions)
+               verify_collisions=res.verify_collisions,
+               choice=res.choice if chain else None)
 
 
 class IdSource:

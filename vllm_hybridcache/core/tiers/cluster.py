@@ -590,7 +590,8 @@ class ClusterTier(CacheTier):
     def record_lookup(self, res: LookupResult) -> None:
         chain = len(res.plan.chain) if res.hit and res.plan is not None else 0
         self._rec.lookup(prompt_tokens=res.prompt_tokens, hit_tokens=res.tokens,
-                         chain_links=chain, miss_reason=res.miss_reason)
+                         chain_links=chain, miss_reason=res.miss_reason,
+                         choice=res.choice if chain else None)
 
     def begin_restore(self, res: LookupResult) -> bool:
         if not res.hit or res.plan is None:
