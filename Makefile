@@ -94,7 +94,7 @@ test-fast: $(STAMP) $(TOOLCHAIN)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.run $(BENCH_ARGS)
+	$(PY) -m benchmarks run default $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

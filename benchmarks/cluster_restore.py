@@ -40,7 +40,7 @@ def _secret_file(given: str | None) -> tuple[str, Path | None]:
     return str(path), folder
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-next-tiny")
     ap.add_argument("--conversations", type=int, default=5)
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=256)
     ap.add_argument("--secret-file", default=None,
                     help="the cluster secret's file (default: a fresh one, removed at the end)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     secret, secret_dir = _secret_file(args.secret_file)
     try:
         _run(args, secret)

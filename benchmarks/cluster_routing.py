@@ -275,7 +275,7 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-next-tiny")
     ap.add_argument("--size", default="ci")
@@ -287,7 +287,7 @@ def main() -> None:
                     help="conversations whose last turn is forced to the other replica")
     ap.add_argument("--systems", default="cluster+routing,per-replica,native-rr")
     ap.add_argument("--json", type=Path, help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from vllm_hybridcache.models import ensure_model
 

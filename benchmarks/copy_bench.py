@@ -52,8 +52,8 @@ def _medians_ms(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, floa
 
 
 def run_shape(name: str, tokens: int, reps: int) -> dict[str, float | int | str]:
-    from vllm_hybridcache.adapter.parts import PagedBlocks
     from vllm_hybridcache.ops import copy_select, segments
+    from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
     layers, heads, dim, bt = SHAPES[name]
     n = -(-tokens // bt)

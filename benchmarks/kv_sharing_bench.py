@@ -201,7 +201,7 @@ def _fit_table(args, fits) -> None:
         print(f"| {head_len} | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-next-small")
     ap.add_argument("--heads", type=int, nargs="+", default=[8192, 16384])
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--fit-kv-mib", type=int, default=0,
                     help="fix the KV space (MiB) and search the largest N that fits instead")
     ap.add_argument("--fit-start", type=int, default=4, help="first N the fit search tries")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from vllm_hybridcache.models import ensure_model
 
     path = str(ensure_model(args.model))
