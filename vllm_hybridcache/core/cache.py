@@ -9,6 +9,12 @@ abort, invalidate, clear, stats) is routed by that pair, never by the value of a
 tiers share one id source, so a worker store holding the payloads of several tiers never sees
 two links with one id.
 
+Write-behind: the tiers below RAM (disk, cluster) receive RAM links through the facade, never
+from the adapter. Each is a `LowerTier` (core/tiers/lower.py): committing a RAM link offers it
+to every one of them (each admits by its own policy), failures, drops, clears and new prompts
+fan out to them, and `take_ops` collects each one's worker operations under its name for the
+handler of that name (core/tiers/handler.py); `absorb` routes the handlers' reports back.
+
 Single-threaded like the tiers: the scheduler thread of vLLM's EngineCore process.
 """
 
@@ -30,8 +36,10 @@ from .tiers.base import (
     LinkKind,
     LookupResult,
     Reservation,
+    Tier,
     Tokens,
 )
+from .tiers.lower import LowerTier
 
 __all__ = ["Moved", "SnapshotCache"]
 
@@ -57,7 +65,7 @@ class SnapshotCache:
     """
 
     def __init__(self, tiers: Sequence[CacheTier], cost: CostModel | None = None,
-                 margin: float = COLD_EXACT_MARGIN) -> None:
+                 margin: float = COLD_EXACT_MARGIN, lower: Sequence[LowerTier] = ()) -> None:
         if not tiers:
             raise ValueError("a cache needs at least one tier")
         self._tiers: dict[Route, CacheTier] = {}
@@ -71,6 +79,11 @@ class SnapshotCache:
         if margin < 0:
             raise ValueError("margin must be >= 0")
         self.margin = margin
+        self._lower: dict[str, LowerTier] = {}
+        for lt in lower:
+            if lt.name in self._lower:
+                raise ValueError(f"two lower tiers named {lt.name!r}")
+            self._lower[lt.name] = lt
 
     # ------------------------------------------------------------------ routing
     def tier(self, tier: str, kind: str) -> CacheTier | None:
@@ -82,6 +95,15 @@ class SnapshotCache:
         if t is None:
             raise KeyError(f"no tier {tier!r} of kind {kind!r}")
         return t
+
+    def lower(self, name: str) -> LowerTier | None:
+        """The write-behind of the lower tier `name` (a Tier value), or None."""
+        return self._lower.get(str(name))
+
+    def origin(self, tier: str):
+        """Where the hits of `tier` read their files from (SourceOrigin), or None."""
+        lt = self._lower.get(str(tier))
+        return None if lt is None else lt.origin
 
     def routes(self) -> list[Route]:
         """Every (tier, kind) pair this cache has, in order."""
@@ -159,6 +181,9 @@ class SnapshotCache:
         cost model's restore rate is observed by the caller, which knows what was moved.)"""
         if res.plan is None:
             raise KeyError("a miss has no restore to end")
+        if not ok:  # its links' bytes are suspect: no lower tier copies them
+            self._fan("failed", [LinkAddr(res.tier, res.kind, ref.link_id)
+                                 for ref in res.plan.chain])
         self._route(res.tier, res.kind).end_restore(res.plan, ok, seconds)
 
     def sources(self, res: LookupResult) -> tuple[str, ...]:
@@ -182,13 +207,30 @@ class SnapshotCache:
         raise KeyError(f"no tier holds links of kind {kind!r}")
 
     def commit(self, addr: LinkAddr, seconds: float = 0.0) -> bool:
-        return self._route(addr.tier, addr.kind).commit(addr.link_id, seconds)
+        """Publish a pending link; a RAM link committed is offered to every lower tier."""
+        ok = self._route(addr.tier, addr.kind).commit(addr.link_id, seconds)
+        if ok and addr.tier == Tier.RAM:
+            self._offer(addr)
+        return ok
+
+    def _offer(self, addr: LinkAddr, to: Iterable[LowerTier] | None = None) -> None:
+        record = None
+        if addr.kind == LinkKind.TREE:
+            link_record = getattr(self._route(addr.tier, addr.kind), "link_record", None)
+            record = link_record(addr.link_id) if link_record is not None else None
+            if record is None:
+                return  # dropped meanwhile: nothing to copy
+        for lt in self._lower.values() if to is None else to:
+            lt.committed(addr, record)
 
     def abort(self, addr: LinkAddr) -> int:
+        self._fan("failed", [addr])
         return self._route(addr.tier, addr.kind).abort(addr.link_id)
 
     def invalidate(self, addrs: Iterable[LinkAddr]) -> int:
         """Drop links a worker reported lost, each in its own tier."""
+        addrs = list(addrs)
+        self._fan("failed", addrs)
         by_route: dict[Route, list[int]] = {}
         for a in addrs:
             by_route.setdefault((a.tier, a.kind), []).append(a.link_id)
@@ -209,7 +251,9 @@ class SnapshotCache:
     def clear(self, tier: str | None = None, kind: str | None = None) -> int:
         """Drop every link of the tiers matching `tier` and `kind` (None: any). Unknown names
         raise ValueError, so a caller never believes it cleared what does not exist."""
-        return sum(t.clear() for t in self._matching(tier, kind))
+        n = sum(t.clear() for t in self._matching(tier, kind))
+        self._fan("cleared", tier, kind)
+        return n
 
     def clear_tenant(self, tag: bytes, tier: str | None = None, kind: str | None = None) -> int:
         """Drop one tenant's links (domains ending with `tag`, core/keys.py `tenant_tag`) in
@@ -217,12 +261,61 @@ class SnapshotCache:
         names raise ValueError, as for clear()."""
         if len(tag) != TENANT_BYTES:
             raise ValueError(f"a tenant tag has {TENANT_BYTES} bytes, got {len(tag)}")
-        return sum(t.clear_tenant(tag) for t in self._matching(tier, kind))
+        n = sum(t.clear_tenant(tag) for t in self._matching(tier, kind))
+        self._fan("cleared_tenant", tag, tier, kind)
+        return n
 
     def drain_dropped(self) -> list[LinkAddr]:
-        """Every tier's dropped ids, addressed, for the workers to free."""
-        return [LinkAddr(ti, k, lid) for (ti, k), t in self._tiers.items()
-                for lid in t.drain_dropped()]
+        """Every tier's dropped ids, addressed, for the workers to free (the lower tiers hear
+        of them first, so they can still copy what they keep)."""
+        out = [LinkAddr(ti, k, lid) for (ti, k), t in self._tiers.items()
+               for lid in t.drain_dropped()]
+        self._fan("dropped", out)
+        return out
+
+    # ------------------------------------------------------------------ write-behind
+    def _fan(self, event: str, *args: Any) -> None:
+        for lt in self._lower.values():
+            getattr(lt, event)(*args)
+
+    def observe(self, keys: PromptKeys, domain: bytes, res: LookupResult) -> None:
+        """A new prompt before its prefill (once per request), with the lookup that answered
+        it: each lower tier counts it (admission) and may ask for RAM tree links again."""
+        for lt in self._lower.values():
+            for lid in lt.observe(keys, domain, res):
+                self._offer(LinkAddr(Tier.RAM.value, LinkKind.TREE.value, lid), (lt,))
+
+    def capture_planned(self, addr: LinkAddr, keys: PromptKeys, domain: bytes, start: int,
+                        end: int, tag: Any) -> None:
+        """A tree link [start, end) is captured in the plan being built."""
+        self._fan("capture_planned", addr, keys, domain, start, end, tag)
+
+    def anchor_reserved(self, addr: LinkAddr, keys: PromptKeys, domain: bytes, end: int,
+                        tag: Any) -> None:
+        """An end anchor of keys[:end] was reserved; its capture is in the next plan."""
+        self._fan("anchor_reserved", addr, keys, domain, end, tag)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A measured prefill step: the hit choice's rate and the lower tiers' cost checks."""
+        if self.cost is not None:
+            self.cost.observe_prefill(tokens, seconds)
+        self._fan("observe_prefill", tokens, seconds)
+
+    def take_ops(self) -> dict[str, Any]:
+        """This step's worker operations of every lower tier, by its name."""
+        out = {}
+        for name, lt in self._lower.items():
+            ops = lt.take_ops()
+            if ops is not None:
+                out[name] = ops
+        return out
+
+    def absorb(self, reports: dict[str, Any]) -> None:
+        """The worker handlers' reports, each to the lower tier of its name."""
+        for name, rep in reports.items():
+            lt = self._lower.get(name)
+            if lt is not None:
+                lt.absorb(rep)
 
     def stats(self) -> dict[Route, CacheStats]:
         return {route: t.stats() for route, t in self._tiers.items()}
