@@ -21,9 +21,10 @@ How a disk hit is served (docs/disk-tier.md):
   the worker frees them with the next step's drops.
 
 Writes are not reserved here: new links are captured into RAM (the facade admits new links in
-the first tier of their kind) and the adapter asks `write_job` for every RAM tree link that
-commits; a background thread in the worker writes the file (core/disk/writer.py). Its
-cumulative stats come back through `absorb_worker` and are part of `stats()`.
+the first tier of their kind) and the disk tier's write-behind (core/tiers/disk_behind.py)
+asks `write_job` for every RAM tree link that commits; a background thread in the worker's
+disk handler writes the file (core/disk/handler.py, core/disk/writer.py). Its cumulative stats
+come back through `absorb_worker` and are part of `stats()`.
 
 On a speculative (MTP) route a RAM tree link carries a draft tag (which prompts its draft rows
 fit) and a lookup brings the adapter's `fits(p, tag)` predicate. A link file carries the tag
@@ -391,7 +392,7 @@ class DiskTier(CacheTier):
 
     def take_tenant_clears(self) -> list[tuple[bytes, str]]:
         """(tenant tag, kind) of every tenant's clear since the last call, for the writer
-        (StepPlan.disk_clear_tenants), in order."""
+        (DiskOps.clear_tenants), in order."""
         out = list(self._tenant_clears)
         self._tenant_clears.clear()  # in place: the anchor tier appends to this same list
         return out
