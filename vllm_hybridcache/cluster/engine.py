@@ -1,7 +1,7 @@
 """Opening the cluster tier inside one engine (scheduler side) and publishing from its worker.
 
-Kept here, beside the Ray transport, so the adapter only calls two functions and imports Ray
-only when `cluster_address` is set.
+Kept here, beside the Ray transport: the adapter reaches `open_cluster` only through the tier
+registry (adapter/tier_registry.py), so Ray is imported only when `cluster_address` is set.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from vllm_hybridcache.core.tiers.cluster import (
     link_payload,
     locator,
 )
+from vllm_hybridcache.core.tiers.cluster_behind import ClusterBehind
 
 from .directory import SKEW_S, DirectoryRefused
 from .transport import RayTransport
@@ -52,7 +53,7 @@ def _scratch(prefix: str) -> Path:
 
 
 def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
-                      tiers_off: dict[str, str] | None = None
+                      tiers_off: dict[str, str] | None = None, fingerprint=None
                       ) -> tuple[ClusterTier, ClusterTarget, SourceOrigin] | None:
     """The scheduler's cluster tier, the target its workers publish to and where its hits'
     files come from, or a start-up error naming why the cluster cannot be used (a tier asked
@@ -62,7 +63,8 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
     None, with one warning logged, when this engine has no fingerprint (its checkpoint cannot
     be named by content, `FingerprintUnavailable`): other replicas' links are only safe between
     engines known to compute the same bytes, so the replica serves on without the cluster
-    (the reason is also put in `tiers_off["cluster"]` when given)."""
+    (the reason is also put in `tiers_off["cluster"]` when given). `fingerprint()`: the
+    engine's, computed once for every tier (adapter/composition.py); computed here without."""
     from vllm_hybridcache.adapter.fingerprint import (
         FingerprintUnavailable,
         engine_fingerprint,
@@ -89,7 +91,7 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
         raise RuntimeError(f"hybridcache: cluster_secret_file {secret_file!r} is not usable "
                            f"({type(e).__name__}: {e})") from e
     try:
-        fp = engine_fingerprint(
+        fp = fingerprint() if fingerprint is not None else engine_fingerprint(
             vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
             msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
     except FingerprintUnavailable as e:
@@ -135,6 +137,24 @@ def open_cluster_anchors(tier: ClusterTier, anchors) -> ClusterAnchors:
     the RAM anchor tier) does not ask the directory."""
     return ClusterAnchors(tier, local=lambda keys, domain, limit:
                           anchors.lookup(keys, domain, limit).tokens)
+
+
+def open_cluster(ctx) -> ClusterBehind | None:
+    """The cluster tier's opener (adapter/tier_registry.py): None without cluster_address;
+    with its end anchors unless anchors are off or a draft proposes tokens (a payload does
+    not carry an anchor's draft tag)."""
+    settings = ctx.settings
+    if not settings.cluster_address:
+        return None
+    opened = open_cluster_tier(ctx.vllm_config, ctx.layout, ctx.segmentation, settings,
+                               ctx.ids, ctx.tree, tiers_off=ctx.tiers_off,
+                               fingerprint=ctx.fingerprint)
+    if opened is None:
+        return None
+    tier, target, origin = opened
+    anchors = (open_cluster_anchors(tier, ctx.ram_anchors)
+               if ctx.anchors_on and not ctx.speculative else None)
+    return ClusterBehind(tier, target, origin, anchors=anchors)
 
 
 def remote_cuts(vllm_config, segmentation):
