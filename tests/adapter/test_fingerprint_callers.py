@@ -1,7 +1,7 @@
 """An engine without a fingerprint runs without the tiers that outlive it, and says why once.
 
 `FingerprintUnavailable` (adapter/fingerprint.py) reaches the two callers: the disk tier
-(`SchedulerSide._open_disk`) and the cluster tier (`cluster.engine.open_cluster_tier`). Each
+(`adapter/disk_setup.open_disk`) and the cluster tier (`cluster.engine.open_cluster`). Each
 logs one warning, leaves its tier off (`SchedulerSide.tiers_off`) and the engine serves on
 from RAM; neither crashes the start-up nor falls back to a fingerprint by name. Real scheduler
 side, no engine (tests/unit/test_disk_tier_adapter.py's harness).
@@ -53,7 +53,7 @@ def test_no_fingerprint_means_no_disk_tier_and_one_warning(tmp_path, monkeypatch
     caplog.set_level(logging.INFO, logger="vllm_hybridcache")
     disk = tmp_path / "disk"
     side = _side(_unfindable_config(tmp_path, monkeypatch), disk_dir=str(disk))
-    assert side.active and side.disk is None and side._disk_target is None
+    assert side.active and side.cache.lower("disk") is None
     assert ("disk", "tree") not in side.cache.routes()
     assert "org/updated-under-an-old-name" in side.tiers_off["disk"]
     (warning,) = _warnings(caplog, "disk tier off")
@@ -66,7 +66,7 @@ def test_no_fingerprint_means_no_disk_tier_and_one_warning(tmp_path, monkeypatch
     assert side.build_plan(SimpleNamespace(
         scheduled_new_reqs=[], num_scheduled_tokens={}, scheduled_cached_reqs=SimpleNamespace(
             req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]))
-    ).disk_target is None
+    ).tier_ops == {}  # nothing for a disk writer
 
 
 def test_negative_control_a_findable_checkpoint_keeps_the_disk_tier(tmp_path, caplog):
@@ -74,7 +74,7 @@ def test_negative_control_a_findable_checkpoint_keeps_the_disk_tier(tmp_path, ca
     test above fails if the fingerprint falls back to a guess)."""
     caplog.set_level(logging.INFO, logger="vllm_hybridcache")
     side = _side(_vllm_config(), disk_dir=str(tmp_path / "disk"))
-    assert side.disk is not None and ("disk", "tree") in side.cache.routes()
+    assert side.cache.lower("disk") is not None and ("disk", "tree") in side.cache.routes()
     assert side.tiers_off == {} and _warnings(caplog, "disk tier off") == []
 
 
@@ -90,7 +90,7 @@ def test_no_fingerprint_means_no_cluster_tier_and_no_connection(tmp_path, monkey
     caplog.set_level(logging.INFO, logger="vllm_hybridcache")
     side = _side(_unfindable_config(tmp_path, monkeypatch), cluster_address="127.0.0.1:1",
                  cluster_secret_file=str(CLUSTER_SECRET_FILE))
-    assert side.active and side.cluster is None and side.cluster_anchors is None
+    assert side.active and side.cache.lower("cluster") is None
     assert [t for t, _ in side.cache.routes()] == ["ram", "ram"]
     assert "org/updated-under-an-old-name" in side.tiers_off["cluster"]
     (warning,) = _warnings(caplog, "cluster tier off")

@@ -64,7 +64,7 @@ def _write_to_disk(side, worker, req) -> None:
     worker.store.seal(r.link_id)
     side.apply_report(_report(saved={r.addr: 0.0}, saved_count={r.addr: 1}))
     worker.save(side.build_plan(_no_steps()))
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
 
 
 def _restart_hits(tmp_path) -> dict[str, int]:

@@ -142,7 +142,7 @@ def _write_link(side, worker, req) -> None:
     worker.store.seal(r.link_id)
     side.apply_report(_report(saved={r.addr: 0.0}, saved_count={r.addr: 1}))
     worker.save(side.build_plan(_no_steps()))
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
 
 
 def test_after_a_restart_a_new_adapter_under_the_old_name_misses_the_old_files(tmp_path):

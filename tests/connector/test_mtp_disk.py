@@ -90,7 +90,7 @@ def settle(llm) -> None:
     """Wait until the worker's disk writer has written (or skipped) everything handed to it."""
     _, worker = engine_parts(llm)
     deadline = time.monotonic() + 120
-    while worker._writer is not None and not worker._writer.idle():
+    while worker.handlers["disk"].writer is not None and not worker.handlers["disk"].writer.idle():
         assert time.monotonic() < deadline, "the disk writer did not finish"
         time.sleep(0.02)
 
@@ -115,7 +115,8 @@ def ram_only(llm) -> None:
 def files(llm) -> dict[int, Path]:
     """The tree link files of this engine, by end."""
     sched, _ = engine_parts(llm)
-    return {int(p.stem.rsplit("-", 1)[1]): p for p in sched.disk.dir.dir.glob("*/*.link")
+    folder = sched.cache.lower("disk").disk.dir.dir
+    return {int(p.stem.rsplit("-", 1)[1]): p for p in folder.glob("*/*.link")
             if not p.parent.name.startswith("a-")}
 
 
@@ -194,11 +195,12 @@ def _ulp(h: torch.Tensor) -> torch.Tensor:
 def test_links_written_on_the_mtp_route_restore_from_disk_equal_cold(llm, colds, a_files):
     sched, _ = engine_parts(llm)
     assert sched.base_domain["route"] == "mtp" and sched._draft_reads == "rebuild"
-    assert sched.spill is not None and sched.disk_anchors is not None  # session spill on
-    fp = sched.disk.dir.fingerprint
+    disk = sched.cache.lower("disk")
+    assert disk.spill is not None and disk.anchors is not None  # session spill on
+    fp = sched.cache.lower("disk").disk.dir.fingerprint
     for end, (path, _) in a_files.items():
         h, _ = read_header(path, fp, TEST_KEY)
-        assert sched.disk.tags.decode(h.tag) == DraftStep(end - GRID)
+        assert sched.cache.lower("disk").disk.tags.decode(h.tag) == DraftStep(end - GRID)
         assert DRAFT_INPUT in {e.name for e in h.parts}
     put_a(llm, a_files)
     before = disk_stats(llm)
@@ -222,9 +224,9 @@ def test_links_written_on_the_mtp_route_restore_from_disk_equal_cold(llm, colds,
 @CONTROLS_K
 def test_a_file_with_a_wrong_tag_is_a_counted_miss(llm, colds, a_files):
     sched, _ = engine_parts(llm)
-    fp = sched.disk.dir.fingerprint
+    fp = sched.cache.lower("disk").disk.dir.fingerprint
     got = put_a(llm, a_files)
-    rewrite(got[2 * GRID], fp, tag=sched.disk.tags.encode(DraftStep(1)))
+    rewrite(got[2 * GRID], fp, tag=sched.cache.lower("disk").disk.tags.encode(DraftStep(1)))
     misfit = disk_stats(llm).misses.get("draft_tag", 0)
     warm = run(llm, EXT)
     assert warm["cached"] == GRID                      # the chain ends before the 512 file
@@ -236,7 +238,7 @@ def test_a_file_with_a_wrong_tag_is_a_counted_miss(llm, colds, a_files):
 @CONTROLS_K
 def test_a_corrupted_hidden_row_is_a_counted_miss_and_would_be_caught(llm, colds, a_files):
     sched, _ = engine_parts(llm)
-    fp = sched.disk.dir.fingerprint
+    fp = sched.cache.lower("disk").disk.dir.fingerprint
     got = put_a(llm, a_files)
     rewrite(got[2 * GRID], fp, hidden=_ulp, crc_ok=False)   # a flipped bit, CRC stale
     before = disk_stats(llm)
@@ -279,9 +281,9 @@ def spilled(llm) -> dict:
     run(llm, [1, 2, 3])                      # one more step commits the anchor
     n = len(SESSION) + len(first["tokens"]) - 1
     worker.shutdown()                        # the drain; the next plan starts a new writer
-    (path,) = [p for p in sched.disk.dir.dir.glob("a-*/*.link")
+    (path,) = [p for p in sched.cache.lower("disk").disk.dir.dir.glob("a-*/*.link")
                if int(p.stem.rsplit("-", 1)[1]) == n]
-    header, _ = read_header(path, sched.disk.dir.fingerprint, TEST_KEY)
+    header, _ = read_header(path, sched.cache.lower("disk").disk.dir.fingerprint, TEST_KEY)
     raw = path.read_bytes()
     nxt = SESSION + first["tokens"] + NEW_TEXT
     ram = run(llm, nxt)  # the RAM anchor (the disk anchor tier learns of files at a start)
@@ -301,7 +303,7 @@ def put_anchor(llm, spilled) -> Path:
     h, path = spilled["header"], spilled["path"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(spilled["raw"])
-    sched.disk_anchors.note_spilled(h.domain, h.end, h.digest)
+    sched.cache.lower("disk").anchors.note_spilled(h.domain, h.end, h.digest)
     return path
 
 
@@ -310,7 +312,7 @@ def test_an_end_anchor_spilled_on_the_mtp_route_resumes_from_disk(llm, spilled):
     sched, _ = engine_parts(llm)
     h = spilled["header"]
     assert h.kind == "anchor" and (h.start, h.end) == (0, spilled["n"])
-    assert sched.disk_anchors.tags.decode(h.tag) == RebuiltAnchor()
+    assert sched.cache.lower("disk").anchors.tags.decode(h.tag) == RebuiltAnchor()
     assert {DRAFT_INPUT, DRAFT_PASS} <= {e.name for e in h.parts}
     put_anchor(llm, spilled)
     before = anchor_stats(llm)
@@ -332,8 +334,8 @@ def test_an_anchor_file_whose_tag_does_not_fit_is_a_counted_miss(llm, spilled):
     sched, _ = engine_parts(llm)
     path = put_anchor(llm, spilled)
     nxt, n = spilled["nxt"], spilled["n"]
-    rewrite(path, sched.disk.dir.fingerprint,
-            tag=sched.disk_anchors.tags.encode(NextToken(nxt[n] + 1)))
+    rewrite(path, sched.cache.lower("disk").disk.dir.fingerprint,
+            tag=sched.cache.lower("disk").anchors.tags.encode(NextToken(nxt[n] + 1)))
     misfit = anchor_stats(llm).misses.get("draft_tag", 0)
     out = run(llm, nxt)
     assert out["cached"] == 0 and anchor_stats(llm).misses.get("draft_tag", 0) == misfit + 1
@@ -349,7 +351,7 @@ def test_a_wrong_hidden_row_in_an_anchor_file_is_caught(llm, spilled):
     anchor: the state comparison catches a wrong hidden row."""
     sched, _ = engine_parts(llm)
     path = put_anchor(llm, spilled)
-    rewrite(path, sched.disk.dir.fingerprint, hidden=_ulp)
+    rewrite(path, sched.cache.lower("disk").disk.dir.fingerprint, hidden=_ulp)
     bad = run(llm, spilled["nxt"])
     assert bad["cached"] == spilled["n"]
     names = [v.name for v in sched.parts.layout.views if v.name.startswith("mtp.")]

@@ -16,6 +16,7 @@ from tests.adapter.test_unkeyed_inputs import TOKENS, _kv_cache_config, _request
 from tests.unit.test_tiered_cache_adapter import BLOCKS, _no_steps, _report
 from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import LinkKind
+from vllm_hybridcache.core.tiers.disk_behind import DiskOps
 
 
 def _side(disk_dir, vllm_config=None, **kw):
@@ -91,9 +92,9 @@ def test_files_written_under_another_disk_key_are_a_counted_miss(tmp_path):
     side, worker = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "a.key")), _worker()
     _, plan = _commit_link(side, worker, 128)
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     assert len(list((tmp_path / "disk").rglob("*-128.link"))) == 1
-    side.disk.dir.close()  # the first life ends (its lock on its folder goes)
+    side.cache.lower("disk").disk.dir.close()  # the first life ends (its lock on its folder goes)
     side2 = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "b.key"))
     # keyed names: the new key looks elsewhere, and the old key's folder is swept as foreign
     req = _request("b", [*TOKENS, 1, 2])
@@ -103,11 +104,11 @@ def test_files_written_under_another_disk_key_are_a_counted_miss(tmp_path):
     side3 = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "a.key"))
     _, plan = _commit_link(side3, worker := _worker(), 128)
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     (src,) = (tmp_path / "disk").rglob("*-128.link")
     side4 = _side(tmp_path / "disk", disk_key_file=str(tmp_path / "b.key"))
-    dst = side4.disk.dir.path_for(side3._track(_request("w", TOKENS)).domain, 128,
-                                  side4.cache.keys(TOKENS).digest(128))
+    dst = side4.cache.lower("disk").disk.dir.path_for(
+        side3._track(_request("w", TOKENS)).domain, 128, side4.cache.keys(TOKENS).digest(128))
     dst.parent.mkdir(mode=0o700, exist_ok=True)
     dst.write_bytes(src.read_bytes())
     assert side4.get_num_new_matched_tokens(_request("c", [*TOKENS, 1, 2]), 0) == (0, False)
@@ -120,14 +121,14 @@ def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     assert side.cache.routes() == [("ram", "tree"), ("disk", "tree"), ("ram", "anchor"),
                                    ("disk", "anchor")]
     r, plan = _commit_link(side, worker, 128)
-    (job,) = plan.disk_writes
+    (job,) = plan.tier_ops["disk"].writes
     assert (job.link_id, job.start, job.end) == (r.link_id, 0, 128)
-    assert plan.disk_target is not None and plan.disk_target.root == str(tmp_path)
+    assert plan.tier_ops["disk"].target.root == str(tmp_path)
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     assert len(list(tmp_path.rglob("*-128.link"))) == 1
     report = worker.take_report()
-    assert report.disk["writes"] == 1 and report.disk["files"] == 1
+    assert report.tier_reports["disk"]["writes"] == 1 and report.tier_reports["disk"]["files"] == 1
     side.apply_report(report)
     st = side.cache.stats()[("disk", "tree")]
     assert (st.captures, st.links) == (1, 1) and st.capture_bytes > 0
@@ -139,7 +140,7 @@ def test_commits_are_written_and_a_restart_serves_them_from_disk(tmp_path):
     side2.update_state_after_alloc(req, BLOCKS, 128)
     (load,) = side2.build_plan(_no_steps()).loads
     assert (load.tier, load.kind) == ("disk", "tree") and len(load.sources) == 1
-    assert load.origin.fingerprint == side2._disk_target.fingerprint
+    assert load.origin.fingerprint == side2.cache.lower("disk").target.fingerprint
     side2.apply_report(_report(loaded={"b": 0.01}))
     st = side2.cache.stats()[("disk", "tree")]
     assert (st.hits, st.restores, st.tokens_served) == (1, 1, 128)
@@ -156,7 +157,7 @@ def test_a_failed_disk_read_deletes_the_file_and_counts_the_problem(tmp_path):
     side, worker = _side(tmp_path), _worker()
     _, plan = _commit_link(side, worker, 128)
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     (path,) = tmp_path.rglob("*-128.link")
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1
@@ -173,8 +174,8 @@ def test_a_failed_disk_read_deletes_the_file_and_counts_the_problem(tmp_path):
     assert len(worker2.store) == 0
     side2.apply_report(report)
     assert not path.exists()
-    assert worker2._writer.close(30)
-    side2.apply_report(_report(disk=worker2._writer.snapshot()))
+    assert worker2.handlers["disk"].writer.close(30)
+    side2.apply_report(_report(tier_reports={"disk": worker2.handlers["disk"].writer.snapshot()}))
     st = side2.cache.stats()[("disk", "tree")]
     assert st.misses.get("checksum") == 1 and st.restores_failed == 1
     assert side2.get_num_new_matched_tokens(req, 0) == (0, False)  # recomputed cold
@@ -210,9 +211,9 @@ def test_drops_wait_for_the_writer(tmp_path):
     worker.save(plan)
     assert worker.store.has(r.link_id)  # deferred: the writer still reads it
     gate.set()
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     worker.save(side.build_plan(_no_steps()))
-    assert not worker.store.has(r.link_id) and not worker._deferred_drops
+    assert not worker.store.has(r.link_id) and not worker.handlers["disk"].deferred_drops
     assert len(list(tmp_path.rglob("*-64.link"))) == 1
 
 
@@ -220,13 +221,14 @@ def test_clear_of_the_disk_tier_reaches_the_writer_and_drops_queued_writes(tmp_p
     side, worker = _side(tmp_path), _worker()
     _, plan = _commit_link(side, worker, 64)
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     side2, worker2 = _side(tmp_path), _worker()
     _commit_link(side2, worker2, 128, build=False)  # its write is queued, not yet planned
-    assert len(side2._disk_writes) == 1
+    assert len(side2.cache.lower("disk").writes) == 1
     assert side2.clear(tier="disk") == 1
     plan = side2.build_plan(_no_steps())
-    assert plan.disk_clear and plan.disk_writes == [] and not list(tmp_path.rglob("*.link"))
+    ops = plan.tier_ops["disk"]
+    assert ops.clear and ops.writes == [] and not list(tmp_path.rglob("*.link"))
     assert len(side2.tree) == 1  # the RAM tier is not touched
 
 
@@ -255,7 +257,8 @@ def _tenants_on_disk(side, root) -> dict[str, int]:
     names = {tenant_tag(s): s for s in ("tenant-a", "tenant-b")}
     out: dict[str, int] = {}
     for p in root.rglob("*.link"):
-        header, _ = read_header(p, side._disk_target.fingerprint, side.disk.dir.key)
+        disk = side.cache.lower("disk")
+        header, _ = read_header(p, disk.target.fingerprint, disk.disk.dir.key)
         name = names[tenant_of(header.domain)]
         out[name] = out.get(name, 0) + 1
     return out
@@ -272,23 +275,23 @@ def test_a_tenants_clear_reaches_the_writer_and_keeps_the_others_files(tmp_path)
         _tenant_link(side, worker, salt, 64)
     worker.save(side.build_plan(_no_steps()))
     deadline = time.monotonic() + 30
-    while not worker._writer.idle():  # both files written
+    while not worker.handlers["disk"].writer.idle():  # both files written
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert _tenants_on_disk(side, tmp_path) == {"tenant-a": 1, "tenant-b": 1}
     for salt in ("tenant-a", "tenant-b"):
         _tenant_link(side, worker, salt, 128)
     plan = side.build_plan(_no_steps())
-    assert len(plan.disk_writes) == 2
+    assert len(plan.tier_ops["disk"].writes) == 2
     worker.save(plan)  # queued in the writer: they may land after the clear below
     n = side.clear(cache_salt="tenant-a")
     assert n >= 3  # A's two RAM links and its file(s) on disk by now
     plan = side.build_plan(_no_steps())
-    assert plan.disk_clear_tenants == [(tenant_tag("tenant-a"), "tree"),
+    assert plan.tier_ops["disk"].clear_tenants == [(tenant_tag("tenant-a"), "tree"),
                                        (tenant_tag("tenant-a"), "anchor")]
-    assert not plan.disk_clear and len(plan.drops) == 2
+    assert not plan.tier_ops["disk"].clear and len(plan.drops) == 2
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     assert _tenants_on_disk(side, tmp_path) == {"tenant-b": 2}
     assert len(side.tree) == 2  # B's RAM links
 
@@ -297,9 +300,9 @@ def test_a_tenants_clear_drops_its_queued_writes_only(tmp_path):
     side, worker = _side(tmp_path), _worker()
     for salt in ("tenant-a", "tenant-b"):
         _tenant_link(side, worker, salt, 64)
-    assert len(side._disk_writes) == 2  # not yet planned
+    assert len(side.cache.lower("disk").writes) == 2  # not yet planned
     side.clear(tier="disk", cache_salt="tenant-a")
-    (job,) = side.build_plan(_no_steps()).disk_writes
+    (job,) = side.build_plan(_no_steps()).tier_ops["disk"].writes
     from vllm_hybridcache.core import tenant_of, tenant_tag
 
     assert tenant_of(job.domain) == tenant_tag("tenant-b")
@@ -331,9 +334,9 @@ def _finish_anchor(side, worker, req_id: str, tokens: list[int]):
 def test_session_spill_writes_live_anchors_at_shutdown_and_the_next_life_resumes(tmp_path,
                                                                                  caplog):
     side, worker = _side(tmp_path), _worker()
-    assert side.spill is not None and side._disk_target.spill
+    assert side.cache.lower("disk").spill is not None and side.cache.lower("disk").target.spill
     plan, addr = _finish_anchor(side, worker, "a", TOKENS)
-    (job,) = plan.disk_writes
+    (job,) = plan.tier_ops["disk"].writes
     assert (job.kind, job.when, job.link_id, job.end) == ("anchor", "spill", addr.link_id,
                                                           len(TOKENS))
     assert not list(tmp_path.rglob("*.link"))  # nothing written before the shutdown
@@ -354,9 +357,9 @@ def test_session_spill_writes_live_anchors_at_shutdown_and_the_next_life_resumes
 
 def test_without_session_spill_nothing_is_written_or_read(tmp_path):
     side, worker = _side(tmp_path, session_spill=False), _worker()
-    assert side.spill is None and side.disk_anchors is None
+    assert side.cache.lower("disk").spill is None and side.cache.lower("disk").anchors is None
     plan, _ = _finish_anchor(side, worker, "a", TOKENS)
-    assert plan.disk_writes == []
+    assert plan.tier_ops["disk"].writes == []
     worker.shutdown()
     assert not list(tmp_path.rglob("*.link"))
     side2 = _side(tmp_path, session_spill=False)
@@ -369,11 +372,11 @@ def test_an_anchor_evicted_from_ram_is_written_not_lost(tmp_path):
     other = [t + 1 for t in TOKENS[:100]]
     plan, _ = _finish_anchor(side, worker, "b", other)  # evicts the first anchor (count 1)
     assert [a.link_id for a in plan.drops] == [first.link_id]
-    evicted = [j for j in plan.disk_writes if j.when == "now"]
+    evicted = [j for j in plan.tier_ops["disk"].writes if j.when == "now"]
     assert [(j.link_id, j.kind) for j in evicted] == [(first.link_id, "anchor")]
-    assert first.link_id not in worker._spillable
+    assert first.link_id not in worker.handlers["disk"].spillable
     assert worker.store.has(first.link_id)  # its drop waits for the write
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     (f,) = tmp_path.rglob("*.link")
     req = _request("c", [*TOKENS, 9])
     assert side.get_num_new_matched_tokens(req, 0) == (len(TOKENS), True)
@@ -402,20 +405,20 @@ def test_admission_writes_a_prefix_at_its_second_sighting_from_ram(tmp_path):
     first = _request("w", TOKENS)
     assert side.get_num_new_matched_tokens(first, 0) == (0, False)  # counted, not admitted
     r, plan = _commit_link(side, worker, 128)
-    assert plan.disk_writes == []
+    assert plan.tier_ops["disk"].writes == []
     assert side.cache.stats()[("disk", "tree")].skips.get("not_admitted") == 1
     second = _request("x", [*TOKENS[:128], 5, 6, 7])
     assert side.get_num_new_matched_tokens(second, 0) == (128, True)  # a RAM hit
     plan = side.build_plan(_no_steps())
-    assert [(j.link_id, j.end) for j in plan.disk_writes] == [(r.link_id, 128)]
+    assert [(j.link_id, j.end) for j in plan.tier_ops["disk"].writes] == [(r.link_id, 128)]
 
 
 def test_prefill_steps_feed_the_cost_check(tmp_path):
     """The time from a request's prefill step to its next planned step is measured as that
     step's prefill rate; a step that does not follow the previous one is not."""
     side = _side(tmp_path)
-    cost = side.disk.cost
-    assert cost is not None and side.disk._baseline is not None
+    cost = side.cache.lower("disk").disk.cost
+    assert cost is not None and side.cache.lower("disk").disk._baseline is not None
     entry = side._track(_request("p", TOKENS))
     side._time_prefill(entry, 0, 64, len(TOKENS))
     assert cost.prefills_seen == 0
@@ -423,7 +426,7 @@ def test_prefill_steps_feed_the_cost_check(tmp_path):
     assert cost.prefills_seen == 1 and cost.prefill_tokens_per_s > 0
     side._time_prefill(entry, 300, 1, len(TOKENS))  # not where the last step ended
     assert cost.prefills_seen == 1
-    assert side._ram_depth(entry.keys, entry.domain, len(TOKENS)) == 0
+    assert side.cache.lower("disk").disk._baseline(entry.keys, entry.domain, len(TOKENS)) == 0
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
@@ -434,9 +437,9 @@ def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, d
 
     side, worker = _side(tmp_path, disk_direct_reads=direct), _worker()
     _, plan = _commit_link(side, worker, 128)
-    assert plan.disk_target.direct_reads is direct
+    assert plan.tier_ops["disk"].target.direct_reads is direct
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     side2 = _side(tmp_path, disk_direct_reads=direct)
     req = _request("b", [*TOKENS, 1, 2])
     assert side2.get_num_new_matched_tokens(req, 0) == (128, True)
@@ -446,9 +449,10 @@ def test_the_worker_reads_disk_hits_as_the_setting_says(tmp_path, monkeypatch, d
     monkeypatch.setattr(worker_side, "stage_chain",
                         lambda store, chain, sources, fp, d, *defer, **kw: seen.append(d) or 0)
     fresh = _worker()
-    fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
+    fresh._start_handlers(SimpleNamespace(
+        tier_ops={"disk": DiskOps(side2.cache.lower("disk").target)}))
     fresh._stage(load)
-    assert fresh._writer.close(30)
+    assert fresh.handlers["disk"].writer.close(30)
     assert seen == [direct]
 
 
@@ -460,23 +464,23 @@ def test_a_restarted_worker_warms_read_buffers_for_the_files_it_finds(tmp_path):
 
     side, worker = _side(tmp_path), _worker()
     _, plan = _commit_link(side, worker, 128)
-    assert plan.disk_warm == []  # an empty folder at start: nothing to warm
+    assert plan.tier_ops["disk"].warm == []  # an empty folder at start: nothing to warm
     worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
 
     side2 = _side(tmp_path)
     first = side2.build_plan(_no_steps())
-    assert first.disk_warm == [(0, 128)]
-    assert side2.build_plan(_no_steps()).disk_warm == []  # sent once
+    assert first.tier_ops["disk"].warm == [(0, 128)]
+    assert side2.build_plan(_no_steps()).tier_ops["disk"].warm == []  # sent once
     fresh = _worker()
     fresh.begin_step()  # while a step runs (forward, disk reads) the warm-up waits
-    fresh._disk_plan(first)
-    assert fresh._warm is not None
-    fresh._warm.join(0.3)
+    fresh._start_handlers(first)
+    assert fresh.handlers["disk"].warm is not None
+    fresh.handlers["disk"].warm.join(0.3)
     pool = fresh.store.pool
-    assert fresh._warm.is_alive() and pool.warmed == 0
+    assert fresh.handlers["disk"].warm.is_alive() and pool.warmed == 0
     fresh.save(first)  # the step ends
-    fresh._warm.join(30)
+    fresh.handlers["disk"].warm.join(30)
     want = fresh.store.staged_bytes(fresh.store.layout.view_rows(0, 128))
     assert pool.warmed == pool.idle_bytes == size_class(want)
     req = _request("b", [*TOKENS, 1, 2])
@@ -485,7 +489,7 @@ def test_a_restarted_worker_warms_read_buffers_for_the_files_it_finds(tmp_path):
     (load,) = side2.build_plan(_no_steps()).loads
     fresh._stage(load)
     assert (pool.taken, pool.reused, pool.idle_bytes) == (1, 1, 0)
-    assert fresh._writer.close(30)
+    assert fresh.handlers["disk"].writer.close(30)
 
 
 def test_a_disk_hit_leaves_the_state_of_links_above_the_deepest_to_be_read_later(tmp_path):
@@ -495,7 +499,7 @@ def test_a_disk_hit_leaves_the_state_of_links_above_the_deepest_to_be_read_later
     for cut in (64, 128):
         _, plan = _commit_link(side, worker, cut)
         worker.save(plan)
-    assert worker._writer.close(30)
+    assert worker.handlers["disk"].writer.close(30)
     side2 = _side(tmp_path)
     req = _request("b", [*TOKENS, 1, 2])
     assert side2.get_num_new_matched_tokens(req, 0) == (128, True)
@@ -503,11 +507,12 @@ def test_a_disk_hit_leaves_the_state_of_links_above_the_deepest_to_be_read_later
     (load,) = side2.build_plan(_no_steps()).loads
     assert len(load.chain) == 2 and load.draft is None
     fresh = _worker()
-    fresh._disk_plan(SimpleNamespace(disk_target=side2._disk_target, disk_warm=[]))
+    fresh._start_handlers(SimpleNamespace(
+        tier_ops={"disk": DiskOps(side2.cache.lower("disk").target)}))
     fresh._stage(load)
     first, deepest = (ref.link_id for ref in load.chain)
     assert fresh.store.sections_pending(first) and not fresh.store.sections_pending(deepest)
     secs = fresh.store.buffers(first).sections  # read now, from the file
     assert not fresh.store.sections_pending(first)
     assert all(bool((t == 1).all()) for t in secs.values())  # what the commit held
-    assert fresh._writer.close(30)
+    assert fresh.handlers["disk"].writer.close(30)

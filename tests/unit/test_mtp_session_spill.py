@@ -28,16 +28,18 @@ def test_session_spill_is_on_with_drafts_and_carries_the_anchor_tags(tmp_path):
 
     side = _side(tmp_path, _mtp_config(async_scheduling=False))
     assert side.base_domain["route"] == "mtp" and side.anchors.enabled
-    assert side.spill is not None and side.disk_anchors is not None
-    assert side._disk_target.spill
-    codec = side.disk_anchors.tags
+    disk = side.cache.lower("disk")
+    assert disk.spill is not None and disk.anchors is not None
+    assert disk.target.spill
+    codec = disk.anchors.tags
     for tag in (NextToken(5), RebuiltAnchor()):
         assert codec.decode(codec.encode(tag)) == tag
     # the tree tier's codec does not take anchor tags, nor the anchor tier's tree tags
-    assert side.disk.tags.decode(codec.encode(RebuiltAnchor())) != RebuiltAnchor()
+    assert disk.disk.tags.decode(codec.encode(RebuiltAnchor())) != RebuiltAnchor()
 
 
 def test_no_session_spill_where_anchors_are_off_with_drafts(tmp_path):
     side = _side(tmp_path, _mtp_config(async_scheduling=True))
     assert not side.anchors.enabled
-    assert side.spill is None and side.disk_anchors is None and not side._disk_target.spill
+    disk = side.cache.lower("disk")
+    assert disk.spill is None and disk.anchors is None and not disk.target.spill

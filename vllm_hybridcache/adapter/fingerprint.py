@@ -87,7 +87,7 @@ class FingerprintUnavailable(RuntimeError):
     """This engine's arithmetic cannot be named: its weights could not be found and hashed,
     or a setting that changes the arithmetic could not be put into canonical form.
 
-    The callers (the disk tier in `SchedulerSide._open_disk`, the cluster tier in
+    The callers (the disk tier in `adapter.disk_setup.open_disk`, the cluster tier in
     `cluster.engine.open_cluster_tier`) log one warning with `reason` and run without that
     tier: links that outlive the engine are only safe between engines known to compute the
     same bytes, and a guess (the model's name) is not knowing.

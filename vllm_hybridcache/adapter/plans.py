@@ -9,6 +9,7 @@ abort to the tier that reserved it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -18,8 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild
 from vllm_hybridcache.core import LinkAddr, LinkRef
 from vllm_hybridcache.core.disk.reader import SourceKey, SourceOrigin
-from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
-from vllm_hybridcache.core.tiers.cluster import ClusterTarget
 
 
 @dataclass
@@ -98,23 +97,9 @@ class StepPlan(KVConnectorMetadata):
     # (req_id, prompt tokens, block ids) of prefills that end this step, when an instrumented
     # engine asks for state probes (tests; see vllm_hybridcache/testing/instrumentation.py)
     probes: list[tuple[str, int, list[list[int]]]] = field(default_factory=list)
-    # disk tier: where the worker's writer writes (every plan, so a worker starts its writer
-    # on the first one), committed RAM links to write, files deleted by the scheduler side
-    # that the writer's index must forget, and whether to delete every file
-    disk_target: DiskTarget | None = None
-    disk_writes: list[WriteJob] = field(default_factory=list)
-    disk_forget: list[str] = field(default_factory=list)
-    disk_clear: bool = False
-    # (tenant tag, kind) of tenants' clears (`POST /v1/cache/clear` with a cache_salt): the writer
-    # deletes that tenant's files of that kind after the writes queued before, in order
-    disk_clear_tenants: list[tuple[bytes, str]] = field(default_factory=list)
-    # (start, end) of the files found at start-up that a disk hit is likeliest to read, in the
-    # first plan only: the worker warms a read buffer for each (PagePool.prewarm)
-    disk_warm: list[tuple[int, int]] = field(default_factory=list)
-    # cluster tier: where the worker publishes (every plan while the tier is on) and the
-    # committed RAM tree links to publish (docs/cluster.md)
-    cluster_target: ClusterTarget | None = None
-    cluster_publish: list[WriteJob] = field(default_factory=list)
+    # the lower tiers' worker operations, by tier name (core/tiers/lower.py `take_ops`), for
+    # the worker handler of that name (core/tiers/handler.py); the adapter never reads them
+    tier_ops: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,8 +107,9 @@ class StepReport(KVConnectorWorkerMetadata):
     """Worker results of one step; aggregated over TP/PP workers.
 
     A capture counts as saved only if every worker saved its shard, so `saved` holds a count
-    per link and `workers` the number of reports merged. `disk`: the disk writer's cumulative
-    stats (core/disk/writer.py), when they changed; the disk tier runs with TP=1 only.
+    per link and `workers` the number of reports merged. `tier_reports`: each lower tier's
+    handler report by tier name, when it has one (core/tiers/handler.py `report`); merged by
+    keeping the last worker's (the disk and cluster tiers run with TP=1 only).
     """
 
     saved: dict[LinkAddr, float] = field(default_factory=dict)  # link -> seconds (max)
@@ -133,7 +119,7 @@ class StepReport(KVConnectorWorkerMetadata):
     failed_loads: set[str] = field(default_factory=set)
     lost_links: set[LinkAddr] = field(default_factory=set)     # payload missing on a worker
     workers: int = 1
-    disk: dict | None = None
+    tier_reports: dict[str, Any] = field(default_factory=dict)
     # staged files a worker refused as it read their parts, by (tier, kind) and problem (a
     # LinkFileProblem value: checksum, unauthenticated, ...), for tiers that count them
     # themselves (the disk tier's writer counts its own)
@@ -151,7 +137,7 @@ class StepReport(KVConnectorWorkerMetadata):
             out.failed_saves |= src.failed_saves
             out.failed_loads |= src.failed_loads
             out.lost_links |= src.lost_links
-            out.disk = src.disk if src.disk is not None else out.disk
+            out.tier_reports.update(src.tier_reports)
             for k, probs in src.refused.items():
                 acc = out.refused.setdefault(k, {})
                 for problem, n in probs.items():

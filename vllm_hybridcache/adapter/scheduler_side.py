@@ -14,22 +14,15 @@ later states are not cold-exact.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-import msgspec
-
+from vllm_hybridcache.adapter.composition import build_cache
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild, rebuild_input, with_draft_input
-from vllm_hybridcache.adapter.fingerprint import (
-    FingerprintUnavailable,
-    engine_fingerprint,
-    kernel_backend,
-)
+from vllm_hybridcache.adapter.draft_tags import DraftStep, NextToken, RebuiltAnchor
 from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
 from vllm_hybridcache.adapter.lora_keys import AdapterBindings, lora_key
 from vllm_hybridcache.adapter.mm_keys import (
@@ -45,11 +38,7 @@ from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepRe
 from vllm_hybridcache.adapter.segmentation_mode import inner_resume_floor, segmentation_mode
 from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import (
-    CacheTier,
-    CostModel,
-    DiskTier,
     EndAnchors,
-    IdSource,
     LinkAddr,
     LinkKind,
     LookupResult,
@@ -59,18 +48,8 @@ from vllm_hybridcache.core import (
     SnapshotTree,
     Tier,
 )
-from vllm_hybridcache.core.auth import KeyFileError, key_from_file
-from vllm_hybridcache.core.disk import LinkDirectory
-from vllm_hybridcache.core.disk.admission import WriteAdmission
-from vllm_hybridcache.core.disk.cost import ReadCost
-from vllm_hybridcache.core.disk.folder import own_folder
-from vllm_hybridcache.core.disk.reader import SourceKey, SourceOrigin
-from vllm_hybridcache.core.disk.spill import SpillBook
-from vllm_hybridcache.core.disk.tags import TagCodec
-from vllm_hybridcache.core.disk.writer import DiskTarget, WriteJob
-from vllm_hybridcache.core.keys import in_tenant, tenant_tag
-from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
-from vllm_hybridcache.core.tiers.disk import DiskAnchors
+from vllm_hybridcache.core.disk.reader import SourceKey
+from vllm_hybridcache.core.keys import tenant_tag
 from vllm_hybridcache.segmentation import (
     FINE,
     RecentPrompts,
@@ -84,9 +63,6 @@ if TYPE_CHECKING:
     from vllm_hybridcache.adapter.probes import StepProbes
 
 logger = logging.getLogger("vllm_hybridcache")
-
-WEIGHTS_MEMO = ".weights-digests.json"  # under disk_dir: weight digests by file stamp
-
 
 @dataclass
 class _Live:
@@ -126,7 +102,7 @@ class _Live:
     canonical: bool = True      # every step so far followed the segmentation from cold state
     cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
     finished: bool = False      # vLLM is done with it; kept only until `restoring` ends
-    disk_seen: bool = False     # its cuts were counted for the disk tier's write admission
+    observed: bool = False      # the lower tiers have seen its prompt (the disk's admission)
     # its last planned prefill step (when, tokens, where the next step starts): the time to
     # the next planned step is that step's duration (the disk tier's prefill rate)
     prefill_t: float = 0.0
@@ -199,29 +175,6 @@ class _Live:
         if self.draft_reads != DRAFT_REBUILD:
             return None
         return DraftRebuild(next_token, ())
-
-
-class DraftStep(NamedTuple):
-    """A tree link's tag on the MTP rebuild route: the first position of the prefill step that
-    ended at its cut. The link keeps the draft head's input at its boundary row, and a restore
-    rebuilds that row on a step of this shape, which must be the new prompt's step too."""
-
-    start: int
-
-
-class NextToken(NamedTuple):
-    """An end anchor's draft tag on the MTP route: the anchor's last draft-head row read this
-    token (the request's last sampled token, the first one it did not forward), so the anchor
-    fits a prompt only if that token comes next."""
-
-    token: int
-
-
-class RebuiltAnchor(NamedTuple):
-    """An end anchor's draft tag on the rebuild route: the anchor keeps the target's hidden
-    row at its last position and where its boundary draft row sat in the last verify step's
-    draft pass, and a restore rebuilds that row for the next turn's token there (adapter/
-    draft_rows.py), so the anchor fits every prompt that extends its tokens."""
 
 
 def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: int,
@@ -413,63 +366,19 @@ class SchedulerSide:
                         "scheduling")
             anchors = 0
         self.cache: SnapshotCache | None = None
-        self.disk: DiskTier | None = None
-        self.disk_anchors: DiskAnchors | None = None
-        self.spill: SpillBook | None = None  # session spill: the anchors RAM may hand to disk
-        self._disk_target: DiskTarget | None = None
-        # the tiers whose hits are staged files: where they come from, for the load jobs
-        self._origins: dict[str, SourceOrigin] = {}
-        self._disk_warm: list[tuple[int, int]] = []
-        self._disk_writes: list[WriteJob] = []
         # tiers asked for and left off, with why (an engine without a fingerprint: no tier
         # that outlives it)
         self.tiers_off: dict[str, str] = {}
-        self.cluster = None  # ClusterTier when cluster_address is set (docs/cluster.md)
-        self.cluster_anchors = None  # ClusterAnchors beside it (end anchors move too)
-        self._cluster_target = None
-        self._cluster_publish: list[WriteJob] = []
         # what vLLM's encoder cache holds under each item identifier, and which adapter its
         # workers hold under each LoRA id: keys name content, these say whether the state a
         # prefill computes is that content's (adapter/mm_keys.py, adapter/lora_keys.py)
         self._encoded = EncoderBindings()
         self._adapters = AdapterBindings()
         if layout is not None:
-            ids = IdSource()  # one worker store holds every tier's payloads: ids unique
-            tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
-            tiers: list[CacheTier] = [tree]
-            # session spill: end anchors on disk (on the MTP route too: an anchor file
-            # carries its draft tag, and the disk anchor tier applies the RAM one's `fits`)
-            spill = bool(settings.session_spill and anchors)
-            if settings.disk_dir and self.reason_inactive is None:
-                self.disk = self._open_disk(vllm_config, layout, settings, ids, tree, spill)
-                if self.disk is not None:
-                    tiers.append(self.disk)
-            if settings.cluster_address and self.reason_inactive is None:
-                from vllm_hybridcache.cluster.engine import open_cluster_tier
-
-                opened = open_cluster_tier(vllm_config, layout, self.segmentation, settings,
-                                           ids, tree, tiers_off=self.tiers_off)
-                if opened is not None:
-                    self.cluster, self._cluster_target, origin = opened
-                    self._origins[Tier.CLUSTER.value] = origin
-                    tiers.append(self.cluster)
-            ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
-            tiers.append(ram_anchors)
-            if self.disk is not None and spill:
-                self.disk_anchors = DiskAnchors(self.disk, tags=TagCodec(
-                    {"NextToken": NextToken, "RebuiltAnchor": RebuiltAnchor}))  # MTP: in files
-                tiers.append(self.disk_anchors)
-                self.spill = SpillBook()
-            if self.cluster is not None and anchors and not self._speculative:
-                # end anchors move between replicas (not on the MTP route: a payload does
-                # not carry the anchor's draft tag)
-                from vllm_hybridcache.cluster.engine import open_cluster_anchors
-
-                self.cluster_anchors = open_cluster_anchors(self.cluster, ram_anchors)
-                tiers.append(self.cluster_anchors)
-            # which hit serves a request: the least expected seconds to first token (bytes
-            # moved at measured rates + prefill left; core/choice.py), rates fed below
-            self.cache = SnapshotCache(tiers, cost=CostModel())
+            # every tier, the lower ones opened by name (adapter/composition.py)
+            self.cache = build_cache(vllm_config, settings, layout, self.segmentation, anchors,
+                                     self._speculative, self.reason_inactive is None,
+                                     self.tiers_off)
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
         # target's hidden state there and one more token, which vLLM takes from past the cut
@@ -515,95 +424,6 @@ class SchedulerSide:
                         len(layout.sections), len(layout.views))
             logger.info("hybridcache: segmentation mode %s (%s)", self.segmentation_mode,
                         self._mode_why)
-
-    def _open_disk(self, vllm_config, layout, settings: CacheSettings, ids: IdSource,
-                   tree: SnapshotTree, spill: bool) -> DiskTier | None:
-        """The disk tier on `settings.disk_dir`, or a start-up error that says why not; None
-        (one warning logged, `tiers_off["disk"]`) when the engine has no fingerprint.
-
-        A disk tier that was asked for and cannot work stops the start-up rather than serving
-        on without it: a restart would then silently lose every link (docs/disk-tier.md). An
-        engine whose checkpoint cannot be named by content (`FingerprintUnavailable`) is the
-        exception: its folder is fine, but no file in it may be read or written by an engine
-        that does not know what it computes, so it serves on with RAM only and says so.
-        """
-        pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
-            raise RuntimeError(
-                "hybridcache: the disk tier (disk_dir) works with one worker only for now "
-                f"(tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
-                f"{pc.pipeline_parallel_size}): each worker holds a shard of every link. Unset "
-                "VLLM_HYBRIDCACHE_DISK_DIR / disk_dir to run without it.")
-        root = Path(settings.disk_dir).expanduser()
-        key_file = settings.disk_key_path()
-        try:
-            root = own_folder(root, key_file)  # 0700 when created; refused when others write it
-            key = key_from_file(key_file, "disk", create=True)
-            try:  # the weights memo lives in the folder: authenticated with the disk key
-                fp = engine_fingerprint(
-                    vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
-                    msgspec.json.encode(self.segmentation).decode(),
-                    kernel_backend(vllm_config), memo_file=root / WEIGHTS_MEMO, memo_key=key)
-            except FingerprintUnavailable as e:
-                logger.warning("hybridcache: disk tier off: this engine has no fingerprint "
-                               "(%s); links on disk are only shared by engines known to compute "
-                               "the same bytes. Serving with the RAM tiers only.", e.reason)
-                self.tiers_off["disk"] = e.reason
-                return None
-            directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
-                                      settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                      key=key, key_file=key_file)
-            directory.open()
-            directory.probe_writable()
-        except (OSError, KeyFileError) as e:
-            raise RuntimeError(
-                f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "
-                "give a folder of your own (or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir)"
-            ) from e
-        self._disk_target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
-                                       settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                       key_file=str(key_file), key_id=key.key_id, spill=spill,
-                                       drain_s=float(settings.spill_timeout_s),
-                                       direct_reads=settings.disk_direct_reads)
-        self._origins[Tier.DISK.value] = SourceOrigin(fp.digest, str(key_file), "disk",
-                                                      str(root), key.key_id)
-        # sent once, with the first plan (StepPlan.disk_warm)
-        self._disk_warm = directory.warm_spans(POOL_BYTES)
-        if spill:
-            self._warn_short_shutdown(vllm_config, settings.spill_timeout_s)
-        st = directory.stats
-        logger.info("hybridcache: disk tier on %s (fingerprint %s): %d files, %d bytes; swept "
-                    "%d foreign folders (%d kept: in use), %d temporaries, %d damaged files",
-                    directory.dir, fp.hex[:16], st.files, st.bytes, st.swept_dirs,
-                    st.kept_foreign_dirs, st.swept_temporaries, sum(st.refused.values()))
-        seg = self.segmentation
-        return DiskTier(layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ids,
-                        promote=tree.adopt,
-                        admission=WriteAdmission(settings.disk_write_first_tokens),
-                        cost=ReadCost(), baseline=self._ram_depth,
-                        tags=TagCodec({"DraftStep": DraftStep}))  # MTP: tags in files
-
-    def _ram_depth(self, keys: PromptKeys, domain: bytes, limit: int, fits=None) -> int:
-        """Tokens the RAM tiers serve for a prompt (what a disk hit's cost check saves beyond),
-        with the lookup's draft-row predicate (MTP)."""
-        return max((self.cache.tier(t, k).lookup(keys, domain, limit, fits).tokens
-                    for t, k in self.cache.routes() if t == Tier.RAM), default=0)
-
-    @staticmethod
-    def _warn_short_shutdown(vllm_config, limit: int) -> None:
-        """Session spill drains in vLLM's worker shutdown (the connector's shutdown hook): vLLM
-        kills the engine `--shutdown-timeout` seconds after SIGTERM (at once with its default
-        0) and a worker `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` after asking it to exit. Say so
-        at start when either leaves the drain less than its limit."""
-        import vllm.envs as envs
-
-        grace = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
-        worker = int(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
-        if grace <= limit or worker <= limit:
-            logger.warning("hybridcache: session spill needs vLLM's graceful shutdown: start with "
-                           "--shutdown-timeout (now %d s) and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS "
-                           "(now %d s) above spill_timeout_s (%d s), or the end anchors of live "
-                           "conversations may be lost at a stop", grace, worker, limit)
 
     @property
     def active(self) -> bool:
@@ -792,9 +612,9 @@ class SchedulerSide:
             entry.lookup = None
             return None, False
         entry.lookup = res
-        if self.disk is not None and not entry.disk_seen:
-            entry.disk_seen = True
-            self._admit_for_disk(entry, res)
+        if not entry.observed:
+            entry.observed = True
+            self.cache.observe(entry.keys, entry.domain, res)
         return (res.tokens, True) if res.hit else (0, False)
 
     def _short_resume(self, entry: _Live, res: LookupResult, prompt_len: int) -> bool:
@@ -810,18 +630,6 @@ class SchedulerSide:
         tree = self.tree
         return tree is not None and tree.has(addr.link_id) and not tree.is_committed(
             addr.link_id)
-
-    def _admit_for_disk(self, entry: _Live, res: LookupResult) -> None:
-        """Count the prompt's cuts for the disk tier's write admission before its prefill
-        (core/disk/admission.py). Links it newly admits that RAM already holds (this prompt's
-        hit: a prefix seen for the second time, found in RAM) are written now; the others are
-        written when their prefill commits them."""
-        anchored = res.hit and res.kind == LinkKind.ANCHOR
-        if not self.disk.observe(entry.keys, entry.domain, continues_session=anchored):
-            return
-        if res.hit and (res.tier, res.kind) == (Tier.RAM, LinkKind.TREE) and res.plan:
-            for ref in res.plan.chain:
-                self._offer_to_disk(LinkAddr(Tier.RAM, LinkKind.TREE, ref.link_id))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         entry = self._live.get(request.request_id)
@@ -843,7 +651,7 @@ class SchedulerSide:
                 self._count_in_place(res, in_place)
             entry.restoring = res
             sources = self.cache.sources(res)
-            origin = self._origins.get(res.tier) if sources else None
+            origin = self.cache.origin(res.tier) if sources else None
             expect = tuple(SourceKey(res.kind, entry.domain, entry.keys.digest(ref.end))
                            for ref in res.plan.chain) if sources else ()
             draft = None
@@ -949,33 +757,12 @@ class SchedulerSide:
                                        entry.draft_tag(c.row_end) if not c.inner_offset
                                        else None)
         plan.drops = self.cache.drain_dropped()
-        if self.spill is not None and self.disk_anchors is not None:
-            # committed end anchors RAM evicted: written now rather than lost (the worker
-            # hands them to its writer before it drops them)
-            for job in self.spill.dropped(a.link_id for a in plan.drops
-                                          if (a.tier, a.kind) == (Tier.RAM, LinkKind.ANCHOR)):
-                self._disk_writes.append(job)
-                self.disk_anchors.note_spilled(job.domain, job.end, job.digest)
-        if self.disk is not None:
-            plan.disk_target = self._disk_target
-            plan.disk_warm, self._disk_warm = self._disk_warm, []
-            plan.disk_writes, self._disk_writes = self._disk_writes, []
-            plan.disk_forget, plan.disk_clear = self.disk.take_writer_ops()
-            plan.disk_clear_tenants = self.disk.take_tenant_clears()
-        if self.cluster is not None:
-            plan.cluster_target = self._cluster_target
-            self.cluster.unpublished([a.link_id for a in plan.drops])
-            if self.cluster_anchors is not None:
-                self.cluster_anchors.unpublished([a.link_id for a in plan.drops])
-            for c in plan.captures:  # published by the worker right after its capture
-                entry = self._live.get(c.req_id)
-                if entry is not None and (c.addr.tier, c.addr.kind) == (Tier.RAM, LinkKind.TREE):
-                    job = self.cluster.capture_job(c.addr.link_id, entry.keys, entry.domain,
-                                                   c.row_start, c.row_end,
-                                                   entry.draft_tag(c.row_end))
-                    if job is not None:
-                        self._cluster_publish.append(job)
-            plan.cluster_publish, self._cluster_publish = self._cluster_publish, []
+        for c in plan.captures:  # the lower tiers hear of the tree links this step fills
+            entry = self._live.get(c.req_id)
+            if entry is not None and not c.finishing:
+                self.cache.capture_planned(c.addr, entry.keys, entry.domain, c.row_start,
+                                           c.row_end, entry.draft_tag(c.row_end))
+        plan.tier_ops = self.cache.take_ops()
         return plan
 
     def _observe_encoder(self, so) -> None:
@@ -1090,10 +877,8 @@ class SchedulerSide:
         now = time.monotonic()
         if start == entry.prefill_next and entry.prefill_n > 0:
             seconds = now - entry.prefill_t
-            if self.cache is not None and self.cache.cost is not None:
-                self.cache.cost.observe_prefill(entry.prefill_n, seconds)
-            if self.disk is not None and self.disk.cost is not None:
-                self.disk.cost.observe_prefill(entry.prefill_n, seconds)
+            if self.cache is not None:
+                self.cache.observe_prefill(entry.prefill_n, seconds)
         prefill = max(0, min(start + n, prompt_len) - start)
         entry.prefill_t, entry.prefill_n, entry.prefill_next = now, prefill, start + n
 
@@ -1104,19 +889,13 @@ class SchedulerSide:
         self._inflight.reported(report.failed_saves)
         for addr in report.failed_saves:
             self.cache.abort(addr)
-            self._unspill(addr)
         for addr, seconds in report.saved.items():
             if addr in report.failed_saves:
                 continue
             if report.saved_count.get(addr, 1) >= report.workers:
-                if self.cache.commit(addr, seconds):
-                    self._offer_to_disk(addr)
-                    self._offer_to_cluster(addr)
-                    if self.spill is not None and addr.kind == LinkKind.ANCHOR:
-                        self.spill.committed(addr.link_id)
+                self.cache.commit(addr, seconds)  # offered to the lower tiers
             else:
                 self.cache.abort(addr)
-                self._unspill(addr)
         for req_id in report.failed_loads:
             entry = self._live.get(req_id)
             if entry is not None:
@@ -1124,50 +903,19 @@ class SchedulerSide:
                 entry.resume_at = 0  # vLLM recomputes the request from token 0
                 entry.cold_only = True
         if report.lost_links:
-            for addr in report.lost_links:
-                self._unspill(addr)
             self.cache.invalidate(report.lost_links)
         for req_id, seconds in report.loaded.items():
             entry = self._live.get(req_id)
             if entry is not None:
                 self._end_restore(req_id, entry, True, seconds)
-        if report.disk is not None and self.disk is not None:
-            self.disk.absorb_worker(report.disk)
+        self.cache.absorb(report.tier_reports)
         for (tier, kind), problems in report.refused.items():
             counter = getattr(self.cache.tier(tier, kind), "note_refused", None)
             if counter is not None:
                 for problem, n in problems.items():
                     counter(problem, n)
 
-    def _offer_to_disk(self, addr: LinkAddr) -> None:
-        """A RAM tree link just committed: queue its file write when the disk tier admits it
-        (its bytes are in the worker's store; the worker's writer thread copies them)."""
-        if self.disk is None or (addr.tier, addr.kind) != (Tier.RAM, LinkKind.TREE):
-            return
-        record = self.tree.link_record(addr.link_id)
-        job = self.disk.write_job(record) if record is not None else None
-        if job is not None:
-            self._disk_writes.append(job)
-
-    def _unspill(self, addr: LinkAddr) -> None:
-        """An end anchor whose bytes are missing or suspect is never written to disk."""
-        if self.spill is not None and (addr.tier, addr.kind) == (Tier.RAM, LinkKind.ANCHOR):
-            self.spill.discard([addr.link_id])
-
-    def _offer_to_cluster(self, addr: LinkAddr) -> None:
-        """A RAM tree link just committed: the worker publishes it to the other replicas."""
-        if self.cluster is None or (addr.tier, addr.kind) != (Tier.RAM, LinkKind.TREE):
-            return
-        record = self.tree.link_record(addr.link_id)
-        job = self.cluster.publish_job(record) if record is not None else None
-        if job is not None:
-            self._cluster_publish.append(job)
-
     def _end_restore(self, req_id: str, entry: _Live, ok: bool, seconds: float) -> None:
-        if entry.restoring is not None and not ok and entry.restoring.plan is not None:
-            for ref in entry.restoring.plan.chain:  # a failed restore drops its anchor
-                self._unspill(LinkAddr(entry.restoring.tier, entry.restoring.kind,
-                                       ref.link_id))
         if entry.restoring is not None:
             res = entry.restoring
             self.cache.end_restore(res, ok, seconds)
@@ -1230,22 +978,8 @@ class SchedulerSide:
         r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain, tag)
         if r.addr is None:
             return False
-        if self.spill is not None and r.addr.tier == Tier.RAM:
-            # the worker keeps this anchor in mind for the shutdown drain (session spill)
-            keys = self.cache.keys(tokens)
-            job = self.disk_anchors.spill_job(r.addr.link_id, domain, keys,
-                                              self.parts.layout.view_rows(0, n), tag)
-            if job is None:  # a tag no file can carry (counted): superseded all the same
-                self.spill.superseded(domain, keys.tokens)
-            else:
-                self.spill.reserved(job, keys.tokens)
-                self._disk_writes.append(job)
-        if self.cluster_anchors is not None and r.addr.tier == Tier.RAM:
-            # published by the worker right after the anchor's capture (the plan carrying it)
-            job = self.cluster_anchors.anchor_job(r.addr.link_id, self.cache.keys(tokens),
-                                                  domain, n, tag)
-            if job is not None:
-                self._cluster_publish.append(job)
+        # the lower tiers hear of it (session spill, the cluster's anchors)
+        self.cache.anchor_reserved(r.addr, self.cache.keys(tokens), domain, n, tag)
         self._finishing.append(CaptureJob(addr=r.addr, req_id=request.request_id,
                                           row_start=r.start, row_end=r.end,
                                           block_ids=[list(b) for b in block_ids],
@@ -1264,43 +998,8 @@ class SchedulerSide:
         if self.cache is None:
             return 0
         if cache_salt is not None:
-            return self._clear_tenant(tenant_tag(cache_salt), tier, kind)
-        n = self.cache.clear(tier, kind)
-        if tier in (None, Tier.DISK) and kind in (None, LinkKind.TREE):
-            # queued before the clear: never written (anchors announced for the shutdown
-            # drain stay announced)
-            self._disk_writes = [j for j in self._disk_writes if j.when == "spill"]
-        if self.spill is not None and tier in (None, Tier.RAM) and kind in (None,
-                                                                           LinkKind.ANCHOR):
-            self.spill.discard_all()  # cleared, not evicted: nothing to write
-        if self.cluster_anchors is not None and tier in (None, Tier.RAM) and kind in (
-                None, LinkKind.ANCHOR):
-            # cleared anchors leave the directory before the clear returns (their drops reach
-            # the worker, which withdraws them too, only with the next step)
-            self.cluster_anchors.withdraw_all()
-        return n
-
-    def _clear_tenant(self, tag: bytes, tier: str | None, kind: str | None) -> int:
-        """clear() for one tenant: the same steps, each scoped to the tenant's domains."""
-        n = self.cache.clear_tenant(tag, tier, kind)
-        ours = in_tenant(tag)
-        if tier in (None, Tier.DISK):
-            # the tenant's writes of the kinds cleared, queued and not yet sent to the writer:
-            # never written (anchors announced for the shutdown drain stay announced: the
-            # drops of their RAM anchors, when those are cleared, withdraw them)
-            kinds = {str(kind)} if kind is not None else {LinkKind.TREE.value,
-                                                          LinkKind.ANCHOR.value}
-            self._disk_writes = [j for j in self._disk_writes
-                                 if j.when == "spill" or j.kind not in kinds
-                                 or not ours(j.domain)]
-        if self.spill is not None and tier in (None, Tier.RAM) and kind in (None,
-                                                                           LinkKind.ANCHOR):
-            self.spill.discard_domains(ours)  # cleared, not evicted: nothing to write
-        if self.cluster_anchors is not None and tier in (None, Tier.RAM) and kind in (
-                None, LinkKind.ANCHOR):
-            # the tenant's published anchors leave the directory before the clear returns
-            self.cluster_anchors.withdraw_tenant(tag)
-        return n
+            return self.cache.clear_tenant(tenant_tag(cache_salt), tier, kind)
+        return self.cache.clear(tier, kind)  # the lower tiers drop what they queued
 
     def tier_names(self) -> list[str]:
         """The tiers this engine's cache has (what a clear may name)."""

@@ -9,12 +9,9 @@ failed capture is discarded and its link aborted.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,15 +29,10 @@ from vllm_hybridcache.adapter.draft_rows import (
 from vllm_hybridcache.adapter.inner_states import InnerStates
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
-from vllm_hybridcache.core import LinkStore, MissingLinkError, Tier
-from vllm_hybridcache.core.cpus import widen_thread_affinity
-from vllm_hybridcache.core.disk.reader import (
-    LOCAL_PROBLEMS,
-    DiskReadError,
-    stage_chain,
-    warm_read_buffers,
-)
-from vllm_hybridcache.core.disk.writer import LinkWriter, WriteJob
+from vllm_hybridcache.adapter.tier_registry import handler_class
+from vllm_hybridcache.core import LinkStore, MissingLinkError
+from vllm_hybridcache.core.disk.reader import LOCAL_PROBLEMS, DiskReadError, stage_chain
+from vllm_hybridcache.core.tiers.handler import TierHandler
 from vllm_hybridcache.ops.link_copy import gather_link
 from vllm_hybridcache.ops.paged_blocks import PagedBlocks
 
@@ -71,24 +63,13 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._sending: set[str] = set()
         self._failed_recving: set[str] = set()
-        # disk tier: the writer thread (started by the first plan naming a target), the ids
-        # whose drop waits for the writer to finish reading their buffers, and the writer
-        # stats version last reported
-        self._writer: LinkWriter | None = None
-        self._warm: threading.Thread | None = None  # warms the disk reads' buffers at start
-        # set between steps, clear while one runs (bind to save): the warm-up works only then,
-        # so it never shares the cores with a forward or a disk hit's read
+        # the lower tiers' worker handlers by tier name (core/tiers/handler.py), each created
+        # by the first plan carrying its operations (adapter/tier_registry.py)
+        self.handlers: dict[str, TierHandler] = {}
+        # set between steps, clear while one runs (bind to save): background work of a
+        # handler waits for it, so it never shares the cores with a forward or a hit's read
         self._between_steps = threading.Event()
         self._between_steps.set()
-        self._deferred_drops: set[int] = set()
-        self._disk_version = -1
-        # session spill: end anchors captured here, oldest first, written at shutdown (the
-        # scheduler announced each with its capture; a drop forgets it)
-        self._spillable: OrderedDict[int, WriteJob] = OrderedDict()
-        # cluster tier: the publisher (started by the first plan naming a target; Ray is
-        # imported only then), see vllm_hybridcache/cluster/engine.py
-        self._publisher = None
-        self._publish_off = False  # the publisher could not start here: links stay local
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/testing/instrumentation.py. None in production.
         self.instrumentation: StepProbes | None = None
@@ -175,12 +156,13 @@ class WorkerSide:
     def _stage(self, job: LoadJob) -> None:
         """Read a disk hit's files into the store under the chain's ids (core/disk/reader.py);
         a refused file fails the load and is counted by its problem."""
+        handler = self.handlers.get(job.tier)
         try:
-            direct = self._writer is not None and self._writer.target.direct_reads
-            # the other links' states are read when one of them is first needed; not on the
-            # MTP route (the draft rebuild reads every link's sections now) nor from the
-            # cluster tier's staging folder (its files do not stay)
-            defer = job.tier == Tier.DISK and job.draft is None
+            direct = handler is not None and handler.direct_reads()
+            # the other links' states are read when one of them is first needed, where the
+            # tier's files stay (not from the cluster tier's staging folder); not on the MTP
+            # route (the draft rebuild reads every link's sections now)
+            defer = handler is not None and handler.defers_reads and job.draft is None
             origin = job.origin
             if origin is None:
                 raise DiskReadError(job.chain[0].link_id if job.chain else -1, "mismatch",
@@ -188,45 +170,26 @@ class WorkerSide:
             stage_chain(self.store, job.chain, job.sources, origin.fingerprint, direct, defer,
                         key=origin.key(), root=Path(origin.root), expect=job.expect or None)
         except DiskReadError as e:
-            if job.tier == Tier.DISK:
-                if self._writer is not None:
-                    self._writer.note_read_failure(e.problem)
-                raise
+            if handler is not None and handler.read_failed(e.problem):
+                raise  # counted by the tier's own handler
             probs = self._report.refused.setdefault((job.tier, job.kind), {})
             probs[e.problem] = probs.get(e.problem, 0) + 1
             if e.problem in LOCAL_PROBLEMS:  # this worker's staging copy, not the payload:
                 raise RuntimeError(str(e)) from e  # the load fails, the link is not lost
             raise
 
-    def _disk_plan(self, plan: StepPlan) -> None:
-        """Start the writer on the first plan that names a disk target."""
-        if plan.disk_target is not None and self._writer is None:
-            self._writer = LinkWriter(plan.disk_target)
-            atexit.register(self._writer.close, 10.0)
-        if plan.disk_warm and self.store is not None and self._warm is None:
-            self._warm = threading.Thread(target=self._warm_buffers, args=(plan.disk_warm,),
-                                          name="hybridcache-disk-warm", daemon=True)
-            self._warm.start()
-
-    def _warm_buffers(self, spans: list[tuple[int, int]]) -> None:
-        """Fault in read buffers for the files found at start-up, off the request path: a
-        restarted server's first disk hits then read into warm memory (PagePool.prewarm)."""
-        t0 = time.perf_counter()
-        widen_thread_affinity()  # not only the core of the forward's first thread
-        assert self.store is not None
-
-        def between_steps() -> Iterator[tuple[int, int]]:
-            for span in spans:
-                self._between_steps.wait()
-                yield span
-
-        n = warm_read_buffers(self.store, between_steps())
-        logger.info("hybridcache: disk tier: %d MiB of read buffers warmed for the %d likeliest "
-                    "of the files found at start-up (%.2f s)", n >> 20, len(spans),
-                    time.perf_counter() - t0)
+    def _start_handlers(self, plan: StepPlan) -> None:
+        """Create the handler of every tier the plan carries operations for (first time) and
+        let each start its work for this step."""
+        for name, ops in plan.tier_ops.items():
+            handler = self.handlers.get(name)
+            if handler is None:
+                handler = self.handlers[name] = handler_class(name)(self.store,
+                                                                    self._between_steps)
+            handler.start(ops)
 
     def start_load(self, plan: StepPlan) -> None:
-        self._disk_plan(plan)
+        self._start_handlers(plan)
         for job in plan.loads:
             t0 = time.perf_counter()
             try:
@@ -281,7 +244,7 @@ class WorkerSide:
         self.store.seal(job.link_id)
 
     def save(self, plan: StepPlan) -> None:
-        """After the step's forward: captures, disk and cluster hand-offs, drops; the step
+        """After the step's forward: captures, the lower tiers' hand-offs, drops; the step
         ends here (`begin_step`)."""
         try:
             self._save(plan)
@@ -307,122 +270,39 @@ class WorkerSide:
                 self._sending.add(job.req_id)  # vLLM may free the request's blocks now
         if self._inner is not None:
             self._inner.clear()
-        self._disk_plan(plan)
-        if self._writer is not None:
-            self._disk_writes(plan)
-        if plan.cluster_target is not None:
-            self._cluster_publish(plan)
+        self._start_handlers(plan)
+        for name, ops in plan.tier_ops.items():  # before the drops: their buffers are alive
+            self.handlers[name].after_captures(ops)
         if plan.drops:  # this store holds every tier's payloads (disk hits staged in RAM)
             ids = [a.link_id for a in plan.drops]
-            if self._writer is not None:  # the writer may still read some: drop those later
-                busy = {i for i in ids if self._writer.busy(i)}
-                self._deferred_drops |= busy
-                ids = [i for i in ids if i not in busy]
-            for i in (a.link_id for a in plan.drops):
-                self._spillable.pop(i, None)
-            self.store.drop(ids)
-            if self._publisher is not None:
-                self._publisher.dropped([a.link_id for a in plan.drops])
+            held: set[int] = set()  # a handler still reads them: it drops them later
+            for handler in self.handlers.values():
+                held |= handler.holds(ids)
+                handler.dropped(ids)
+            self.store.drop([i for i in ids if i not in held])
         if plan.probes and self.instrumentation is not None:
             for req_id, tokens, block_ids in plan.probes:
                 self.instrumentation.on_prefill_end(self, req_id, tokens, block_ids)
         if self._tap is not None:
             self._tap.clear()  # this step's draft passes are done
 
-    def _cluster_publish(self, plan: StepPlan) -> None:
-        """Publish committed RAM links to the other replicas (before this plan's drops, so
-        their buffers are alive); a failure is logged and costs only reuse."""
-        if self._publisher is None and not self._publish_off:
-            from vllm_hybridcache.cluster.engine import Publisher
-
-            try:
-                self._publisher = Publisher(plan.cluster_target)
-            except Exception as e:  # e.g. the secret file is unreadable here: serve on
-                logger.warning("hybridcache: cluster publishing off in this worker: %s: %s",
-                               type(e).__name__, e)
-                self._publish_off = True
-            else:
-                atexit.register(self._publisher.close)
-        if self._publisher is None:
-            return
-        for job in plan.cluster_publish:
-            if self.store.has(job.link_id):
-                try:
-                    bufs = self.store.buffers(job.link_id)
-                except MissingLinkError as e:  # a promoted disk link whose state failed
-                    logger.warning("hybridcache: link %d not published: %s", job.link_id, e)
-                    continue
-                self._publisher.publish(job, {**bufs.sections, **bufs.views})
-
-    def _disk_writes(self, plan: StepPlan) -> None:
-        """Hand committed RAM links to the writer (before this plan's drops, so their buffers
-        are alive), pass the scheduler's deletions on, and drop what the writer finished."""
-        w = self._writer
-        assert w is not None
-        for lid in w.take_done():
-            if lid in self._deferred_drops:
-                self._deferred_drops.discard(lid)
-                self.store.drop([lid])
-        if plan.disk_forget:
-            w.forget(plan.disk_forget)
-        if plan.disk_clear:
-            w.clear()
-        for tag, kind in plan.disk_clear_tenants:
-            w.clear_tenant(tag, kind)
-        for job in plan.disk_writes:
-            if not self.store.has(job.link_id):
-                continue  # dropped before its write was planned: nothing to copy
-            if job.when == "spill":  # an end anchor just captured: written at shutdown
-                self._spillable[job.link_id] = job
-                continue
-            self._spillable.pop(job.link_id, None)  # evicted from RAM: written now
-            try:
-                bufs = self.store.buffers(job.link_id)
-            except MissingLinkError as e:  # a promoted disk link whose state failed
-                logger.warning("hybridcache: link %d not written: %s", job.link_id, e)
-                continue
-            w.submit(job, {**bufs.sections, **bufs.views})
-
     def shutdown(self) -> None:
-        """vLLM's graceful shutdown (the connector's shutdown hook): session spill.
-
-        The end anchors still in the store are written first, newest first, then the queued
-        tree writes, within the target's time limit; the log says what was written and what
-        was dropped. Only reached when vLLM lets the engine process drain (--shutdown-timeout
-        above 0); a write cut short by a kill leaves a temporary file, swept at a later start.
-        """
-        w = self._writer
-        if w is None or self.store is None:
+        """vLLM's graceful shutdown (the connector's shutdown hook): each handler finishes
+        or drops what it queued, within its tier's limit (the disk tier's session spill)."""
+        if self.store is None:
             return
-        self._writer = None
-        target = w.target
-        anchors = []
-        if target.spill:
-            for lid, job in reversed(self._spillable.items()):
-                if self.store.has(lid):
-                    try:
-                        bufs = self.store.buffers(lid)
-                    except MissingLinkError:
-                        continue
-                    anchors.append((job, {**bufs.sections, **bufs.views}))
-        self._spillable.clear()
-        queued = w.snapshot()["queued"]
-        r = w.drain(anchors, target.drain_s)
-        spilled = (f"session spill wrote {r.anchors_written} of {r.anchors} end anchors "
-                   f"({r.anchor_bytes} bytes)" if target.spill else "session spill off")
-        logger.info("hybridcache: shutdown drain: %s to %s; %d tree writes were queued; %d "
-                    "writes dropped at the %g s limit; %.2f s%s", spilled, target.root, queued,
-                    r.skipped, target.drain_s, r.seconds,
-                    "" if r.finished else " (a write was still running: left as a temporary)")
+        for handler in self.handlers.values():
+            handler.shutdown()
 
     # ---------------------------------------------------------------- results
     def take_report(self) -> StepReport | None:
         r = self._report
-        if self._writer is not None and self._writer.version != self._disk_version:
-            self._disk_version = self._writer.version
-            r.disk = self._writer.snapshot()
+        for name, handler in self.handlers.items():
+            rep = handler.report()
+            if rep is not None:
+                r.tier_reports[name] = rep
         if not (r.saved or r.failed_saves or r.loaded or r.failed_loads or r.lost_links
-                or r.disk is not None):
+                or r.tier_reports):
             return None
         self._report = StepReport(workers=1)
         return r
