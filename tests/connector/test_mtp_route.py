@@ -37,9 +37,9 @@ from tests.connector.conftest import connector_engine, engine_parts
 from tests.connector.test_end_anchors import gate_catches_a_corrupted_anchor, greedy_gate
 from tests.connector.test_exactness import GRID, A, anchored_session, clear, run
 from vllm_hybridcache.adapter import scheduler_side
+from vllm_hybridcache.adapter.anchor_end import anchor_end as scheduler_side_anchor_end
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, BoundaryTap
-from vllm_hybridcache.adapter.scheduler_side import _Live
-from vllm_hybridcache.adapter.scheduler_side import anchor_end as scheduler_side_anchor_end
+from vllm_hybridcache.adapter.request_state import RequestState
 from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -133,7 +133,7 @@ def test_without_the_rebuild_another_last_token_differs(llm, monkeypatch):
     cold = run(llm, p)
     clear(llm)
     run(llm, A)
-    monkeypatch.setattr(_Live, "draft_rebuild", lambda self, chain, token: None)
+    monkeypatch.setattr(RequestState, "draft_rebuild", lambda self, chain, token: None)
     forced = run(llm, p)
     monkeypatch.undo()
     sched, _ = engine_parts(llm)
@@ -270,7 +270,7 @@ def test_a_rebuilt_anchor_row_is_the_row_its_decode_pass_wrote(llm, monkeypatch)
     warm = run(llm, nxt)
     assert warm["cached"] == n
     _anchored(llm, SESSION)
-    monkeypatch.setattr(_Live, "anchor_rebuild", lambda self, token: None)
+    monkeypatch.setattr(RequestState, "anchor_rebuild", lambda self, token: None)
     raw = run(llm, nxt)
     monkeypatch.undo()
     assert raw["cached"] == n
@@ -328,7 +328,7 @@ def test_an_anchor_serves_a_next_turn_with_another_next_token(llm, monkeypatch):
     assert warm["cached"] == n
     sched, _ = engine_parts(llm)
     _anchored(llm, SESSION)
-    monkeypatch.setattr(_Live, "anchor_rebuild", lambda self, token: None)
+    monkeypatch.setattr(RequestState, "anchor_rebuild", lambda self, token: None)
     raw = run(llm, other)
     monkeypatch.undo()
     assert raw["cached"] == n

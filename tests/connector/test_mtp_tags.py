@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_hybridcache.adapter.anchor_end import anchor_end
 from vllm_hybridcache.adapter.draft_rows import (
     DRAFT_INPUT,
     DRAFT_PASS_SPEC,
@@ -21,17 +22,16 @@ from vllm_hybridcache.adapter.draft_rows import (
     PassGeometry,
     rebuild_input,
 )
-from vllm_hybridcache.adapter.scheduler_side import (
+from vllm_hybridcache.adapter.draft_tags import (
     DRAFT_READS_BOTH,
     DRAFT_READS_LAST,
     DRAFT_REBUILD,
     DraftStep,
     NextToken,
     RebuiltAnchor,
-    _Live,
-    anchor_end,
     draft_reads,
 )
+from vllm_hybridcache.adapter.request_state import RequestState
 from vllm_hybridcache.core import EndAnchors, IdSource, LinkKind, SnapshotCache, SnapshotTree
 from vllm_hybridcache.core.keys import PromptKeys, blake2b_128, make_domain
 
@@ -43,8 +43,8 @@ def _config(method: str | None, padded: bool = True, parallel: bool = False):
         method=method, disable_padded_drafter_batch=not padded, parallel_drafting=parallel))
 
 
-def _live(tokens: list[int], reads: str | None, cuts: tuple[int, ...] = ()) -> _Live:
-    return _Live(domain=b"d", keys=PromptKeys(tokens, blake2b_128), cuts=list(cuts),
+def _live(tokens: list[int], reads: str | None, cuts: tuple[int, ...] = ()) -> RequestState:
+    return RequestState(domain=b"d", keys=PromptKeys(tokens, blake2b_128), cuts=list(cuts),
                  cut_set=frozenset(cuts), draft_reads=reads)
 
 

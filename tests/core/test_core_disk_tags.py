@@ -201,7 +201,7 @@ ANCHOR_CODEC = TagCodec({"Next": Next, "Rebuilt": Rebuilt})
 
 
 def _anchor_fits(prompt: np.ndarray):
-    """The RAM anchor tier's predicate on the MTP route (scheduler_side._Live.fits)."""
+    """The RAM anchor tier's predicate on the MTP route (RequestState.fits)."""
     def fits(p: int, tag: object) -> bool:
         if isinstance(tag, Next):
             return p < len(prompt) and int(prompt[p]) == tag.token

@@ -19,8 +19,8 @@ import pytest
 from tests.harness.engine import HarnessEngine, cache_stats
 from tests.harness.test_protocol import GRID, A, B, cold, same
 from vllm_hybridcache.adapter import scheduler_side
+from vllm_hybridcache.adapter.anchor_end import anchor_end
 from vllm_hybridcache.adapter.inflight import MAX_WAITS
-from vllm_hybridcache.adapter.scheduler_side import anchor_end
 
 PROMPT = A[:100]
 STOP_AT = 3  # the stop-token run ends on its 4th sampled token

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_hybridcache.adapter.scheduler_side import default_message_end_ids
+from vllm_hybridcache.adapter.startup import default_message_end_ids
 
 
 def _config(tokenizer: str) -> SimpleNamespace:

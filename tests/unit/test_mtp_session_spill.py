@@ -24,7 +24,7 @@ def _mtp_config(async_scheduling: bool):
 
 
 def test_session_spill_is_on_with_drafts_and_carries_the_anchor_tags(tmp_path):
-    from vllm_hybridcache.adapter.scheduler_side import NextToken, RebuiltAnchor
+    from vllm_hybridcache.adapter.draft_tags import NextToken, RebuiltAnchor
 
     side = _side(tmp_path, _mtp_config(async_scheduling=False))
     assert side.base_domain["route"] == "mtp" and side.anchors.enabled

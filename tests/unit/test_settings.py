@@ -63,7 +63,7 @@ def test_message_end_ids_from_environment():
 
 
 def test_memory_headroom_warning_names_the_fix():
-    from vllm_hybridcache.adapter.scheduler_side import memory_headroom_warning
+    from vllm_hybridcache.adapter.startup import memory_headroom_warning
 
     gib = 1 << 30
     s = CacheSettings(memory_floor_bytes=4 * gib, budget_bytes=8 * gib)

@@ -27,7 +27,7 @@ so a link's bytes alone say how to rebuild it.
 
 Only where it is measured: Flash-Next's MTP head (ours, `Qwen4ExpMTP`) on vLLM's default
 padded drafter batch, one draft layer. Every other speculative path keeps the draft tags
-(`scheduler_side.draft_reads`).
+(`draft_tags.draft_reads`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""The MTP route's draft tags: what a link carries so that `fits` knows which prompts it serves.
+"""The MTP route's draft-tag policy: what a link carries so that `fits` knows which prompts it
+serves, and which prompt tokens the draft head's boundary row reads on this engine.
 
-Plain NamedTuples (they go into link files through core/disk/tags.py TagCodec, by name).
+The tags are plain NamedTuples (they go into link files through core/disk/tags.py TagCodec, by
+name); `draft_reads` picks the route's rule once per engine; the per-request tag and fit
+(`RequestState.draft_tag` / `fits`, adapter/request_state.py) apply it to one prompt.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["DraftStep", "NextToken", "RebuiltAnchor"]
+__all__ = ["DRAFT_READS_BOTH", "DRAFT_READS_LAST", "DRAFT_REBUILD", "DraftStep", "NextToken",
+           "RebuiltAnchor", "draft_reads"]
 
 
 class DraftStep(NamedTuple):
@@ -31,3 +35,30 @@ class RebuiltAnchor(NamedTuple):
     row at its last position and where its boundary draft row sat in the last verify step's
     draft pass, and a restore rebuilds that row for the next turn's token there (adapter/
     draft_rows.py), so the anchor fits every prompt that extends its tokens."""
+
+
+DRAFT_READS_LAST = "last"
+DRAFT_READS_BOTH = "both"
+DRAFT_REBUILD = "rebuild"
+
+
+def draft_reads(vllm_config) -> str | None:
+    """Which prompt tokens the draft head's row at a partial prefill step's last position
+    reads, beyond the tokens before the cut; None without speculative decoding.
+
+    The draft head's row at position i is computed from the target's hidden state at i and
+    the token at i + 1. At a step's last position p - 1 of a partial prefill, vLLM's EAGLE/MTP
+    proposer takes that token from its "next token" for the request: on the padded drafter
+    batch (the default) the backup token, which is the request's last known token, i.e. the
+    prompt's last token (`prepare_next_token_ids_padded`); with `disable_padded_drafter_batch`
+    the prompt's token at p (`prepare_next_token_ids_cpu`). `last` is exact for the padded
+    EAGLE/MTP path and measured so in tests/connector/test_mtp_route.py; every other
+    speculative method or path keeps both tokens (`both`), which is exact for either.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    if (spec.method in ("mtp", "eagle", "eagle3") and not spec.disable_padded_drafter_batch
+            and not getattr(spec, "parallel_drafting", False)):
+        return DRAFT_READS_LAST
+    return DRAFT_READS_BOTH

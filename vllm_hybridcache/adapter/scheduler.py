@@ -156,4 +156,4 @@ class SegmentedAsyncScheduler(SegmentedScheduler, AsyncScheduler):
     """`SegmentedScheduler` over vLLM's `AsyncScheduler` (method order: ours, then vLLM's async
     placeholders, then `Scheduler`): what `SegmentedScheduler(...)` builds when the engine
     schedules asynchronously. Nothing is overridden here; the end anchors' reading of the
-    async scheduler's placeholders is in `scheduler_side.anchor_end`."""
+    async scheduler's placeholders is in `adapter/anchor_end.py`."""

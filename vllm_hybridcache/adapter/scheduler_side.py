@@ -1,33 +1,42 @@
 """Scheduler side of the connector: owns the cache (every tier) and plans every copy.
 
-Runs in the EngineCore process, on the scheduler's thread only (the tiers are single-threaded
-by contract). Each live request has one `_Live` entry, and the hooks touch only that entry and
-the cache facade. Per step it (1) answers lookups for new requests (or asks vLLM to ask again
-next step, while a deeper link of the prompt awaits its report: adapter/inflight.py), (2) turns
-hits into load jobs once vLLM has allocated blocks, (3) reserves a link for every prefill step
-that ends on a cut, and (4) commits or aborts links when the workers report the step's copies.
-Nothing is published before the workers confirm (commit gating), and a request whose steps left
-the segmentation (a step cut short by the token budget) captures nothing after that point: its
-later states are not cold-exact.
+Runs in the EngineCore process, on the scheduler's thread only (the tiers are single-threaded by
+contract). Each live request has one `RequestState` (adapter/request_state.py), and the hooks
+touch only that object and the cache facade. Per step it (1) answers lookups for new requests
+(or asks vLLM to ask again next step, while a deeper link of the prompt awaits its report:
+adapter/inflight.py), (2) turns hits into load jobs once vLLM has allocated blocks, (3) reserves
+a link for every prefill step that ends on a cut, and (4) commits or aborts links when the
+workers report the step's copies. Nothing is published before the workers confirm (commit
+gating), and a request whose steps left the segmentation (a step cut short by the token budget)
+captures nothing after that point: its later states are not cold-exact.
+
+Why it is over ~500 lines: it holds the connector's scheduler hooks, each a step of one
+request's lifecycle (lookup, allocation, plan, report, finish) over `RequestState`; the
+pieces that are not the lifecycle live beside it (composition.py, startup.py, request_state.py,
+draft_tags.py, anchor_end.py, in_place_counts.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from vllm_hybridcache.adapter.anchor_end import anchor_end
 from vllm_hybridcache.adapter.composition import build_cache
 from vllm_hybridcache.adapter.domain import engine_fields, request_domain
-from vllm_hybridcache.adapter.draft_rows import DraftRebuild, rebuild_input, with_draft_input
-from vllm_hybridcache.adapter.draft_tags import DraftStep, NextToken, RebuiltAnchor
+from vllm_hybridcache.adapter.draft_rows import rebuild_input, with_draft_input
+from vllm_hybridcache.adapter.draft_tags import (
+    DRAFT_REBUILD,
+    NextToken,
+    RebuiltAnchor,
+    draft_reads,
+)
+from vllm_hybridcache.adapter.in_place_counts import InPlaceCounts
 from vllm_hybridcache.adapter.inflight import MAX_WAITS, InflightLinks
 from vllm_hybridcache.adapter.lora_keys import AdapterBindings, lora_key
 from vllm_hybridcache.adapter.mm_keys import (
     EncoderBindings,
-    MMItem,
     UnkeyableInput,
     keys_from_items,
     request_items,
@@ -35,7 +44,9 @@ from vllm_hybridcache.adapter.mm_keys import (
 )
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
+from vllm_hybridcache.adapter.request_state import RequestState
 from vllm_hybridcache.adapter.segmentation_mode import inner_resume_floor, segmentation_mode
+from vllm_hybridcache.adapter.startup import memory_headroom_warning, resolve_segmentation
 from vllm_hybridcache.config import CacheSettings
 from vllm_hybridcache.core import (
     EndAnchors,
@@ -43,7 +54,6 @@ from vllm_hybridcache.core import (
     LinkKind,
     LookupResult,
     MissReason,
-    PromptKeys,
     SnapshotCache,
     SnapshotTree,
     Tier,
@@ -53,7 +63,6 @@ from vllm_hybridcache.core.keys import tenant_tag
 from vllm_hybridcache.segmentation import (
     FINE,
     RecentPrompts,
-    Segmentation,
     first_cut_after,
     floor_aligned,
     inner_positions,
@@ -63,191 +72,6 @@ if TYPE_CHECKING:
     from vllm_hybridcache.adapter.probes import StepProbes
 
 logger = logging.getLogger("vllm_hybridcache")
-
-@dataclass
-class _Live:
-    """Everything the scheduler side knows about one live request, in one place.
-
-    Created by the first hook that sees the request; removed by request_finished, or, when a
-    restore is still in flight then, by the report that ends it (its pins must be released).
-    Captures are not kept here: each CaptureJob carries the address of the link it fills, and
-    the workers' report commits or aborts it by that address (an end anchor's capture is
-    reserved as the request finishes and settles after the entry is gone).
-    """
-
-    domain: bytes
-    keys: PromptKeys
-    cuts: list[int]
-    cut_set: frozenset[int]
-    unkeyed: bool = False       # inputs the token ids do not name: no lookup, no capture
-    # multimodal items (content digests, vLLM's identifiers, positions); () for text
-    items: tuple[MMItem, ...] = ()
-    # the LoRA id the request runs under (None without an adapter)
-    lora_id: int | None = None
-    # its prefill read state its key does not name (an item's embeddings of other content, an
-    # adapter reloaded in place): no capture from then on, no end anchor
-    unbound: bool = False
-    # fine segmentation: 64-aligned positions captured inside a step (the prompt's last one,
-    # a junction where it parts from a recent prompt); () in step mode
-    wanted: tuple[int, ...] = ()
-    # MTP route: which prompt tokens the draft head's row at a step's last position read
-    # (see draft_reads); None off the route. A link fits another prompt only if they match.
-    draft_reads: str | None = None
-    block_ids: list[list[int]] = field(default_factory=list)
-    # the answer given to vLLM by get_num_new_matched_tokens, until allocation acts on it
-    lookup: LookupResult | None = None
-    # the hit being restored (its tier and kind route the end of the restore); None when idle
-    restoring: LookupResult | None = None
-    resume_at: int = 0          # tokens restored (0 = cold)
-    canonical: bool = True      # every step so far followed the segmentation from cold state
-    cold_only: bool = False     # a restore failed: vLLM recomputes it, and we never retry
-    finished: bool = False      # vLLM is done with it; kept only until `restoring` ends
-    observed: bool = False      # the lower tiers have seen its prompt (the disk's admission)
-    # its last planned prefill step (when, tokens, where the next step starts): the time to
-    # the next planned step is that step's duration (the disk tier's prefill rate)
-    prefill_t: float = 0.0
-    prefill_n: int = 0
-    prefill_next: int = -1
-    # the request's latest scheduled step (first position, tokens): with speculative decoding
-    # its end anchor copies the state block of the last accepted token (see anchor_end)
-    last_start: int = -1
-    last_len: int = 0
-    # lookups answered "ask again next step" to wait for a link in flight (adapter/inflight.py)
-    lookup_waits: int = 0
-    # attention K/V in place: the answer the cap computed for the connector's question that
-    # follows it in the same scheduling pass, and the tokens vLLM's block pool serves in place
-    answer: tuple[int | None, bool] | None = None
-    in_place: int = 0
-    # first position whose rows this request writes off the segmentation (None: its prompt's
-    # end, where decoded rows start); their blocks get hashes no cold prompt computes
-    off_from: int | None = None
-
-    @property
-    def draft_route(self) -> bool:
-        return self.draft_reads is not None
-
-    def prev_cut(self, p: int) -> int:
-        """The first position of this prompt's prefill step that ends at cut p (the cut
-        before it, or 0): steps run from cut to cut (segmentation scheduler)."""
-        i = bisect.bisect_left(self.cuts, p)
-        return self.cuts[i - 1] if i > 0 else 0
-
-    def draft_tag(self, end: int) -> object:
-        """What the draft head's boundary row depends on beyond the tokens before `end`, for
-        a link of this prompt at `end`; None off the MTP route. `rebuild`: the row is rebuilt
-        for each prompt on restore (adapter/draft_rows.py), so only the step's shape matters
-        (DraftStep). Otherwise the prompt tokens the row read: -1 at the prompt's end, where
-        it read the sampled token and fits no prompt; `last`: the prompt's last token (vLLM's
-        padded drafter batch, its default); `both`: the token after the cut and the last
-        token (any other drafter path, kept conservative)."""
-        if self.draft_reads is None:
-            return None
-        if self.draft_reads == DRAFT_REBUILD:
-            return DraftStep(self.prev_cut(end))
-        toks = self.keys.tokens
-        n = len(self.keys)
-        if end >= n:
-            return -1
-        if self.draft_reads == DRAFT_READS_LAST:
-            return int(toks[n - 1])
-        return (int(toks[end]), int(toks[n - 1]))
-
-    def fits(self, p: int, tag: object) -> bool:
-        """Whether a link ending at p, reserved with `tag`, fits this prompt's draft rows."""
-        if isinstance(tag, NextToken):  # an end anchor: its last draft row read tag.token
-            return p < len(self.keys) and int(self.keys.tokens[p]) == tag.token
-        if isinstance(tag, RebuiltAnchor):  # its last draft row is rebuilt for keys[p]
-            return p < len(self.keys)
-        return tag == self.draft_tag(p)
-
-    def draft_rebuild(self, chain, last_token: int) -> DraftRebuild | None:
-        """The boundary rows a restore of `chain` (LinkRefs, root first) rebuilds for this
-        prompt, whose cold prefill gives every partial step's last draft row its last token;
-        None off the rebuild route."""
-        if self.draft_reads != DRAFT_REBUILD:
-            return None
-        return DraftRebuild(last_token, tuple((r.end, self.prev_cut(r.end)) for r in chain))
-
-    def anchor_rebuild(self, next_token: int) -> DraftRebuild | None:
-        """The boundary row a restore of an end anchor rebuilds for this prompt: for the token
-        that continues the session at the anchor's end (the row's geometry is the anchor's own,
-        kept in its bytes); None off the rebuild route."""
-        if self.draft_reads != DRAFT_REBUILD:
-            return None
-        return DraftRebuild(next_token, ())
-
-
-def anchor_end(num_computed: int, num_tokens: int, prompt_len: int, last_start: int,
-               last_len: int, speculative: bool,
-               in_flight: int | None = None) -> tuple[int, int] | None:
-    """(tokens, section block) of a finished request's end anchor, or None for no anchor.
-
-    Without drafts the anchor is the state after every forwarded token, in block 0: the
-    capture runs in a step planned after the request finished, after every step that
-    forwarded its tokens, and vLLM counts a step's tokens in `num_computed` when it schedules
-    it. Under synchronous scheduling that is every token but the last one sampled.
-
-    `in_flight` (async scheduling only; None when synchronous): the request's output
-    placeholders when it finished, the tokens still to come from steps in flight. vLLM's
-    `AsyncScheduler` schedules a decode before the previous step's token is known (one step in
-    flight), and takes the placeholder of the token it just received off before the request
-    finishes. So a request that stopped on a token (a stop id, EOS) has usually been scheduled
-    once more: that step forwards the stop token and leaves the state after all `num_tokens`
-    (`num_computed == num_tokens`, one placeholder left); one that reached `max_tokens` was not
-    (vLLM skips a step it knows to be the last's successor: `num_computed == num_tokens - 1`,
-    none left). Either way the tokens settled (`num_computed - in_flight`) are all but the last
-    sampled, and the anchor covers `num_computed` tokens; any other count (more than one step
-    in flight, a count vLLM rolled back) gives no anchor. Drafts under async scheduling give
-    none either: their in-flight verify step overwrites the state blocks (see
-    `SchedulerSide.__init__`).
-
-    With
-    drafts the last step is a verify step that forwarded `last_len` tokens from `last_start`
-    and wrote the state after its j-th token to block j; its rejected tokens are already taken
-    off `num_computed`, and a stop inside the accepted ones leaves fewer tokens in the request
-    than were forwarded (`num_tokens`), so the anchor ends at the last token kept but one (the
-    last one is the first the next turn forwards) and copies that token's block. A request
-    that finished in a prefill step gets none (a short chunk runs as a decode: on doubt, miss).
-    """
-    if in_flight is not None:
-        if speculative or in_flight not in (0, 1) or num_computed - in_flight != num_tokens - 1:
-            return None
-        return num_computed, 0
-    if not speculative:
-        return num_computed, 0
-    n = min(num_computed, num_tokens - 1)
-    block = n - 1 - last_start
-    if last_start < prompt_len or not 0 <= block < last_len:
-        return None
-    return n, block
-
-
-DRAFT_READS_LAST = "last"
-DRAFT_READS_BOTH = "both"
-DRAFT_REBUILD = "rebuild"
-
-
-def draft_reads(vllm_config) -> str | None:
-    """Which prompt tokens the draft head's row at a partial prefill step's last position
-    reads, beyond the tokens before the cut; None without speculative decoding.
-
-    The draft head's row at position i is computed from the target's hidden state at i and
-    the token at i + 1. At a step's last position p - 1 of a partial prefill, vLLM's EAGLE/MTP
-    proposer takes that token from its "next token" for the request: on the padded drafter
-    batch (the default) the backup token, which is the request's last known token, i.e. the
-    prompt's last token (`prepare_next_token_ids_padded`); with `disable_padded_drafter_batch`
-    the prompt's token at p (`prepare_next_token_ids_cpu`). `last` is exact for the padded
-    EAGLE/MTP path and measured so in tests/connector/test_mtp_route.py; every other
-    speculative method or path keeps both tokens (`both`), which is exact for either.
-    """
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None:
-        return None
-    if (spec.method in ("mtp", "eagle", "eagle3") and not spec.disable_padded_drafter_batch
-            and not getattr(spec, "parallel_drafting", False)):
-        return DRAFT_READS_LAST
-    return DRAFT_READS_BOTH
-
 
 def unkeyed_inputs(request) -> bool:
     """Whether the request carries inputs its key ids cannot name.
@@ -268,66 +92,8 @@ def unkeyed_inputs(request) -> bool:
     return False
 
 
-def default_message_end_ids(vllm_config) -> tuple[int, ...]:
-    """`<|im_end|>`'s id when the model's tokenizer has it (Qwen-style chat templates).
-
-    Without it only grid cuts remain, and agent prompts, which diverge at message boundaries,
-    lose most of their reuse. So when the ids cannot be found (the tokenizer fails to load, or
-    has no `<|im_end|>`) we warn that message-end cuts are off, why, and how to set them.
-    """
-    model = getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
-    fix = ("set message_end_ids (VLLM_HYBRIDCACHE_MESSAGE_END_IDS) to the token ids that end a "
-           "chat message, or to -1 for grid cuts only")
-    try:
-        from transformers import AutoTokenizer
-
-        mc = vllm_config.model_config
-        tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
-                                            trust_remote_code=mc.trust_remote_code)
-        tid = tok.convert_tokens_to_ids("<|im_end|>")
-    except Exception as e:
-        logger.warning("hybridcache: message-end cuts are off: the tokenizer of %s could not be "
-                       "loaded to look up <|im_end|> (%s: %s); prefills are cut on the grid "
-                       "only. To fix it, %s.", model, type(e).__name__, e, fix)
-        return ()
-    if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
-        return (tid,)
-    logger.warning("hybridcache: message-end cuts are off: the tokenizer of %s has no <|im_end|> "
-                   "token; prefills are cut on the grid only. To fix it, %s.", model, fix)
-    return ()
-
-
-def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
-    ids = settings.message_end_ids
-    if ids == (-1,):
-        ids = ()
-    elif not ids:
-        ids = default_message_end_ids(vllm_config)
-    return Segmentation(grid=settings.grid, message_end_ids=tuple(ids),
-                        message_end_min=settings.message_end_min)
-
-
-def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:
-    """A start-up warning when the memory guard will skip most captures, else None.
-
-    Captures are skipped while host memory would fall below `memory_floor_bytes` (design rule
-    6). On CPU, vLLM sizes its KV cache from the host memory unless told otherwise, which can
-    leave nothing above the floor: the cache then silently stores nothing. Called once the KV
-    cache is allocated (the scheduler is built after it).
-    """
-    GiB = 1 << 30
-    headroom = available - settings.memory_floor_bytes
-    if headroom >= min(settings.budget_bytes, GiB):
-        return None
-    return (f"hybridcache: only {max(headroom, 0) / GiB:.1f} GiB of host memory is available "
-            f"above the memory floor ({settings.memory_floor_bytes / GiB:.1f} GiB), so most "
-            "captures will be skipped (metric reason memory_guard). On CPU, give vLLM's KV cache "
-            "an explicit size (VLLM_CPU_KVCACHE_SPACE in GiB, or --kv-cache-memory-bytes), or "
-            "lower memory_floor_bytes.")
-
-
 class SchedulerSide:
-    """The cache's scheduler half: one SnapshotCache, one _Live entry per request."""
+    """The cache's scheduler half: one SnapshotCache, one RequestState entry per request."""
 
     def __init__(self, vllm_config, kv_cache_config, settings: CacheSettings) -> None:
         self.settings = settings
@@ -391,15 +157,14 @@ class SchedulerSide:
         self._draft_reads = (None if self.base_domain.get("route") != "mtp"
                              else DRAFT_REBUILD if rebuild is not None
                              else draft_reads(vllm_config))
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, RequestState] = {}
         # attention K/V in place (docs/how-it-works.md): the attention block when the
         # segmentation scheduler installed it (0: off), and the off-segmentation positions
         # found since the scheduler last took them (request id, position)
         self.in_place_block = 0
         self._off_marks: list[tuple[str, int]] = []
-        # restored hits by the (tier, kind) of their link: tokens served from vLLM's blocks,
-        # tokens whose rows were copied, and the view bytes the in-place rows did not copy
-        self._in_place_counts: dict[tuple[str, str], dict[str, int]] = {}
+        # restored hits by the (tier, kind) of their link: where their rows came from
+        self.in_place_counts = InPlaceCounts()
         # tree links planned and not yet reported: a lookup may wait a step for one
         self._inflight = InflightLinks()
         # jobs for the next plan (loads planned at allocation, end anchors at finish)
@@ -445,7 +210,7 @@ class SchedulerSide:
         return None if self.cache is None else self.cache.tier(Tier.RAM, LinkKind.ANCHOR)
 
     # -------------------------------------------------------------- requests
-    def _track(self, request) -> _Live:
+    def _track(self, request) -> RequestState:
         entry = self._live.get(request.request_id)
         if entry is None:
             prompt = list(request.prompt_token_ids or ())
@@ -461,7 +226,7 @@ class SchedulerSide:
             if domain is None or (items and any(self._encoded.conflicts(i) for i in items)):
                 key_ids = None  # an adapter not named; an item whose embeddings are another's
             lora = getattr(request, "lora_request", None)
-            entry = _Live(domain=domain or b"",
+            entry = RequestState(domain=domain or b"",
                           keys=self.cache.keys(prompt if key_ids is None else key_ids),
                           cuts=cuts, cut_set=frozenset(cuts), unkeyed=key_ids is None,
                           draft_reads=self._draft_reads, items=items or (),
@@ -493,7 +258,7 @@ class SchedulerSide:
                     self._unbind(req_id, other, other.last_start)
         return domain if ok else None
 
-    def _unbind(self, req_id: str, entry: _Live, position: int) -> None:
+    def _unbind(self, req_id: str, entry: RequestState, position: int) -> None:
         """The request's rows from `position` on are not the state its key names: no capture
         from here, no end anchor."""
         entry.unbound = True
@@ -527,7 +292,7 @@ class SchedulerSide:
             return 0
         return self._in_place_rows(request, entry, res)
 
-    def _in_place_rows(self, request, entry: _Live, res: LookupResult) -> int:
+    def _in_place_rows(self, request, entry: RequestState, res: LookupResult) -> int:
         """Tokens of hit `res` whose attention K/V vLLM's blocks serve in place: the whole
         attention blocks strictly below a cold-exact tree link (0 for an end anchor, a miss,
         with in place off, or a request that must stay cold)."""
@@ -617,7 +382,7 @@ class SchedulerSide:
             self.cache.observe(entry.keys, entry.domain, res)
         return (res.tokens, True) if res.hit else (0, False)
 
-    def _short_resume(self, entry: _Live, res: LookupResult, prompt_len: int) -> bool:
+    def _short_resume(self, entry: RequestState, res: LookupResult, prompt_len: int) -> bool:
         """A tree hit at a position that is not a cut whose resumed step would hold fewer than
         the floor's tokens (MIN_INNER_RESUME; 0 = no floor): not exact on this engine."""
         q = res.tokens
@@ -648,7 +413,9 @@ class SchedulerSide:
                 and self.cache.begin_restore(res)):
             entry.resume_at = res.tokens
             if self.in_place_block:
-                self._count_in_place(res, in_place)
+                self.in_place_counts.count(res.tier, res.kind, res.tokens, in_place,
+                                           self.parts.layout.view_block_tokens,
+                                           sum(self.parts.block_bytes.values()))
             entry.restoring = res
             sources = self.cache.sources(res)
             origin = self.cache.origin(res.tier) if sources else None
@@ -672,35 +439,16 @@ class SchedulerSide:
                                        chain=(), block_ids=block_ids,
                                        fail="the chain changed between lookup and allocation"))
 
-    def _count_in_place(self, res: LookupResult, in_place: int) -> None:
-        """Which source serves a restored hit's rows: vLLM's shared blocks below `in_place`,
-        the link's copy above; and the view bytes the shared blocks did not copy."""
-        c = self._in_place_counts.setdefault(
-            (str(res.tier), str(res.kind)),
-            {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0})
-        c["tokens_in_place"] += in_place
-        c["tokens_copied"] += res.tokens - in_place
-        blocks = in_place // self.parts.layout.view_block_tokens
-        c["bytes_saved"] += blocks * sum(self.parts.block_bytes.values())
-
     def in_place_stats(self, tier: str | None = None,
                        kind: str | None = None) -> dict[str, int]:
-        """Totals over the links' tiers and kinds (or of one), as `_count_in_place` counts."""
-        out = {"tokens_in_place": 0, "tokens_copied": 0, "bytes_saved": 0}
-        for (t, k), c in self._in_place_counts.items():
-            if tier in (None, t) and kind in (None, k):
-                for key, v in c.items():
-                    out[key] += v
-        return out
+        """Totals over the links' tiers and kinds (or of one): adapter/in_place_counts.py."""
+        return self.in_place_counts.totals(tier, kind)
 
     def in_place_payload(self) -> dict[str, dict[str, dict[str, int]]]:
         """{tier: {kind: counts}} for the connector's stats payload."""
-        out: dict[str, dict[str, dict[str, int]]] = {}
-        for (t, k), c in self._in_place_counts.items():
-            out.setdefault(t, {})[k] = dict(c)
-        return out
+        return self.in_place_counts.payload()
 
-    def _off_segmentation(self, req_id: str, entry: _Live, position: int) -> None:
+    def _off_segmentation(self, req_id: str, entry: RequestState, position: int) -> None:
         """The request writes its rows off the segmentation from `position` on."""
         if not self.in_place_block:
             return
@@ -784,7 +532,7 @@ class SchedulerSide:
                 encoded.append((entry.items[i].identifier, entry.items[i].digest))
         self._encoded.observe(getattr(so, "free_encoder_mm_hashes", None) or (), encoded)
 
-    def _check_items(self, req_id: str, entry: _Live, start: int, end: int) -> None:
+    def _check_items(self, req_id: str, entry: RequestState, start: int, end: int) -> None:
         """A prefill step over [start, end) reads the encoder output of every item it overlaps,
         which vLLM takes from its encoder cache by the item's identifier: unless that is an
         encoding of the item's own content (`EncoderBindings.bound`), the rows from the item on
@@ -795,7 +543,8 @@ class SchedulerSide:
                 self._unbind(req_id, entry, max(start, item.start))
                 return
 
-    def _plan_step(self, entry: _Live, req_id: str, start: int, n: int, plan: StepPlan) -> None:
+    def _plan_step(self, entry: RequestState, req_id: str, start: int, n: int,
+                   plan: StepPlan) -> None:
         prompt_len = len(entry.keys)
         end = start + n
         if entry.items and not entry.unkeyed and not entry.unbound:
@@ -839,7 +588,7 @@ class SchedulerSide:
                                         block_ids=[list(b) for b in entry.block_ids],
                                         draft_step=draft_step))
 
-    def _fine_positions(self, entry: _Live) -> tuple[int, ...]:
+    def _fine_positions(self, entry: RequestState) -> tuple[int, ...]:
         """Fine mode: the last 64-aligned position before the prompt's end (an identical
         resend prefills at most 64 tokens; on vLLM's GDN models the last one leaving
         MIN_INNER_RESUME tokens, so at most 127) and the last one at or before the point where the
@@ -855,7 +604,7 @@ class SchedulerSide:
         self._recent.remember(entry.domain, tokens)
         return tuple(sorted(q for q in wanted if q > 0))
 
-    def _plan_inner(self, entry: _Live, req_id: str, start: int, end: int,
+    def _plan_inner(self, entry: RequestState, req_id: str, start: int, end: int,
                     plan: StepPlan) -> None:
         """Fine mode: reserve a link at every wanted position inside the step, in order (each
         the parent of the next, the step's own link last); the model hands their states over
@@ -869,7 +618,7 @@ class SchedulerSide:
                                             block_ids=[list(b) for b in entry.block_ids],
                                             inner_offset=q - start))
 
-    def _time_prefill(self, entry: _Live, start: int, n: int, prompt_len: int) -> None:
+    def _time_prefill(self, entry: RequestState, start: int, n: int, prompt_len: int) -> None:
         """Measure the prefill rate for the hit choice and the disk tier's cost check: a
         request's previous prefill step took until its next step is planned (steps of a
         request in flight follow each other). Batched with other requests, a step's tokens are
@@ -915,7 +664,7 @@ class SchedulerSide:
                 for problem, n in problems.items():
                     counter(problem, n)
 
-    def _end_restore(self, req_id: str, entry: _Live, ok: bool, seconds: float) -> None:
+    def _end_restore(self, req_id: str, entry: RequestState, ok: bool, seconds: float) -> None:
         if entry.restoring is not None:
             res = entry.restoring
             self.cache.end_restore(res, ok, seconds)

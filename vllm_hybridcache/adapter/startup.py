@@ -1,0 +1,75 @@
+"""Start-up decisions of the scheduler side that read the engine, not requests.
+
+The segmentation's message-end ids (from the model's tokenizer when not set, with a warning
+that says how to fix it when they cannot be found) and the warning that the memory guard will
+skip most captures. Here so that the scheduler side stays a request lifecycle.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_hybridcache.config import CacheSettings
+from vllm_hybridcache.segmentation import Segmentation
+
+__all__ = ["default_message_end_ids", "memory_headroom_warning", "resolve_segmentation"]
+
+logger = logging.getLogger("vllm_hybridcache")
+
+
+def default_message_end_ids(vllm_config) -> tuple[int, ...]:
+    """`<|im_end|>`'s id when the model's tokenizer has it (Qwen-style chat templates).
+
+    Without it only grid cuts remain, and agent prompts, which diverge at message boundaries,
+    lose most of their reuse. So when the ids cannot be found (the tokenizer fails to load, or
+    has no `<|im_end|>`) we warn that message-end cuts are off, why, and how to set them.
+    """
+    model = getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
+    fix = ("set message_end_ids (VLLM_HYBRIDCACHE_MESSAGE_END_IDS) to the token ids that end a "
+           "chat message, or to -1 for grid cuts only")
+    try:
+        from transformers import AutoTokenizer
+
+        mc = vllm_config.model_config
+        tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                            trust_remote_code=mc.trust_remote_code)
+        tid = tok.convert_tokens_to_ids("<|im_end|>")
+    except Exception as e:
+        logger.warning("hybridcache: message-end cuts are off: the tokenizer of %s could not be "
+                       "loaded to look up <|im_end|> (%s: %s); prefills are cut on the grid "
+                       "only. To fix it, %s.", model, type(e).__name__, e, fix)
+        return ()
+    if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
+        return (tid,)
+    logger.warning("hybridcache: message-end cuts are off: the tokenizer of %s has no <|im_end|> "
+                   "token; prefills are cut on the grid only. To fix it, %s.", model, fix)
+    return ()
+
+
+def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
+    ids = settings.message_end_ids
+    if ids == (-1,):
+        ids = ()
+    elif not ids:
+        ids = default_message_end_ids(vllm_config)
+    return Segmentation(grid=settings.grid, message_end_ids=tuple(ids),
+                        message_end_min=settings.message_end_min)
+
+
+def memory_headroom_warning(available: int, settings: CacheSettings) -> str | None:
+    """A start-up warning when the memory guard will skip most captures, else None.
+
+    Captures are skipped while host memory would fall below `memory_floor_bytes` (design rule
+    6). On CPU, vLLM sizes its KV cache from the host memory unless told otherwise, which can
+    leave nothing above the floor: the cache then silently stores nothing. Called once the KV
+    cache is allocated (the scheduler is built after it).
+    """
+    GiB = 1 << 30
+    headroom = available - settings.memory_floor_bytes
+    if headroom >= min(settings.budget_bytes, GiB):
+        return None
+    return (f"hybridcache: only {max(headroom, 0) / GiB:.1f} GiB of host memory is available "
+            f"above the memory floor ({settings.memory_floor_bytes / GiB:.1f} GiB), so most "
+            "captures will be skipped (metric reason memory_guard). On CPU, give vLLM's KV cache "
+            "an explicit size (VLLM_CPU_KVCACHE_SPACE in GiB, or --kv-cache-memory-bytes), or "
+            "lower memory_floor_bytes.")
