@@ -14,7 +14,6 @@ from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import PromptKeys, make_domain
 from vllm_hybridcache.core.tiers.anchors import EndAnchors
 from vllm_hybridcache.core.tiers.cluster import (
-    ClusterAnchors,
     ClusterError,
     ClusterMiss,
     ClusterTier,
@@ -24,6 +23,7 @@ from vllm_hybridcache.core.tiers.cluster import (
     link_payload,
     locator,
 )
+from vllm_hybridcache.core.tiers.cluster_anchors import ClusterAnchors
 
 FP = b"F" * 32
 DOM = make_domain(model="m")

@@ -29,7 +29,8 @@ from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
 from vllm_hybridcache.core.keys import make_domain
 from vllm_hybridcache.core.tiers.base import LinkAddr
-from vllm_hybridcache.core.tiers.disk import DiskAnchors, DiskTier
+from vllm_hybridcache.core.tiers.disk import DiskTier
+from vllm_hybridcache.core.tiers.disk_anchors import DiskAnchors
 
 FP = b"S" * 32
 DOM = make_domain(model="m", salt="a")

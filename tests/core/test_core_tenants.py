@@ -37,14 +37,15 @@ from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
 from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
 from vllm_hybridcache.core.keys import PromptKeys, in_tenant
 from vllm_hybridcache.core.tiers.cluster import (
-    ClusterAnchors,
     ClusterTier,
     anchor_block,
     block_locator,
     link_payload,
     locator,
 )
-from vllm_hybridcache.core.tiers.disk import DiskAnchors, DiskTier
+from vllm_hybridcache.core.tiers.cluster_anchors import ClusterAnchors
+from vllm_hybridcache.core.tiers.disk import DiskTier
+from vllm_hybridcache.core.tiers.disk_anchors import DiskAnchors
 
 FP = b"F" * 32
 ENGINE = {"weights": "m@1", "route": "ar", "lora": ""}

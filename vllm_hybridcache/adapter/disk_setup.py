@@ -25,7 +25,7 @@ from vllm_hybridcache.core.disk.reader import SourceOrigin
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget
 from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
-from vllm_hybridcache.core.tiers.disk import DiskAnchors
+from vllm_hybridcache.core.tiers.disk_anchors import DiskAnchors
 from vllm_hybridcache.core.tiers.disk_behind import DiskBehind
 
 __all__ = ["WEIGHTS_MEMO", "open_disk"]

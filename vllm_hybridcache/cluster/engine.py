@@ -25,7 +25,6 @@ from vllm_hybridcache.core.disk.reader import SourceOrigin
 from vllm_hybridcache.core.disk.writer import WriteJob
 from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.core.tiers.cluster import (
-    ClusterAnchors,
     ClusterTarget,
     ClusterTier,
     anchor_block,
@@ -33,6 +32,7 @@ from vllm_hybridcache.core.tiers.cluster import (
     link_payload,
     locator,
 )
+from vllm_hybridcache.core.tiers.cluster_anchors import ClusterAnchors
 from vllm_hybridcache.core.tiers.cluster_behind import ClusterBehind
 
 from .directory import SKEW_S, DirectoryRefused

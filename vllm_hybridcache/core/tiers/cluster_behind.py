@@ -18,7 +18,8 @@ from ..disk.reader import SourceOrigin
 from ..disk.writer import WriteJob
 from ..keys import PromptKeys
 from .base import LinkAddr, LinkKind, Tier
-from .cluster import ClusterAnchors, ClusterTarget, ClusterTier
+from .cluster import ClusterTarget, ClusterTier
+from .cluster_anchors import ClusterAnchors
 from .lower import LowerTier
 
 __all__ = ["ClusterBehind", "ClusterOps"]

@@ -19,7 +19,8 @@ from ..disk.spill import SpillBook
 from ..disk.writer import DiskTarget, WriteJob
 from ..keys import PromptKeys, in_tenant
 from .base import LinkAddr, LinkKind, LookupResult, Tier
-from .disk import DiskAnchors, DiskTier
+from .disk import DiskTier
+from .disk_anchors import DiskAnchors
 from .lower import LowerTier
 
 __all__ = ["DiskBehind", "DiskOps"]
