@@ -3,6 +3,9 @@
 Run: `python -m vllm_hybridcache.compat_check 0.33.0` (downloads the release's wheel, once,
 with `pip download --no-deps` into the wheel cache, and reads its Python files), or
 `--root DIR` for an unpacked `vllm` source tree.
+
+Why one module over ~500 lines: the AST checker and the list of every check it runs against a
+vLLM release are read together when a bend is added or a release is checked.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ Secrets are never settings: the admin key, the disk key and the cluster secret l
 named by settings (`*_key_file`, `cluster_secret_file`), because settings are logged at
 start-up and travel on command lines. A key that looks like a secret is refused with the name
 of the setting that takes its file, and its value is never quoted.
+
+Why one module over ~500 lines: every setting, its environment variable, its parser and its
+check are declared once, here (tests/foundation checks no other module spells a
+`VLLM_HYBRIDCACHE_*` name), so a setting is found, documented and validated in one place.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ fingerprint adds what changes *arithmetic* between engines:
 Nothing here is a secret; the digest is sha256 over a canonical JSON of these fields, and
 `fields` is kept (short values: names, versions, digests) so a log line can say *why* two
 engines differ.
+
+Why one module over ~500 lines: every input that names the engine's arithmetic (weights,
+processor files, settings, kernels, ISA, versions) is gathered here, so one file is what a
+reviewer reads to know that two engines with the same fingerprint compute the same bytes.
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ would make every file unauthenticated.
 
 Exit codes: 0 done (verify: every file sound); 1 verify found problems; 2 a usage error or a
 refusal (the folder, the key, an engine holding the folder for `clear`).
+
+Why one module over ~500 lines: one operator command (`hybridcache disk ls|stats|verify|prune|
+clear`), whose subcommands share the folder listing, the key handling and the lock probe.
 """
 
 from __future__ import annotations

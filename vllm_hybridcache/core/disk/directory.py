@@ -29,6 +29,10 @@ Sharing rules (several servers of one user on one box, data-parallel ranks):
 - a file that disappears under a reader (evicted or swept by another engine) is a miss.
 
 Not thread-safe: one thread owns an instance (the disk tier's writer thread).
+
+Why one module over ~500 lines: `LinkDirectory` is one object with one lock discipline (the
+folder's ownership, the index, eviction and the sweep of foreign files share its state);
+splitting it would spread those invariants across files.
 """
 
 from __future__ import annotations

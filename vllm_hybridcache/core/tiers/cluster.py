@@ -43,6 +43,10 @@ job into a payload with `link_payload` and hands it to the transport.
 Transfer costs (fetches, bytes, fetch and locate seconds) are in `ClusterStats`.
 
 Single-threaded: the scheduler thread only.
+
+Why one module over ~500 lines: `ClusterTier` is one state machine per prefix (locate, fetch,
+stage, verify, serve, withdraw) whose stages share its bookkeeping; the end anchors' variant
+is core/tiers/cluster_anchors.py, the write-behind core/tiers/cluster_behind.py.
 """
 
 from __future__ import annotations

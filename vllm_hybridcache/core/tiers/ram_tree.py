@@ -9,6 +9,10 @@ picklable msgspec data.
 
 Threading: a SnapshotTree is not thread-safe; it is called from one thread only (the scheduler
 thread of vLLM's EngineCore process). See docs/cache-core.md.
+
+Why one module over ~500 lines: `SnapshotTree` is one data structure (nodes, pins, pending
+links, byte accounting, eviction order, indexes) whose invariants `sanity_check` recounts
+together; its parts change together.
 """
 
 from __future__ import annotations
