@@ -208,6 +208,44 @@ def test_live_continuation_resumes_at_each_end_anchor(llm):
     anchored_session(llm)
 
 
+def test_an_anchor_hit_in_place_equals_the_same_hit_copied(llm, monkeypatch):
+    """Issue 33, item 2: an end-anchor hit takes the attention blocks below its cold rows from
+    vLLM's prefix cache (shared, not copied). In one engine the same anchor is restored twice:
+    in place, and with every row copied from the anchor (the rule before); both resumed turns
+    give the same greedy tokens, logprobs (float equality) and final state parts. The second
+    turn's blocks below the anchor's cold rows are then vLLM's, not a copy."""
+    sched, _ = engine_parts(llm)
+    assert sched.in_place_block > 0
+    p1 = [300 + (i * 29) % 2500 for i in range(1200)]
+
+    def turn(copy_rows: bool) -> dict:
+        clear(llm)
+        first = run(llm, p1)                     # cold: leaves its end anchor
+        assert first["cached"] == 0
+        sched.clear("ram", "tree")               # the anchor is the only hit
+        p2 = p1 + first["tokens"] + [900 + (i * 5) % 700 for i in range(60)]
+        before = sched.in_place_stats("ram", "anchor")["tokens_in_place"]
+        if copy_rows:
+            rows = sched._in_place_rows
+            monkeypatch.setattr(sched, "_in_place_rows", lambda request, entry, res:
+                                0 if res.kind == "anchor" else rows(request, entry, res))
+        out = run(llm, p2)
+        monkeypatch.undo()
+        assert out["cached"] == len(p1) + len(first["tokens"]) - 1   # the end anchor
+        out["in_place"] = sched.in_place_stats("ram", "anchor")["tokens_in_place"] - before
+        return out
+
+    shared, copied = turn(copy_rows=False), turn(copy_rows=True)
+    block = sched.in_place_block
+    depth = shared["cached"]
+    # the whole blocks below the anchor and within its cold rows (the prompt it prefilled)
+    assert shared["in_place"] == min((depth - 1) // block, len(p1) // block) * block > 0
+    assert copied["in_place"] == 0
+    assert shared["tokens"] == copied["tokens"]
+    assert shared["logprobs"] == copied["logprobs"]
+    assert shared["state"] == copied["state"]
+
+
 def anchored_session(llm) -> list[tuple[list[int], dict]]:
     """Six turns from a clear cache, each the previous prompt + its answer + a new message;
     asserts every later turn resumed at the previous turn's end anchor. Returns the turns."""

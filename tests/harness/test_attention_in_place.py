@@ -175,18 +175,32 @@ def _registered(e: HarnessEngine, prompt: list[int]) -> list[int]:
 
 
 @ASYNC
-def test_an_end_anchor_hit_is_copied_whole_and_equals_cold(async_scheduling):
-    """An end anchor is session-exact: the cap is 0, its rows are copied as before, and the
-    next turn equals a cold run of its prompt."""
+def test_an_end_anchor_hit_shares_the_blocks_below_its_cold_rows_and_equals_cold(
+        async_scheduling):
+    """An end anchor is session-exact, but the rows its first turn prefilled on the
+    segmentation are a cold prefill's (issue 33, item 2): the next turn takes the whole blocks
+    below them from vLLM's pool, copies the anchor's rows above (the decoded ones), and equals
+    a cold run of its prompt. The turn after that resumes from the second turn's anchor, whose
+    cold rows are only what the second turn shared (its own rows descend from the session):
+    again in place below them, never above."""
     e = HarnessEngine(ON, async_scheduling=async_scheduling)
     first = e.run(A[:100], max_tokens=4)
     turn = A[:100] + first.tokens + [7, 8, 9, 10, 11]
     ref = cold(turn)
     warm = e.run(turn)
     (job,) = load_jobs(e, warm.req_id)
-    assert warm.cached == 100 + len(first.tokens) - 1 and job.in_place == 0
+    assert warm.cached == 100 + len(first.tokens) - 1
+    shared = min((warm.cached - 1) // BLOCK, 100 // BLOCK) * BLOCK
+    assert job.kind == "anchor" and job.in_place == shared > 0
     same(warm, ref)
     assert cache_stats(e, "anchor")["hits"] == 1
+    third = turn + warm.tokens + [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+    ref3 = cold(third)
+    again = e.run(third)
+    (job3,) = load_jobs(e, again.req_id)
+    assert again.cached == len(turn) + len(warm.tokens) - 1
+    assert job3.kind == "anchor" and job3.in_place == shared   # not the second prompt's
+    same(again, ref3)
 
 
 def _forks(head: list[int], first: int, n: int) -> list[list[int]]:
@@ -196,14 +210,16 @@ def _forks(head: list[int], first: int, n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("margin", [None, 0.0])
-def test_forks_of_a_head_share_its_blocks_instead_of_copying_its_anchor(margin):
+def test_forks_of_a_head_share_its_blocks(margin):
     """Issue 33: a head that ends at a cut (a tree link there) and its end anchor one token
     deeper, then 4 concurrent forks. By expected time to first token the anchor is ahead by
     one token of prefill and behind by a copy of every row, within the cold-exact margin:
     each fork resumes from the tree link, shares the head's blocks below it, equals a cold
     run, and the choice is counted. Rates are pinned (the priors), so timing cannot move the
-    choice. Negative control (`margin=0`): the anchor is the cheaper by the estimate, every
-    fork copies its rows into blocks of its own (no block shared), still exact."""
+    choice. With `margin=0` the anchor, cheaper by the estimate, serves every fork, and shares
+    the head's blocks too (its cold rows are the head's prompt): all of them, one more than
+    the tree link leaves in place (whose last block is copied so that the connector loads at
+    least one token); still exact."""
     from vllm_hybridcache.core import CostModel
 
     e = HarnessEngine(ON)
@@ -230,7 +246,8 @@ def test_forks_of_a_head_share_its_blocks_instead_of_copying_its_anchor(margin):
         assert cache_stats(e)["choices"] == {"cold_exact": 4}
         assert cache_stats(e, "anchor")["hits"] == 0
     else:
-        assert all([(j.kind, j.in_place) for j in js] == [("anchor", 0)] for js in jobs)
-        assert not set(blocks[0][:n]) & set(blocks[1][:n])  # every fork holds its own rows
+        m = 3 * GRID // BLOCK                     # every block of the head's prompt
+        assert all([(j.kind, j.in_place) for j in js] == [("anchor", m * BLOCK)] for js in jobs)
+        assert all(b[:m] == blocks[0][:m] for b in blocks)   # one set of head blocks
         assert all(e.runs[r].cached == 3 * GRID + 1 for r in ids)
         assert cache_stats(e, "anchor")["choices"] == {"deepest": 4}

@@ -274,9 +274,10 @@ class SchedulerSide:
 
     def in_place_cap(self, request) -> int:
         """The deepest local prefix-cache hit vLLM may take for `request` (attention K/V in
-        place): the whole attention blocks strictly below the tree link the cache restores for
-        it, so the connector always loads at least one token and with it the recurrent
-        sections. 0 without such a link (an end anchor, a miss, a request that must stay cold).
+        place): the whole attention blocks strictly below the link the cache restores for it
+        (for an end anchor, also within its cold rows), so the connector always loads at least
+        one token and with it the recurrent sections. 0 without such a link (a miss, a request
+        that must stay cold).
         Computes the connector's answer, kept for `get_num_new_matched_tokens`."""
         entry = self._live.get(request.request_id)
         if entry is not None:
@@ -294,16 +295,28 @@ class SchedulerSide:
 
     def _in_place_rows(self, request, entry: RequestState, res: LookupResult) -> int:
         """Tokens of hit `res` whose attention K/V vLLM's blocks serve in place: the whole
-        attention blocks strictly below a cold-exact tree link (0 for an end anchor, a miss,
-        with in place off, or a request that must stay cold)."""
-        if (not self.in_place_block or not res.hit or res.kind != LinkKind.TREE
-                or not self.cache.cold_exact(res) or request.num_preemptions > 0
+        attention blocks strictly below a cold-exact tree link, or strictly below an end
+        anchor and within its cold rows (0 for a miss, with in place off, or a request that
+        must stay cold).
+
+        An end anchor's state descends from its session's rows; below its cold rows those are
+        the rows a cold prefill writes, bit for bit, which is what every block vLLM hashes
+        without the provenance key holds (compat.provenance_block_hasher): so in place there
+        the anchor's state meets the very rows it was computed over. Above them (decoded rows,
+        rows off the segmentation) its own copy is restored."""
+        if (not self.in_place_block or not res.hit or request.num_preemptions > 0
                 or entry.lora_id is not None):
             # vLLM's block hashes name an adapter by its name and path, not its weights: no
             # block of a LoRA request is taken from vLLM's prefix cache beside our link
             return 0
+        if self.cache.cold_exact(res):
+            rows = res.tokens
+        elif res.kind == LinkKind.ANCHOR:
+            rows = min(res.cold_rows, res.tokens)
+        else:
+            return 0
         b = self.in_place_block
-        cap = (res.tokens - 1) // b * b
+        cap = min((res.tokens - 1) // b * b, rows // b * b)
         if entry.items:
             # vLLM's block hashes name an item by its identifier (a client's uuid, maybe):
             # only blocks before the first item are taken beside our content-keyed link
@@ -405,10 +418,12 @@ class SchedulerSide:
             self.cache.record_lookup(res)
             return
         block_ids = [list(b) for b in blocks.get_block_ids()]
+        in_place = entry.in_place
         if res.hit and not self.cache.cold_exact(res):
             entry.canonical = False  # session-exact state: never publish into the shared tree
-            self._off_segmentation(request.request_id, entry, 0)
-        in_place = entry.in_place
+            # the rows below `in_place` are vLLM's cold rows, shared; every row from there on
+            # (the anchor's copy, what this request computes after) descends from the session
+            self._off_segmentation(request.request_id, entry, in_place)
         if (res.hit and res.tokens == in_place + num_external_tokens
                 and self.cache.begin_restore(res)):
             entry.resume_at = res.tokens
@@ -724,7 +739,8 @@ class SchedulerSide:
         rebuilt = self._draft_reads == DRAFT_REBUILD
         tag = (RebuiltAnchor() if rebuilt else NextToken(int(all_tokens[n]))
                if self._speculative else None)
-        r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain, tag)
+        r = self.cache.reserve(LinkKind.ANCHOR, tokens, n, domain, tag,
+                               self._anchor_cold_rows(entry, request, n))
         if r.addr is None:
             return False
         # the lower tiers hear of it (session spill, the cluster's anchors)
@@ -736,6 +752,19 @@ class SchedulerSide:
                                           draft_step=last[0] if rebuilt else -1,
                                           draft_len=last[1] if rebuilt else 0))
         return True
+
+    def _anchor_cold_rows(self, entry: RequestState | None, request, n: int) -> int:
+        """How many of a finishing request's first rows a cold prefill writes bit for bit:
+        the rows before it left the segmentation (`off_from`: a step off the cuts, a
+        session-exact resume above its shared rows, a preemption) and at most its prompt
+        (decoded rows are never a prefill's). Known only where in place tracks provenance;
+        0 for a request that was not tracked, runs under an adapter, or carries items."""
+        if (not self.in_place_block or entry is None or entry.lora_id is not None
+                or entry.items or entry.unkeyed or entry.unbound
+                or getattr(request, "num_preemptions", 0)):
+            return 0
+        off = request.num_prompt_tokens if entry.off_from is None else entry.off_from
+        return max(0, min(off, request.num_prompt_tokens, n))
 
     def clear(self, tier: str | None = None, kind: str | None = None,
               cache_salt: str | None = None) -> int:

@@ -198,12 +198,13 @@ class SnapshotCache:
 
     # ------------------------------------------------------------------ publication
     def reserve(self, kind: LinkKind | str, tokens: Tokens, p: int, domain: bytes,
-                tag: Any = None) -> Reservation:
+                tag: Any = None, cold_rows: int = 0) -> Reservation:
         """A pending link of `kind` in the first tier that holds that kind (new links are
-        admitted in the fastest tier; slower tiers receive them from it)."""
+        admitted in the fastest tier; slower tiers receive them from it). `cold_rows`: see
+        CacheTier.reserve."""
         for (_, k), t in self._tiers.items():
             if k == str(kind):
-                return t.reserve(tokens, p, domain, tag)
+                return t.reserve(tokens, p, domain, tag, cold_rows)
         raise KeyError(f"no tier holds links of kind {kind!r}")
 
     def commit(self, addr: LinkAddr, seconds: float = 0.0) -> bool:

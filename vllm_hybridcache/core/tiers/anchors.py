@@ -44,10 +44,11 @@ __all__ = ["EndAnchors"]
 
 
 class _Anchor:
-    __slots__ = ("committed", "domain", "doomed", "id", "nbytes", "pins", "tag", "tokens")
+    __slots__ = ("cold_rows", "committed", "domain", "doomed", "id", "nbytes", "pins", "tag",
+                 "tokens")
 
     def __init__(self, aid: int, domain: bytes, tokens: np.ndarray, nbytes: int,
-                 tag: object) -> None:
+                 tag: object, cold_rows: int = 0) -> None:
         self.id = aid
         self.domain = domain
         self.tokens = tokens  # the whole prefix [0, n) as int64: an anchor is a chain of one
@@ -56,6 +57,8 @@ class _Anchor:
         self.pins = 0  # active restores; a pinned anchor is never evicted or handed to drops
         self.doomed = False  # dropped while pinned: its id is drained when the last pin goes
         self.tag = tag  # opaque, from reserve(); only a lookup's `fits` predicate reads it
+        # its first rows a cold prefill writes bit for bit (reserve's word; <= len(tokens))
+        self.cold_rows = cold_rows
 
 
 class EndAnchors(CacheTier):
@@ -124,7 +127,7 @@ class EndAnchors(CacheTier):
         return LookupResult(True, depth, self._plan(best), None, n_prompt, lim,
                             tier=self.tier.value, kind=self.kind.value,
                             pending=not best.committed, shortened=refused > depth,
-                            refused=refused)
+                            refused=refused, cold_rows=best.cold_rows)
 
     def _miss(self, reason: MissReason, n: int, lim: int, refused: int = 0) -> LookupResult:
         return LookupResult(False, 0, None, reason.value, n, lim, tier=self.tier.value,
@@ -171,10 +174,12 @@ class EndAnchors(CacheTier):
         self._evict_to_fit(0)
 
     # ------------------------------------------------------------------ two-phase publication
-    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: object = None) -> Reservation:
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: object = None,
+                cold_rows: int = 0) -> Reservation:
         """A pending anchor for tokens[:p] in `domain`, replacing any anchor those tokens extend.
 
         Refused (counted as a skip) when it cannot fit; the caller then captures nothing.
+        `cold_rows` (clamped to [0, p]) is handed back with every hit on it.
         """
         src = tokens.tokens if isinstance(tokens, PromptKeys) else as_tokens(tokens)
         arr = np.array(src[:p], copy=True)
@@ -193,7 +198,8 @@ class EndAnchors(CacheTier):
         if not self._evict_to_fit(nbytes):
             return self._refuse(n, SkipReason.BUDGET, nbytes)
         aid = self._next_id()
-        self._anchors[aid] = _Anchor(aid, domain, arr, nbytes, tag)
+        self._anchors[aid] = _Anchor(aid, domain, arr, nbytes, tag,
+                                     max(0, min(int(cold_rows), n)))
         self._bytes += nbytes
         return Reservation(aid, None, 0, n, None, None, nbytes, self.tier.value, self.kind.value)
 
@@ -323,5 +329,6 @@ class EndAnchors(CacheTier):
         for a in self._anchors.values():
             assert not a.doomed and a.pins >= 0
             assert a.nbytes == self.nbytes(int(a.tokens.shape[0]))
+            assert 0 <= a.cold_rows <= int(a.tokens.shape[0])
         for aid, a in self._doomed.items():
             assert a.doomed and a.pins > 0 and aid not in self._anchors

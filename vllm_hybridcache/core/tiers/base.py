@@ -130,6 +130,11 @@ class LookupResult(msgspec.Struct, frozen=True):
     # why the facade served this hit among the tiers' (a ChoiceReason value, core/choice.py);
     # None when no cost model chose (or on a miss)
     choice: str | None = None
+    # a session-exact hit's first rows that a cold prefill of the same tokens writes bit for bit
+    # (what the capturing request computed on the segmentation from cold state, as its
+    # reservation said); 0 when unknown. The adapter serves attention K/V below it from vLLM's
+    # own blocks (never mixing rows of two provenances); unused for a cold-exact hit.
+    cold_rows: int = 0
 
 
 class Reservation(msgspec.Struct, frozen=True):
@@ -219,8 +224,12 @@ class CacheTier(ABC):
         """Unpin a restore begun here; count it (served only when ok). KeyError if not active."""
 
     @abstractmethod
-    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None) -> Reservation:
-        """A pending link for the state at cut p of `tokens`; `tag` is kept for `fits`."""
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None,
+                cold_rows: int = 0) -> Reservation:
+        """A pending link for the state at cut p of `tokens`; `tag` is kept for `fits`.
+        `cold_rows`: of a session-exact link (an end anchor), how many of its first rows a cold
+        prefill of the same tokens writes bit for bit (LookupResult.cold_rows); tiers of
+        cold-exact links ignore it."""
 
     @abstractmethod
     def commit(self, link_id: int, seconds: float = 0.0) -> bool:

@@ -642,7 +642,8 @@ class ClusterTier(CacheTier):
         self._retire(op)
 
     # ------------------------------------------------------------------ publication
-    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None) -> Reservation:
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: Any = None,
+                cold_rows: int = 0) -> Reservation:
         """Never used by the facade (new links are captured in RAM first); refused."""
         self._rec.skip(SkipReason.DISABLED.value)
         return Reservation(None, None, 0, p, SkipReason.DISABLED.value, tier=self.tier.value,

@@ -465,7 +465,8 @@ class SnapshotTree(CacheTier):
             self._refresh(link)
 
     # ------------------------------------------------------------------ captures
-    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: object = None) -> Reservation:
+    def reserve(self, tokens: Tokens, p: int, domain: bytes, tag: object = None,
+                cold_rows: int = 0) -> Reservation:
         """Reserve a pending link at cut p of `tokens` (a prompt or a prefix of it, len >= p).
 
         The parent is the deepest committed or pending link on the same prefix and domain; the
