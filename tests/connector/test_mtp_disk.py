@@ -90,7 +90,10 @@ def settle(llm) -> None:
     """Wait until the worker's disk writer has written (or skipped) everything handed to it."""
     _, worker = engine_parts(llm)
     deadline = time.monotonic() + 120
-    while worker.handlers["disk"].writer is not None and not worker.handlers["disk"].writer.idle():
+    # the worker's disk handler starts with the first plan that carries disk operations
+    handler = worker.handlers.get("disk")
+    while (handler is not None and handler.writer is not None
+           and not handler.writer.idle()):
         assert time.monotonic() < deadline, "the disk writer did not finish"
         time.sleep(0.02)
 
