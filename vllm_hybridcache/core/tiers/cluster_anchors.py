@@ -124,17 +124,11 @@ class ClusterAnchors(ClusterTier):
 
     def withdraw_all(self) -> int:
         """Remove from the directory every anchor this replica published and still holds
-        (the RAM end anchors were cleared: the adapter calls this), waiting for the directory's
-        answer, so that nothing cleared is located once the clear returns (the drops reach the
-        worker, which withdraws them too, only with the next step). Returns how many."""
-        locators = [self._locator(domain, digest) for domain, digest in self._published]
-        n = 0
-        if locators:
-            try:
-                self.transport.forget_anchors(locators, owner=self.owner or "")
-                n = len(locators)
-            except ClusterError:
-                pass  # the directory is unreachable: nothing can be located there either
+        (the RAM end anchors were cleared: the cluster write-behind calls this), waiting for
+        the directory's answer, so that nothing cleared is located once the clear returns (the
+        drops reach the worker, which withdraws them too, only with the next step). Returns
+        how many."""
+        n = self._withdraw(list(self._published))
         self._published.clear()
         self._published_ids.clear()
         return n
@@ -147,12 +141,16 @@ class ClusterAnchors(ClusterTier):
         mine = [k for k in self._published if ours(k[0])]
         for k in mine:
             self._published_ids.pop(self._published.pop(k), None)
-        locators = [self._locator(domain, digest) for domain, digest in mine]
-        n = 0
-        if locators:
-            try:
-                self.transport.forget_anchors(locators, owner=self.owner or "")
-                n = len(locators)
-            except ClusterError:
-                pass  # the directory is unreachable: nothing can be located there either
-        return n
+        return self._withdraw(mine)
+
+    def _withdraw(self, published: list[tuple[bytes, bytes]]) -> int:
+        """Remove these (domain, digest) anchors from the directory, waiting for its answer;
+        how many (0 when the directory is unreachable: nothing can be located there either)."""
+        locators = [self._locator(domain, digest) for domain, digest in published]
+        if not locators:
+            return 0
+        try:
+            self.transport.forget_anchors(locators, owner=self.owner or "")
+        except ClusterError:
+            return 0
+        return len(locators)
