@@ -66,6 +66,7 @@ class WorkerSide:
         # the lower tiers' worker handlers by tier name (core/tiers/handler.py), each created
         # by the first plan carrying its operations (adapter/tier_registry.py)
         self.handlers: dict[str, TierHandler] = {}
+        self._started: StepPlan | None = None  # the plan whose handlers were started
         # set between steps, clear while one runs (bind to save): background work of a
         # handler waits for it, so it never shares the cores with a forward or a hit's read
         self._between_steps = threading.Event()
@@ -180,7 +181,11 @@ class WorkerSide:
 
     def _start_handlers(self, plan: StepPlan) -> None:
         """Create the handler of every tier the plan carries operations for (first time) and
-        let each start its work for this step."""
+        let each start its work for this step, once per plan (from start_load, or from save
+        when vLLM loaded nothing this step)."""
+        if plan is self._started:
+            return
+        self._started = plan
         for name, ops in plan.tier_ops.items():
             handler = self.handlers.get(name)
             if handler is None:

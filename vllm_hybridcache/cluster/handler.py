@@ -43,8 +43,7 @@ class ClusterHandler(TierHandler):
             atexit.register(self.publisher.close)
 
     def after_captures(self, ops: Any) -> None:
-        self.start(ops)
-        if self.publisher is None:
+        if self.publisher is None:  # off, or its start failed
             return
         for job in ops.publish:
             if self.store.has(job.link_id):

@@ -74,8 +74,7 @@ class DiskHandler(TierHandler):
     def after_captures(self, ops: Any) -> None:
         """Hand committed RAM links to the writer, pass the scheduler's deletions on, and drop
         what the writer finished reading."""
-        self.start(ops)
-        w = self.writer
+        w = self.writer  # started by `start`, which the worker calls first for every plan
         assert w is not None
         for lid in w.take_done():
             if lid in self.deferred_drops:
