@@ -611,6 +611,11 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
                "KVConnectorBase_V1.bind_kv_cache_manager"),
         exists("vllm.utils.hashing", "get_hash_fn_by_name"),
     ),
+    "install_pil_image_processor_fallback": (
+        contains("vllm.model_executor.models.qwen3_vl", "",
+                 "from transformers.models.qwen2_vl.image_processing_qwen2_vl import ("),
+        contains("vllm.model_executor.models.qwen3_5", "", "from .qwen3_vl import ("),
+    ),
     "rehash_request": (
         body("vllm.v1.request", "Request.update_block_hashes", {V32: "0514cb573abc7628"}),
         attribute("vllm.v1.request", "Request", "_block_hasher"),

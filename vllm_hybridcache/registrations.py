@@ -48,6 +48,11 @@ def register_all() -> None:
 
     for arch in register_flash_next():
         _note(arch)
+    from vllm_hybridcache.compat import install_pil_image_processor_fallback
+
+    # Qwen3.5 and Qwen-VL checkpoints load where torchvision cannot (compat/vision_imports.py)
+    install_pil_image_processor_fallback()
+    _note("pil-image-processor-fallback")
     if cpu_attention_pinned():
         from vllm_hybridcache.compat import pin_cpu_attention_split
 

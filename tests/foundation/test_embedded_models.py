@@ -122,7 +122,7 @@ def test_failed_build_leaves_no_half_written_model(tmp_path, monkeypatch):
 
 
 def test_catalog_names():
-    assert {"qwen3-next-tiny", "qwen3-next-small", "flash-next-tiny", "flash-next-small"} <= set(
-        CATALOG)
+    assert {"qwen3-next-tiny", "qwen3-next-small", "flash-next-tiny", "flash-next-small",
+            "flash-next-vl-tiny", "qwen3.5-vl-tiny"} <= set(CATALOG)
     with pytest.raises(ModelStoreError):
         ensure_model("nope")

@@ -20,7 +20,8 @@ One module per vLLM area, each bend `@checked` with the versions it was verified
 `registration` (what the plugin registers: metadata alias, endpoint plugin, logs, connector,
 config hook), `serve_cli` (`vllm serve --plugin`), `scheduler` (the prefill-chunk hook),
 `kv_cache_manager` (attention K/V in place), `cpu_kernels` (vLLM's CPU ops, the attention pin,
-the GDN inner states) and `engine` (forward context, connectors, engine utilities); `checked`
+the GDN inner states), `engine` (forward context, connectors, engine utilities) and
+`vision_imports` (the PIL image processor where vLLM's Qwen-VL files need torchvision); `checked`
 and `BENDS` are in `registry`, below them all. The version guard lives here, and every bend is
 re-exported here: callers write `compat.NAME` or `from vllm_hybridcache.compat import NAME`.
 """
@@ -185,6 +186,10 @@ from vllm_hybridcache.compat.serve_cli import (  # noqa: E402
     run_vllm_cli,
     take_plugin_options,
 )
+from vllm_hybridcache.compat.vision_imports import (  # noqa: E402
+    install_pil_image_processor_fallback,
+    torchvision_unavailable,
+)
 
 __all__ = [
     "BENDS",
@@ -217,6 +222,7 @@ __all__ = [
     "inproc_scheduler_connector",
     "install_attention_in_place",
     "install_cpu_gdn_inner_states",
+    "install_pil_image_processor_fallback",
     "install_prefill_split",
     "install_vllm_metadata_alias",
     "installed_vllm_version",
@@ -237,6 +243,7 @@ __all__ = [
     "split_attention_queries",
     "take_plugin_options",
     "takes_cpu_gdn_inner_capture",
+    "torchvision_unavailable",
     "vllm_cpu_gdn_prefill",
     "vllm_cpu_linear",
     "vllm_distribution_name",

@@ -121,6 +121,11 @@ def build_checkpoint(spec: ModelSpec, out: Path) -> None:
         save_file(extra, str(out / "model-extra.safetensors"), metadata={"format": "pt"})
         _merge_index(out, extra)
     hf_tokenizer(spec.vision).save_pretrained(out)
+    if spec.processor_files is not None:
+        import json
+
+        for name, content in spec.processor_files().items():
+            (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     text_config = config.get_text_config()
     GenerationConfig(
         eos_token_id=text_config.eos_token_id,

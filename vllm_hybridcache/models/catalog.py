@@ -34,6 +34,9 @@ class ModelSpec:
     model_class: str = "AutoModelForCausalLM"
     # Vision-language: the tokenizer and chat template carry the vision tokens.
     vision: bool = False
+    # Processor files the real checkpoint ships beside its weights (file name -> JSON), for
+    # models whose vLLM front end loads transformers' processor (Qwen3.5's Qwen3VLProcessor).
+    processor_files: Callable[[], dict[str, dict]] | None = None
 
 
 def _qwen3_next(special: dict[str, int], *, hidden: int, layers: int, heads: int,
@@ -244,6 +247,56 @@ def _flash_next_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
     return cfg
 
 
+def _qwen3_5_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
+    """Qwen3.5 as every Qwen3.5 checkpoint is published: `Qwen3_5ForConditionalGeneration`
+    (a vision-language class; vLLM serves text through it too). The text model is
+    qwen3-next-tiny's shape without experts (3 GDN layers + 1 gated attention layer, hidden
+    256, head size 64), with Qwen3.5's interleaved M-RoPE over half of each head; the vision
+    tower has 2 blocks, 16-pixel patches and a 2x2 merge like the real one."""
+    from transformers import Qwen3_5Config
+
+    text = dict(
+        vocab_size=VOCAB_SIZE + 16, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=65536, initializer_range=0.08,
+        eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"],
+        # M-RoPE sections sum to the rotary half-width: 64 * 0.5 / 2 = 16
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [6, 5, 5],
+                         "mrope_interleaved": True},
+    )
+    vision = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128,
+                  out_hidden_size=256, patch_size=16, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=64, initializer_range=0.08)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision,
+                        image_token_id=special["<|image_pad|>"],
+                        video_token_id=special["<|video_pad|>"],
+                        vision_start_token_id=special["<|vision_start|>"],
+                        vision_end_token_id=special["<|vision_end|>"],
+                        tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return cfg
+
+
+def _qwen3_5_processor_files() -> dict[str, dict]:
+    """The image and video processor configs Qwen3.5 checkpoints publish (their types, patch,
+    merge and normalisation), with the published pixel bounds."""
+    common = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+              "processor_class": "Qwen3VLProcessor"}
+    return {
+        "preprocessor_config.json": {
+            **common, "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+            "image_processor_type": "Qwen2VLImageProcessorFast"},
+        "video_preprocessor_config.json": {
+            **common, "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+            "video_processor_type": "Qwen3VLVideoProcessor"},
+    }
+
+
 def _flash_next_small(special: dict[str, int]) -> PreTrainedConfig:
     return _flash_next(special, hidden=1024, layers=8, heads=8, gdn_k_heads=4, gdn_v_heads=8,
                        gdn_dim=128, head_dim=128, experts=8, moe_inter=512, idx_heads=4,
@@ -264,6 +317,10 @@ CATALOG: dict[str, ModelSpec] = {
                   "(Qwen4ExpForConditionalGeneration), flash-next-tiny's text model",
                   _flash_next_vl_tiny, seed=5, adjust_weights=_flash_next_adjust,
                   model_class="Qwen4ExpForConditionalGeneration", vision=True),
+        ModelSpec("qwen3.5-vl-tiny", "Qwen3.5 (Qwen3_5ForConditionalGeneration), 4 layers "
+                  "(3 GDN + 1 attention), hidden 256, a 2-block vision tower",
+                  _qwen3_5_vl_tiny, seed=6, model_class="Qwen3_5ForConditionalGeneration",
+                  vision=True, processor_files=_qwen3_5_processor_files),
         ModelSpec("flash-next-small", "Flash-Next (qwen4_exp), 8 layers, hidden 1024 (benchmarks)",
                   _flash_next_small, seed=4, extra_weights=_flash_next_mtp_weights,
                   adjust_weights=_flash_next_adjust, revision=1),
