@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.core.auth import KeyFileError, key_from_file
 from vllm_hybridcache.core.disk.directory import ANCHOR
 from vllm_hybridcache.core.disk.reader import SourceOrigin
@@ -114,7 +115,7 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
         raise RuntimeError(
             f"hybridcache: the Ray cluster at cluster_address {settings.cluster_address!r} is not "
             f"reachable ({type(e).__name__}: {e}); start one (`ray start --head`) or unset "
-            "VLLM_HYBRIDCACHE_CLUSTER_ADDRESS") from e
+            f"{setting_env('cluster_address')}") from e
     owner = settings.cluster_replica or f"{socket.gethostname()}:{os.getpid()}"
     stage = _scratch("hybridcache-cluster-")
     tier = ClusterTier(layout, fp.digest, transport, remote_cuts(vllm_config, segmentation),
