@@ -166,6 +166,27 @@ def install_on_worker(worker_self) -> bool:
     return True
 
 
+def probe_states_on_worker(worker_self) -> bool:
+    """Runs inside a worker process (`llm.collective_rpc(probe_states_on_worker)`): its
+    connector records state digests at each probed prefill end (the scheduler side plans the
+    probes when its own instrumentation has `probe_states`). True when it has a connector."""
+    side = _worker_connector(worker_self)
+    if side is None:
+        return False
+    if side.instrumentation is None:
+        side.instrumentation = Instrumentation(probe_states=True)
+    side.instrumentation.probe_states = True
+    return True
+
+
+def take_worker_digests(worker_self, request_id: str) -> dict[str, str] | None:
+    """Runs inside a worker process: this rank's state digests of one request (its shard of
+    every section and block), removed; None when it has none."""
+    side = _worker_connector(worker_self)
+    return None if side is None or side.instrumentation is None else \
+        side.instrumentation.take_digests(request_id)
+
+
 def worker_totals(worker_self) -> dict[str, float]:
     """Runs inside a worker process (`llm.collective_rpc(worker_totals)`): its copy totals."""
     side = _worker_connector(worker_self)

@@ -1,0 +1,120 @@
+"""The RAM tree at tensor parallel size 2: warm equals cold, bit for bit, on every rank.
+
+(Tree links, with attention K/V in place below them, the default. End anchors are
+session-exact, so their check is the float32 greedy gate of test_end_anchors.py, which needs
+flash-next-tiny: this package's Flash-Next runs at TP = 1 only, issue 30.)
+
+vLLM's CPU backend runs TP = 2 with its multiprocessing executor (one worker process per rank,
+threads bound one core each: `VLLM_CPU_OMP_THREADS_BIND=0|1`). The engine core stays in this
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the scheduler side is reachable; each rank's
+worker holds its own shard of every link (its GDN heads, its attention heads' K/V) in its own
+store, and the scheduler side plans one link for both. Checked here: a warm run of a prompt
+and a branch that shares its prefix give the greedy tokens, the logprobs and, on each rank,
+the digests of every state section and complete K/V block of a cold run of the same prompt in
+the same engine. Negative control: a restore corrupted on every rank after its checks passed
+makes the same comparison fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.connector.conftest import connector_engine
+from vllm_hybridcache.compat import inproc_scheduler_connector
+from vllm_hybridcache.testing.instrumentation import (
+    Instrumentation,
+    probe_states_on_worker,
+    take_worker_digests,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="TP = 2 on CPU binds one core per rank")]
+
+GRID = 128
+HEAD = [100 + (i * 7) % 3000 for i in range(5 * GRID + 60)]
+EXT = HEAD + [50 + (i * 13) % 3000 for i in range(70)]
+BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
+
+
+@pytest.fixture(scope="module")
+def llm(inproc, embedded_model, monkeypatch_module):
+    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with connector_engine(embedded_model("qwen3-next-tiny"), tensor_parallel_size=2,
+                          max_model_len=4096, worker_extension_cls=(
+                              "vllm_hybridcache.testing.instrumentation.FaultInjection"),
+                          extra={"grid": GRID, "message_end_min": 64,
+                                 "inner_captures": False}) as engine:
+        sched = inproc_scheduler_connector(engine)._sched
+        sched.instrumentation = Instrumentation(probe_states=True)
+        assert engine.collective_rpc(probe_states_on_worker) == [True, True]
+        yield engine
+
+
+def _sched(llm):
+    return inproc_scheduler_connector(llm)._sched
+
+
+def run(llm, prompt) -> dict:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=5, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)[0]
+    states = llm.collective_rpc(take_worker_digests, args=(out.request_id,))
+    return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+            "logprobs": [{k: v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs],
+            "states": states}
+
+
+def cold(llm, prompt) -> dict:
+    _sched(llm).clear()
+    out = run(llm, prompt)
+    assert out["cached"] == 0
+    assert len(out["states"]) == 2 and all(out["states"])  # one shard per rank
+    return out
+
+
+def same(warm: dict, cold_run: dict) -> None:
+    assert warm["tokens"] == cold_run["tokens"]
+    assert warm["logprobs"] == cold_run["logprobs"]
+    assert warm["states"] == cold_run["states"]
+
+
+def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
+    assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+    assert _sched(llm).cache.tier_names()[0] == "ram"
+
+
+def test_a_warm_prompt_and_a_branch_equal_their_cold_runs_on_every_rank(llm):
+    ext_cold = cold(llm, EXT)
+    branch_cold = cold(llm, BRANCH)
+    # sensitivity: the two ranks hold different shards, and the prompts different states
+    assert ext_cold["states"][0] != ext_cold["states"][1]
+    assert ext_cold["states"] != branch_cold["states"]
+    _sched(llm).clear()
+    run(llm, HEAD)                       # links at every grid cut of the head
+    ext = run(llm, EXT)
+    branch = run(llm, BRANCH)
+    assert ext["cached"] == 5 * GRID
+    assert branch["cached"] == 3 * GRID
+    same(ext, ext_cold)
+    same(branch, branch_cold)
+
+
+def test_negative_control_a_restore_corrupted_on_every_rank_is_caught(llm):
+    ext_cold = cold(llm, EXT)
+    _sched(llm).clear()
+    run(llm, HEAD)
+    # the next request's id (LLM.generate numbers them; the engine's id contains it), and
+    # only this one request runs until the result is taken
+    tag = str(llm.request_counter.counter)
+    armed = llm.collective_rpc("hybridcache_corrupt_restore", args=(tag,))
+    assert armed == [{"armed": True}, {"armed": True}]
+    warm = run(llm, EXT)
+    done = llm.collective_rpc("hybridcache_corruption_result", args=(tag,))
+    assert warm["cached"] == 5 * GRID
+    assert all(d is not None and d["corrupted"] for d in done), done
+    with pytest.raises(AssertionError):
+        same(warm, ext_cold)
+    _sched(llm).clear()
