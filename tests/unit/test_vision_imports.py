@@ -76,6 +76,31 @@ def test_the_processor_loads_and_refuses_videos_with_why(embedded_model):
     assert lines[-1].startswith("refused:") and "torchvision" in lines[-1]
 
 
+def test_a_checkpoint_without_a_video_processor_config_loads_too(embedded_model, tmp_path):
+    """transformers then derives the video processor's name from the image processor's type
+    (`Qwen2VLImageProcessor` -> `Qwen2VLVideoProcessor`); the stand-in answers for that name."""
+    import json
+    import shutil
+
+    src = embedded_model("qwen3.5-vl-tiny")
+    dst = tmp_path / "no-video-config"
+    shutil.copytree(src, dst)
+    (dst / "video_preprocessor_config.json").unlink()
+    pre = json.loads((dst / "preprocessor_config.json").read_text())
+    pre["image_processor_type"] = "Qwen2VLImageProcessor"
+    (dst / "preprocessor_config.json").write_text(json.dumps(pre))
+    out = _python(f"""
+        from vllm_hybridcache.compat import install_pil_image_processor_fallback
+        install_pil_image_processor_fallback()
+        import vllm.model_executor.models.qwen3_5
+        from transformers.models.qwen3_vl import Qwen3VLProcessor
+        p = Qwen3VLProcessor.from_pretrained({str(dst)!r})
+        print(type(p.video_processor).__name__, p.video_processor.patch_size)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["Qwen2VLVideoProcessor", "16"]  # the checkpoint's patch
+
+
 def test_without_the_stand_in_the_processor_does_not_load(embedded_model):
     """Negative control: the image finder alone, no video stand-in (as if its installation had
     failed): transformers cannot build Qwen3VLProcessor."""

@@ -63,6 +63,9 @@ STAND_IN_MARK = "__hybridcache_stand_in_for__"
 """Set on a stand-in module: the name of the module whose names it carries."""
 QWEN3_VL_VIDEO_PROCESSOR = "Qwen3VLVideoProcessor"
 """The video processor type Qwen3-VL and Qwen3.5 checkpoints name."""
+QWEN2_VL_VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"
+"""The type transformers derives from an image processor type `Qwen2VLImageProcessor` when a
+checkpoint ships no video processor config."""
 VIDEO_FREE_ARCHITECTURES = (
     "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -147,10 +150,21 @@ _QWEN3_VL_VIDEO_DEFAULTS: dict = {
 }
 
 
-def _video_stand_in() -> type:
-    """`Qwen3VLVideoProcessor` without torchvision: transformers' torchvision-free
-    `VideoProcessorMixin` with the real class's default settings, refusing to process a
-    video (with why)."""
+# Qwen2VLVideoProcessor's, likewise (transformers 5).
+_QWEN2_VL_VIDEO_DEFAULTS: dict = {
+    **_QWEN3_VL_VIDEO_DEFAULTS,
+    "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],  # OPENAI_CLIP_*
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "patch_size": 14, "do_sample_frames": False, "max_video_tokens": 128000,
+}
+
+
+def _video_stand_in(name: str = QWEN3_VL_VIDEO_PROCESSOR,
+                    defaults: dict | None = None) -> type:
+    """A video processor class named `name` without torchvision: transformers'
+    torchvision-free `VideoProcessorMixin` with the real class's default settings, refusing to
+    process a video (with why)."""
     from transformers.video_processing_utils import VideoProcessorMixin
 
     def preprocess(self, videos, **kwargs):
@@ -158,10 +172,11 @@ def _video_stand_in() -> type:
             "this server cannot process videos: transformers' video processors need "
             f"torchvision, which does not load here ({torchvision_unavailable()})")
 
-    body = {**_QWEN3_VL_VIDEO_DEFAULTS, "preprocess": preprocess, "__module__": __name__,
-            "__doc__": "Qwen3VLVideoProcessor's settings without torchvision; refuses videos "
+    body = {**(_QWEN3_VL_VIDEO_DEFAULTS if defaults is None else defaults),
+            "preprocess": preprocess, "__module__": __name__,
+            "__doc__": f"{name}'s settings without torchvision; refuses videos "
                        "(vllm_hybridcache.compat.vision_imports)."}
-    return type(QWEN3_VL_VIDEO_PROCESSOR, (VideoProcessorMixin,), body)
+    return type(name, (VideoProcessorMixin,), body)
 
 
 _video_installed = False
@@ -181,14 +196,19 @@ def install_video_processor_stand_in() -> bool:
     from transformers.video_processing_utils import VideoProcessorMixin
 
     stand_in = _video_stand_in()
-    for module, name in _CONFIGS:
+    configs = [*_CONFIGS, ("qwen2_vl", "Qwen2VLConfig")]
+    for module, name in configs:
         try:
             config = getattr(importlib.import_module(
                 f"transformers.models.{module}.configuration_{module}"), name)
         except (ImportError, AttributeError):
             continue  # a transformers without that family
+        # Qwen2-VL's name too: transformers finds a registered class by its name first, and
+        # derives that name for a checkpoint without a video processor config
+        cls = (_video_stand_in(QWEN2_VL_VIDEO_PROCESSOR, _QWEN2_VL_VIDEO_DEFAULTS)
+               if module == "qwen2_vl" else stand_in)
         auto.AutoVideoProcessor.register(
-            config, video_processor_classes={"torchvision": stand_in}, exist_ok=True)
+            config, video_processor_classes={"torchvision": cls}, exist_ok=True)
     for name, value in (("VideoProcessorMixin", VideoProcessorMixin),
                         ("VIDEO_PROCESSOR_MAPPING", auto.VIDEO_PROCESSOR_MAPPING)):
         if getattr(transformers, name, None) is not value:
