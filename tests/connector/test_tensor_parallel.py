@@ -5,7 +5,8 @@ session-exact, so their check is the float32 greedy gate of test_end_anchors.py,
 flash-next-tiny: this package's Flash-Next runs at TP = 1 only, issue 30.)
 
 vLLM's CPU backend runs TP = 2 with its multiprocessing executor (one worker process per rank,
-threads bound one core each: `VLLM_CPU_OMP_THREADS_BIND=0|1`). The engine core stays in this
+threads bound one core each: `VLLM_CPU_OMP_THREADS_BIND=0|1`, the first two cores this process
+may use). The engine core stays in this
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the scheduler side is reachable; each rank's
 worker holds its own shard of every link (its GDN heads, its attention heads' K/V) in its own
 store, and the scheduler side plans one link for both. Checked here: a warm run of a prompt
@@ -40,7 +41,8 @@ BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
 
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model, monkeypatch_module):
-    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    first, second = sorted(os.sched_getaffinity(0))[:2]  # the cores this process may use
+    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
     with connector_engine(embedded_model("qwen3-next-tiny"), tensor_parallel_size=2,
                           max_model_len=4096, worker_extension_cls=(
                               "vllm_hybridcache.testing.instrumentation.FaultInjection"),
