@@ -170,7 +170,8 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     budget_bytes: host memory for links; 0 turns the cache off (outputs then equal vLLM's).
     grid: prefill cut every `grid` tokens (multiple of 64). 2048: with message-end cuts it
         keeps 97-99% of the reuse of a 512 grid on every trace family, with a third of the
-        prefill steps (docs/benchmarks/segmentation.md).
+        prefill steps (docs/benchmarks/segmentation.md). Fitted to vLLM's
+        max_num_batched_tokens when that is smaller (adapter/startup.py `grid_for_step`).
     max_link_bytes: cap on one link (0 = no cap); larger links are skipped (`too_large`).
     memory_floor_bytes: skip a capture when host available memory would fall below this.
     (budget, cap, floor and policy default to the cache core's TreeConfig: docs/cache-core.md)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from vllm_hybridcache.config import CacheSettings
+from vllm_hybridcache.config import CacheSettings, setting_env
 from vllm_hybridcache.segmentation import Segmentation
 
-__all__ = ["default_message_end_ids", "memory_headroom_warning", "resolve_segmentation"]
+__all__ = ["default_message_end_ids", "grid_for_step", "memory_headroom_warning",
+           "resolve_segmentation"]
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -46,13 +47,41 @@ def default_message_end_ids(vllm_config) -> tuple[int, ...]:
     return ()
 
 
+def grid_for_step(grid: int, step_tokens: int | None) -> int:
+    """The grid one prefill step can cover: `grid`, or the largest multiple of 64 within
+    `step_tokens` (vLLM's `max_num_batched_tokens`) when that is smaller.
+
+    Why: a link is captured only where one prefill step covers a whole segment, from the cut
+    before it (a step the token budget cut short runs off the segmentation, and its rows are
+    never cached: the state at a cut depends on where the steps before it ended). With steps
+    smaller than the grid every step is cut short, so no prompt would ever be cached. Below 64
+    tokens a step holds no grid segment at all; the grid is kept (and nothing is cached)."""
+    if not step_tokens or step_tokens >= grid:
+        return grid
+    fitted = (int(step_tokens) // 64) * 64
+    return fitted if fitted >= 64 else grid
+
+
 def resolve_segmentation(settings: CacheSettings, vllm_config) -> Segmentation:
     ids = settings.message_end_ids
     if ids == (-1,):
         ids = ()
     elif not ids:
         ids = default_message_end_ids(vllm_config)
-    return Segmentation(grid=settings.grid, message_end_ids=tuple(ids),
+    step = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens",
+                   None)
+    grid = grid_for_step(settings.grid, step)
+    if grid != settings.grid:
+        logger.warning("hybridcache: grid %d is larger than one prefill step "
+                       "(max_num_batched_tokens %d): a link is captured only where one step "
+                       "covers a whole segment, so nothing would ever be cached; cutting every "
+                       "%d tokens instead. Set grid (%s) to at most max_num_batched_tokens, or "
+                       "raise --max-num-batched-tokens.", settings.grid, step, grid,
+                       setting_env("grid"))
+    elif step and step < settings.grid:
+        logger.warning("hybridcache: max_num_batched_tokens %d holds no grid segment (grid "
+                       "%d, at least 64): nothing will be cached", step, settings.grid)
+    return Segmentation(grid=grid, message_end_ids=tuple(ids),
                         message_end_min=settings.message_end_min)
 
 
