@@ -221,6 +221,29 @@ def _flash_next_tiny(special: dict[str, int]) -> PreTrainedConfig:
                        idx_dim=64, budget=60, ratio=4, hc_lowrank=32)
 
 
+def _tiny_tower(out_hidden: int, **extra) -> dict:
+    """The embedded vision-language models' vision tower: 2 blocks of hidden 64, 16-pixel
+    patches, 2x2 merge, an 8x8 learned position table, raised `initializer_range` so an image
+    visibly moves the logprobs."""
+    return dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128,
+                out_hidden_size=out_hidden, patch_size=16, temporal_patch_size=2,
+                spatial_merge_size=2, num_position_embeddings=64, initializer_range=0.08,
+                **extra)
+
+
+def _vision_language(config_cls, architecture: str, special: dict[str, int], text: dict,
+                     vision: dict) -> PreTrainedConfig:
+    """A Qwen-VL-style config: text and vision parts with the vision tokens' ids."""
+    cfg = config_cls(text_config=text, vision_config=vision,
+                     image_token_id=special["<|image_pad|>"],
+                     video_token_id=special["<|video_pad|>"],
+                     vision_start_token_id=special["<|vision_start|>"],
+                     vision_end_token_id=special["<|vision_end|>"],
+                     tie_word_embeddings=False)
+    cfg.architectures = [architecture]
+    return cfg
+
+
 def _flash_next_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
     """flash-next-tiny's text model (the vocabulary grown by the 4 vision tokens, padded to a
     multiple of 16; no MTP layer) under a 2-block vision tower: 16-pixel patches, 2x2 merge,
@@ -233,18 +256,10 @@ def _flash_next_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
     # transformers' default M-RoPE section, written out: vLLM turns M-RoPE on only when the
     # config names it.
     text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[11, 11, 10])
-    vision = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128,
-                  out_hidden_size=text["hidden_size"], patch_size=16, temporal_patch_size=2,
-                  spatial_merge_size=2, num_position_embeddings=64, initializer_range=0.08,
-                  rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
-    cfg = Qwen4ExpConfig(text_config=text, vision_config=vision,
-                         image_token_id=special["<|image_pad|>"],
-                         video_token_id=special["<|video_pad|>"],
-                         vision_start_token_id=special["<|vision_start|>"],
-                         vision_end_token_id=special["<|vision_end|>"],
-                         tie_word_embeddings=False)
-    cfg.architectures = ["Qwen4ExpForConditionalGeneration"]
-    return cfg
+    vision = _tiny_tower(text["hidden_size"],
+                         rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    return _vision_language(Qwen4ExpConfig, "Qwen4ExpForConditionalGeneration", special,
+                            text, vision)
 
 
 def _qwen3_5_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
@@ -268,17 +283,8 @@ def _qwen3_5_vl_tiny(special: dict[str, int]) -> PreTrainedConfig:
                          "partial_rotary_factor": 0.5, "mrope_section": [6, 5, 5],
                          "mrope_interleaved": True},
     )
-    vision = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128,
-                  out_hidden_size=256, patch_size=16, temporal_patch_size=2,
-                  spatial_merge_size=2, num_position_embeddings=64, initializer_range=0.08)
-    cfg = Qwen3_5Config(text_config=text, vision_config=vision,
-                        image_token_id=special["<|image_pad|>"],
-                        video_token_id=special["<|video_pad|>"],
-                        vision_start_token_id=special["<|vision_start|>"],
-                        vision_end_token_id=special["<|vision_end|>"],
-                        tie_word_embeddings=False)
-    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
-    return cfg
+    return _vision_language(Qwen3_5Config, "Qwen3_5ForConditionalGeneration", special, text,
+                            _tiny_tower(text["hidden_size"]))
 
 
 def _qwen3_5_processor_files() -> dict[str, dict]:
