@@ -43,6 +43,7 @@ three more things happen, only where torchvision cannot load:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -74,9 +75,13 @@ _CONFIGS = (("qwen3_vl", "Qwen3VLConfig"), ("qwen3_vl_moe", "Qwen3VLMoeConfig"),
             ("qwen3_5", "Qwen3_5Config"), ("qwen3_5_moe", "Qwen3_5MoeConfig"))
 
 
+@functools.cache
 def torchvision_unavailable() -> str | None:
     """Why torchvision cannot be imported here (None when it can). Imports it when present:
-    a broken build (another torch's operators) fails only when loaded."""
+    a broken build (another torch's operators) fails only when loaded. Asked by the finder,
+    the video stand-in, the config hook and its refusal message; answered once per process
+    (a failed import is not cached by Python, so a broken build would be loaded again each
+    time)."""
     try:
         if importlib.util.find_spec("torchvision") is None:
             return "torchvision is not installed"
