@@ -43,12 +43,15 @@ SYSTEM = ("You are a careful assistant who describes pictures for people who can
           "Describe shapes, colours and their positions, and say when you are unsure. " * 2)
 
 
-def _png(seed: int, w: int = 256, h: int = 192) -> bytes:
+def _png(seed: int, w: int = 256, h: int = 192, **save) -> bytes:
+    """Random pixels of `seed` as PNG (`save`: PIL's PNG options, e.g. another
+    `compress_level` for other bytes of the same pixels)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG",
+                                                                          **save)
     return buf.getvalue()
 
 
@@ -95,9 +98,9 @@ def _run(srv, messages, **extra) -> dict:
                          for t in choice["logprobs"]["content"]]}
 
 
-def _cold(srv, messages) -> dict:
+def _cold(srv, messages, **extra) -> dict:
     clear_cache(srv)
-    out = _run(srv, messages)
+    out = _run(srv, messages, **extra)
     assert out["cached"] == 0
     return out
 

@@ -14,24 +14,22 @@ shown on this model too: a restored state corrupted after every check of its byt
 
 from __future__ import annotations
 
-import base64
-import io
 import uuid
 
-import numpy as np
 import pytest
 import requests
 
 from benchmarks.servers import SYSTEMS, ServerSettings, running_server
-from tests.serving.conftest import KEY, cache_stats, cached_tokens, clear_cache
+from tests.serving import test_images as images
+from tests.serving.conftest import KEY, cache_stats, clear_cache
+from tests.serving.test_images import SYSTEM, _same, _user
+from tests.serving.test_images import _data_url as _url
 from tests.serving.worker_extensions import corrupt_next_restore, corruption_result
 
 pytestmark = pytest.mark.slow
 
 GRID = 64
 MODEL = "qwen35"
-SYSTEM = ("You are a careful assistant who describes pictures for people who cannot see them. "
-          "Describe shapes, colours and their positions, and say when you are unsure. " * 2)
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -52,63 +50,23 @@ def q35_server(embedded_model, tmp_path_factory):
 
 
 def _png(seed: int, w: int = 320, h: int = 256, **save) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG",
-                                                                          **save)
-    return buf.getvalue()
-
-
-def _url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-def _user(url: str, text: str) -> dict:
-    return {"role": "user", "content": [
-        {"type": "text", "text": "Here is the picture I took this morning in the garden: "},
-        {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": text}]}
+    return images._png(seed, w, h, **save)
 
 
 def _post(srv, messages, **extra) -> requests.Response:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0,
-            "logprobs": True, "top_logprobs": 5, "return_token_ids": True, **extra}
-    return requests.post(srv.base_url + "/v1/chat/completions", headers=HEADERS, json=body,
-                         timeout=300)
+    return images._post(srv, messages, model=MODEL, **extra)
 
 
 def _run(srv, messages, **extra) -> dict:
-    r = _post(srv, messages, **extra)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    choice = body["choices"][0]
-    return {"prompt": body["prompt_token_ids"], "cached": cached_tokens(body),
-            "tokens": choice["token_ids"],
-            "logprobs": [(t["token"], t["logprob"], [(a["token"], a["logprob"])
-                                                     for a in t["top_logprobs"]])
-                         for t in choice["logprobs"]["content"]]}
+    return images._run(srv, messages, model=MODEL, **extra)
 
 
 def _cold(srv, messages) -> dict:
-    clear_cache(srv)
-    out = _run(srv, messages)
-    assert out["cached"] == 0
-    return out
-
-
-def _same(warm: dict, cold: dict) -> None:
-    assert warm["prompt"] == cold["prompt"]
-    assert warm["tokens"] == cold["tokens"]
-    assert warm["logprobs"] == cold["logprobs"]
+    return images._cold(srv, messages, model=MODEL)
 
 
 def _pads(prompt: list[int]) -> tuple[int, int]:
-    """[first, last + 1) of the image placeholder rows (<|image_pad|> = 4096 + 2)."""
-    rows = [i for i, t in enumerate(prompt) if t == 4096 + 2]
-    assert rows and rows == list(range(rows[0], rows[-1] + 1))
-    return rows[0], rows[-1] + 1
+    return images._pads(None, prompt)
 
 
 def test_the_server_starts_with_the_stand_ins_and_says_so(q35_server):
