@@ -170,12 +170,9 @@ def probe_states_on_worker(worker_self) -> bool:
     """Runs inside a worker process (`llm.collective_rpc(probe_states_on_worker)`): its
     connector records state digests at each probed prefill end (the scheduler side plans the
     probes when its own instrumentation has `probe_states`). True when it has a connector."""
-    side = _worker_connector(worker_self)
-    if side is None:
+    if not install_on_worker(worker_self):
         return False
-    if side.instrumentation is None:
-        side.instrumentation = Instrumentation(probe_states=True)
-    side.instrumentation.probe_states = True
+    _worker_connector(worker_self).instrumentation.probe_states = True
     return True
 
 
