@@ -494,6 +494,19 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
         assigns(_SCHED, "Scheduler.schedule", "num_new_tokens", {V32: "a5dac65e11c5619d"}),
         attribute(_SCHED, "Scheduler", "need_mamba_block_aligned_split"),
     ),
+    "prefill_step_limit": (
+        attribute(_SCHED, "Scheduler", "max_num_scheduled_tokens"),
+        attribute("vllm.config.scheduler", "SchedulerConfig", "max_num_batched_tokens"),
+        attribute("vllm.config.scheduler", "SchedulerConfig", "long_prefill_token_threshold"),
+        contains(_SCHED, "Scheduler.schedule",
+                 "if 0 < long_prefill_token_threshold < num_new_tokens:"),
+    ),
+    "decode_rows": (
+        attribute(_SCHED, "Scheduler", "running"),
+        attribute("vllm.v1.request", "Request", "num_computed_tokens"),
+        attribute("vllm.v1.request", "Request", "num_prompt_tokens"),
+        attribute("vllm.v1.request", "Request", "spec_token_ids"),
+    ),
     "scheduler_has_recurrent_layers": (
         contains(_SCHED, "Scheduler.__init__",
                  "self.has_mamba_layers = kv_cache_config.has_mamba_layers"),

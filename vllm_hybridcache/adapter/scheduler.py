@@ -47,8 +47,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from vllm_hybridcache.compat import (  # noqa: E402
+    decode_rows,
     install_attention_in_place,
     install_prefill_split,
+    prefill_step_limit,
     rehash_request,
     scheduler_has_recurrent_layers,
 )
@@ -84,6 +86,7 @@ class SegmentedScheduler(Scheduler):
         connector = self.get_kv_connector()
         active = bool(getattr(connector, "snapshot_cache_active", False))
         self._cuts_for = connector.cuts_for if active else None
+        self._on_cuts = connector.on_cuts if active else None
         self._in_place = None
         if self._cuts_for is not None and scheduler_has_recurrent_layers(self):
             install_prefill_split(self, self._split)
@@ -146,10 +149,30 @@ class SegmentedScheduler(Scheduler):
             return None
         start = (request.num_computed_tokens + num_new_local_computed_tokens
                  + num_external_computed_tokens)
-        if start >= request.num_prompt_tokens:
+        prompt_len = request.num_prompt_tokens
+        if start >= prompt_len:
             return num_new_tokens
-        end = min(start + num_new_tokens, first_cut_after(cuts, start, start + num_new_tokens))
-        return max(end - start, 0)
+        target = first_cut_after(cuts, start, prompt_len)
+        if start + num_new_tokens < target and self._waits(request, target - start):
+            return 0
+        return max(min(start + num_new_tokens, target) - start, 0)
+
+    def _waits(self, request: Any, segment: int) -> bool:
+        """Whether a step that cannot reach the request's next cut (`segment` tokens away, the
+        prompt's end past its last cut) should give it nothing rather than the tokens left.
+
+        A step cut short of a cut takes the rest of the prompt off the segmentation: no link
+        from there, and its attention blocks are not shared in place. So the request waits for
+        a step with room, as vLLM's own align mode waits for a block-aligned chunk; but only
+        where such a step is bound to come: the segment fits one request's share of a step
+        (`prefill_step_limit`) beside every running decode (`decode_rows`). Then only other
+        prefills took the budget, and those end (the first in the step's order always gets its
+        whole segment), so waiting never starves the request. Where decodes alone leave too
+        little room, or the request already left its cuts, it takes the tokens left as before.
+        """
+        if self._on_cuts is None or not self._on_cuts(request):
+            return False
+        return segment <= prefill_step_limit(self) - decode_rows(self, request)
 
 
 class SegmentedAsyncScheduler(SegmentedScheduler, AsyncScheduler):

@@ -272,6 +272,12 @@ class SchedulerSide:
         entry = self._track(request)
         return None if entry.unkeyed else entry.cuts
 
+    def on_cuts(self, request) -> bool:
+        """Whether the request's steps so far all followed its cuts (a clipped step of a request
+        that already left the segmentation costs nothing: the scheduler hook need not wait)."""
+        entry = self._live.get(request.request_id)
+        return entry is not None and entry.canonical and not entry.unkeyed
+
     def in_place_cap(self, request) -> int:
         """The deepest local prefix-cache hit vLLM may take for `request` (attention K/V in
         place): the whole attention blocks strictly below the link the cache restores for it

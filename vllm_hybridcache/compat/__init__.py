@@ -173,7 +173,9 @@ from vllm_hybridcache.compat.registration import (  # noqa: E402
 )
 from vllm_hybridcache.compat.scheduler import (  # noqa: E402
     SplitFn,
+    decode_rows,
     install_prefill_split,
+    prefill_step_limit,
     rehash_request,
     scheduler_has_recurrent_layers,
 )
@@ -214,6 +216,7 @@ __all__ = [
     "checked",
     "cpu_attention_piece_tokens",
     "cpu_gdn_inner_states_installed",
+    "decode_rows",
     "enable_endpoint_plugin",
     "expose_connector_utility",
     "extend_config_hook",
@@ -230,6 +233,7 @@ __all__ = [
     "mark_off_segmentation",
     "parse_vllm_serve",
     "pin_cpu_attention_split",
+    "prefill_step_limit",
     "provenance_block_hasher",
     "register_forward_layer",
     "register_kv_connector",

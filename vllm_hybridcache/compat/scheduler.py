@@ -50,6 +50,29 @@ def install_prefill_split(scheduler: Any, split: SplitFn) -> None:
 
 
 @checked("0.32.0", "0.33.0")
+def prefill_step_limit(scheduler: Any) -> int:
+    """The most prompt tokens one request can get in a step while other requests run:
+    `Scheduler.max_num_scheduled_tokens` (the step's token budget, from the scheduler config),
+    within `scheduler_config.long_prefill_token_threshold` when that is set (vLLM lifts the
+    threshold only for a request alone in the engine)."""
+    limit = int(getattr(scheduler, "max_num_scheduled_tokens", 0)
+                or scheduler.scheduler_config.max_num_batched_tokens)
+    threshold = int(getattr(scheduler.scheduler_config, "long_prefill_token_threshold", 0) or 0)
+    return min(limit, threshold) if threshold > 0 else limit
+
+
+@checked("0.32.0", "0.33.0")
+def decode_rows(scheduler: Any, exclude: Any) -> int:
+    """Tokens the running requests past their prompt (other than `exclude`) take in a step:
+    one each, plus its draft tokens (`Request.spec_token_ids`)."""
+    rows = 0
+    for r in scheduler.running:
+        if r is not exclude and r.num_computed_tokens >= r.num_prompt_tokens:
+            rows += 1 + len(getattr(r, "spec_token_ids", None) or ())
+    return rows
+
+
+@checked("0.32.0", "0.33.0")
 def scheduler_has_recurrent_layers(scheduler: Any) -> bool:
     """Whether the scheduler's KV-cache config has Mamba-like (recurrent state) groups.
 
