@@ -107,3 +107,24 @@ def test_two_hits_resuming_together_wait_the_same_way_and_count_once():
     assert after["links"] == 6 + 2              # 256 on each (the prompts end at 312)
     for run, c in zip(runs, cold, strict=True):
         assert run.tokens == c.tokens and run.state == c.state
+
+
+def test_the_room_a_step_leaves_is_read_from_vllms_scheduler():
+    """`prefill_step_limit` and `decode_rows` on the real scheduler: the step's budget (within
+    a long-prefill threshold when set) and one row per running request past its prompt."""
+    from vllm_hybridcache.compat import decode_rows, prefill_step_limit
+
+    e = _engine()
+    assert prefill_step_limit(e.scheduler) == STEP
+    e.scheduler.scheduler_config.long_prefill_token_threshold = 48
+    assert prefill_step_limit(e.scheduler) == 48
+    e.scheduler.scheduler_config.long_prefill_token_threshold = 0
+    busy = e.add(P[:70], max_tokens=20)
+    e.step_until(lambda: e.runs[busy].tokens)
+    late = e.add(Q)
+    e.step()                                        # `late` prefilling, `busy` decoding
+    b, q = e.scheduler.requests[busy], e.scheduler.requests[late]
+    assert decode_rows(e.scheduler, q) == 1 and decode_rows(e.scheduler, b) == 0
+    b.spec_token_ids = [1, 2]
+    assert decode_rows(e.scheduler, q) == 3
+    b.spec_token_ids = []
