@@ -137,7 +137,7 @@ def test_blocks_written_off_the_segmentation_are_never_taken_with_a_link(marks,
         if off in e.scheduler.requests:
             off_blocks |= set(_attn_blocks(e, off))
         if marks:  # marked as schedule() returns: before a step's output can register blocks
-            assert not e.scheduler._side._off_marks
+            assert all(r.off_taken == r.off_from for r in e.scheduler._side._live.values())
     e.drain()
     assert e.runs[off].finished and cache_stats(e)["links"] == 2   # other's cuts only
     # off's blocks are registered under provenance hashes only (or, unmarked, under A's)

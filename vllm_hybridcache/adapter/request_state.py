@@ -45,7 +45,8 @@ class RequestState:
       restore, so a request's pins are released exactly once.
     - `cold_only` never goes back to False: a failed restore is recomputed, never retried.
     - `finished`: the entry outlives request_finished only while `restoring` is set.
-    - `off_from` only decreases.
+    - `off_from` only decreases; `off_taken` is the `off_from` last handed to the scheduler
+      (`take_off_segmentation`), so the two differ exactly while a mark is pending.
     """
 
     domain: bytes
@@ -94,6 +95,8 @@ class RequestState:
     # first position whose rows this request writes off the segmentation (None: its prompt's
     # end, where decoded rows start); their blocks get hashes no cold prompt computes
     off_from: int | None = None
+    # attention K/V in place: the `off_from` whose blocks the scheduler was last told to mark
+    off_taken: int | None = None
 
     @property
     def draft_route(self) -> bool:

@@ -159,10 +159,8 @@ class SchedulerSide:
                              else draft_reads(vllm_config))
         self._live: dict[str, RequestState] = {}
         # attention K/V in place (docs/how-it-works.md): the attention block when the
-        # segmentation scheduler installed it (0: off), and the off-segmentation positions
-        # found since the scheduler last took them (request id, position)
+        # segmentation scheduler installed it (0: off)
         self.in_place_block = 0
-        self._off_marks: list[tuple[str, int]] = []
         # restored hits by the (tier, kind) of their link: where their rows came from
         self.in_place_counts = InPlaceCounts()
         # tree links planned and not yet reported: a lookup may wait a step for one
@@ -475,12 +473,18 @@ class SchedulerSide:
             return
         if entry.off_from is None or position < entry.off_from:
             entry.off_from = position
-            self._off_marks.append((req_id, position))
+            logger.debug("hybridcache: request %s writes off the segmentation from %d",
+                         req_id, position)
 
     def take_off_segmentation(self) -> list[tuple[str, int]]:
-        """Off-segmentation positions found since the last call (request id, position): the
-        scheduler marks the blocks' hashes before vLLM registers them."""
-        marks, self._off_marks = self._off_marks, []
+        """Off-segmentation positions found since the last call (request id, position), one
+        per live request whose `off_from` moved: the scheduler marks the blocks' hashes
+        before vLLM registers them."""
+        marks = []
+        for req_id, entry in self._live.items():
+            if entry.off_from != entry.off_taken:
+                entry.off_taken = entry.off_from
+                marks.append((req_id, entry.off_from))
         return marks
 
     def off_from(self, req_id: str) -> int | None:
