@@ -76,6 +76,12 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "(VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1: fine segmentation for "
                    "Qwen3-Next on vLLM's CPU backend, bf16)",
                    env={"VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT": "1"}),
+        SystemSpec("ours-nowait", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with a prefill cut short by other prefills taking the "
+                   "tokens left instead of waiting for a step with room "
+                   "(VLLM_HYBRIDCACHE_STEP_WAIT=0: it is not cached past that point, as "
+                   "before step_wait)",
+                   env={"VLLM_HYBRIDCACHE_STEP_WAIT": "0"}),
         SystemSpec("ours-copy", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with attention K/V copied, not shared in place "
                    "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=0: a hit's attention rows are copied "

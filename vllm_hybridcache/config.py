@@ -236,6 +236,11 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         docs/split-invariance.md). Off = step mode on every
         engine (links only where a step ends), the same forward. On by default (fine mode's
         purpose); their cost on a cold prefill: docs/benchmarks/split-invariance-captures.md.
+    step_wait: a prefill that a step shared with other prefills leaves short of its next cut
+        gets no tokens in that step and runs in the next one with room (never waiting on
+        decodes), so concurrent prompts keep their links (docs/how-it-works.md, the scheduler
+        hook). Off = it takes the tokens left and is not cached past that point (vLLM's use
+        of every step's budget).
     attention_in_place: a hit's attention K/V comes from vLLM's block pool, shared in place by
         every request with the prefix, and only the recurrent sections and the rows of the
         hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
@@ -281,6 +286,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster_budget_bytes: int = 2 * GiB
     cluster_timeout_s: int = 10
     inner_captures: bool = True
+    step_wait: bool = True
     attention_in_place: bool = True
     admin_key_file: str = ""
     config_file: str = ""

@@ -56,6 +56,16 @@ def test_negative_control_taking_the_tokens_left_caches_only_the_first(monkeypat
     assert e.run(Q).cached == 0
 
 
+def test_step_wait_off_takes_the_tokens_left_as_before():
+    """The setting (`step_wait = false`): the second prompt's short step is taken, so it is
+    cached up to nowhere, as before the hook waited; what it computes still equals cold."""
+    cold = _engine().run(Q)
+    e = HarnessEngine({"grid": GRID, "step_wait": False}, max_num_batched_tokens=STEP)
+    _, q = _together(e, P, Q)
+    assert cache_stats(e)["links"] == 3
+    assert q.tokens == cold.tokens and q.state == cold.state
+
+
 def _first_step_while_decoding(e: HarnessEngine, long_decode: int = 40) -> tuple[int, int]:
     """A prompt arriving while another request decodes: (the step its prefill starts, the step
     the decoding request finishes)."""

@@ -190,8 +190,8 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
     def cuts_for(self, request) -> list[int] | None:
         return self._sched.cuts_for(request) if self._sched is not None else None
 
-    def on_cuts(self, request) -> bool:
-        return self._sched is not None and self._sched.on_cuts(request)
+    def waits_for_room(self, request) -> bool:
+        return self._sched is not None and self._sched.waits_for_room(request)
 
     def in_place_side(self):
         """The scheduler side when attention K/V in place is asked for and possible (an

@@ -86,7 +86,7 @@ class SegmentedScheduler(Scheduler):
         connector = self.get_kv_connector()
         active = bool(getattr(connector, "snapshot_cache_active", False))
         self._cuts_for = connector.cuts_for if active else None
-        self._on_cuts = connector.on_cuts if active else None
+        self._waits_for_room = connector.waits_for_room if active else None
         self._in_place = None
         if self._cuts_for is not None and scheduler_has_recurrent_layers(self):
             install_prefill_split(self, self._split)
@@ -168,9 +168,10 @@ class SegmentedScheduler(Scheduler):
         (`prefill_step_limit`) beside every running decode (`decode_rows`). Then only other
         prefills took the budget, and those end (the first in the step's order always gets its
         whole segment), so waiting never starves the request. Where decodes alone leave too
-        little room, or the request already left its cuts, it takes the tokens left as before.
+        little room, the request already left its cuts, or `step_wait` is off, it takes the
+        tokens left as before.
         """
-        if self._on_cuts is None or not self._on_cuts(request):
+        if self._waits_for_room is None or not self._waits_for_room(request):
             return False
         return segment <= prefill_step_limit(self) - decode_rows(self, request)
 

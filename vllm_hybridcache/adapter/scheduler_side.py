@@ -270,11 +270,13 @@ class SchedulerSide:
         entry = self._track(request)
         return None if entry.unkeyed else entry.cuts
 
-    def on_cuts(self, request) -> bool:
-        """Whether the request's steps so far all followed its cuts (a clipped step of a request
-        that already left the segmentation costs nothing: the scheduler hook need not wait)."""
+    def waits_for_room(self, request) -> bool:
+        """Whether a step that falls short of the request's next cut should give it nothing
+        (the scheduler hook, `step_wait`): only while its steps so far all followed its cuts
+        (a request off the segmentation loses nothing by a short step)."""
         entry = self._live.get(request.request_id)
-        return entry is not None and entry.canonical and not entry.unkeyed
+        return (self.settings.step_wait and entry is not None and entry.canonical
+                and not entry.unkeyed)
 
     def in_place_cap(self, request) -> int:
         """The deepest local prefix-cache hit vLLM may take for `request` (attention K/V in
