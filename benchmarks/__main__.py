@@ -3,8 +3,11 @@
     python -m benchmarks list                       every benchmark, what it needs
     python -m benchmarks run NAME [--size S] [ARGS]  run one (ARGS go to its own command line)
     python -m benchmarks run default                 what `make bench` runs
-    python -m benchmarks report                      rebuild docs/benchmarks/README.md and the
-                                                     README headline table from the results
+    python -m benchmarks report [--model M] [--size S]
+                                                     rebuild docs/benchmarks/README.md and print
+                                                     the headline table of M's replays at size
+                                                     S (default: the README's, qwen3-next-tiny
+                                                     at ci) from the results
 """
 
 from __future__ import annotations
@@ -38,15 +41,21 @@ def run(name: str, args: list[str]) -> int:
     return int(suite.main()(args) or 0)
 
 
-def report(out: Path = OUT) -> int:
-    """The index of the trace-replay results; the headline table from them when both systems
-    of one run are there."""
+def report(out: Path = OUT, args: list[str] | None = None) -> int:
+    """The index of the trace-replay results; the headline table of one model and size from
+    them when both systems of one run are there."""
+    import argparse
+
     from benchmarks import headline
     from benchmarks import report as rep
 
+    p = argparse.ArgumentParser(prog="python -m benchmarks report")
+    p.add_argument("--model", default="qwen3-next-tiny")
+    p.add_argument("--size", default="ci")
+    opts = p.parse_args(args or [])
     index = rep.write_index(out)
     print(f"index: {index}")
-    rows, commands = headline.load("qwen3-next-tiny", "ci", ("ours", "native"), out)
+    rows, commands = headline.load(opts.model, opts.size, ("ours", "native"), out)
     if rows and len(commands) == 1:
         print(headline.table(rows, ("ours", "native")))
     return 0
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyError as e:
             raise SystemExit(f"benchmarks: {e.args[0]}") from None
     if command == "report":
-        return report()
+        return report(args=rest)
     print(USAGE, file=sys.stderr)
     return 2
 

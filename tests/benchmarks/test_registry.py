@@ -68,3 +68,17 @@ def test_list_and_report(tmp_path, capsys) -> None:
     assert all(s.name in listed for s in registry.SUITES)
     assert entry.report(tmp_path) == 0
     assert (tmp_path / "README.md").exists()
+
+
+def test_report_prints_the_headline_of_the_model_and_size_asked(tmp_path, capsys) -> None:
+    """`report --model M --size S` reads M's replays at S; the default (the README's model)
+    finds none of them here, so it prints no table."""
+    import json
+
+    doc = json.loads((entry.OUT / "qwen3-next-tiny-chat-ui-ci.json").read_text())
+    doc["model"]["name"] = "other-tiny"
+    (tmp_path / "other-tiny-chat-ui-ci.json").write_text(json.dumps(doc))
+    assert entry.report(tmp_path) == 0
+    assert "| chat-ui |" not in capsys.readouterr().out
+    assert entry.report(tmp_path, ["--model", "other-tiny", "--size", "ci"]) == 0
+    assert "| chat-ui |" in capsys.readouterr().out
