@@ -29,6 +29,7 @@ import statistics
 import sys
 
 from benchmarks.engine_cpu import descendants, emit, timed_generate
+from benchmarks.machine_load import LoadSampler
 from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 
 ARMS = ("off", "on")
@@ -78,15 +79,18 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     cpu: dict[str, list[float]] = {a: [] for a in ARMS}
     first: dict[str, list[int]] = {a: [] for a in ARMS}
+    # the load at each round's end, and the peak sampled once a second in between
     loads = [os.getloadavg()[0]]
-    for r in range(repeat):
-        ids = ctx + _prompt(tokens, r)
-        for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-            t, c, tok = _generate(engines[arm], ids)
-            times[arm].append(t)
-            cpu[arm].append(c)
-            first[arm].append(tok)
-        loads.append(os.getloadavg()[0])
+    with LoadSampler() as sampler:
+        for r in range(repeat):
+            ids = ctx + _prompt(tokens, r)
+            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                t, c, tok = _generate(engines[arm], ids)
+                times[arm].append(t)
+                cpu[arm].append(c)
+                first[arm].append(tok)
+            loads.append(os.getloadavg()[0])
+    loads.append(sampler.peak)
     for llm in engines.values():
         try:
             llm.llm_engine.engine_core.shutdown()

@@ -32,6 +32,7 @@ import statistics
 import sys
 
 from benchmarks.engine_cpu import descendants, emit, timed_generate
+from benchmarks.machine_load import LoadSampler
 
 ARMS = ("off", "on")
 
@@ -99,16 +100,19 @@ def measure(model: str, dtype: str, tokens: int, junction: int, step: int,
                  + _prompt(tokens - junction, 950 + k))
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     cpu: dict[str, list[float]] = {a: [] for a in ARMS}
+    # the load at each round's end, and the peak sampled once a second in between
     loads = [os.getloadavg()[0]]
-    for r in range(repeat):
-        # both arms get the same prompts; which goes first alternates with the round
-        primer = _prompt(tokens, 2 * r)
-        prompt = primer[:junction] + _prompt(tokens - junction, 2 * r + 1)
-        for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-            t, c = _one(engines[arm], primer, prompt)
-            times[arm].append(t)
-            cpu[arm].append(c)
-        loads.append(os.getloadavg()[0])
+    with LoadSampler() as sampler:
+        for r in range(repeat):
+            # both arms get the same prompts; which goes first alternates with the round
+            primer = _prompt(tokens, 2 * r)
+            prompt = primer[:junction] + _prompt(tokens - junction, 2 * r + 1)
+            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                t, c = _one(engines[arm], primer, prompt)
+                times[arm].append(t)
+                cpu[arm].append(c)
+            loads.append(os.getloadavg()[0])
+    loads.append(sampler.peak)
     served = {arm: _served(llm, tokens, junction) for arm, llm in engines.items()}
     for llm in engines.values():
         _shutdown(llm)
