@@ -76,32 +76,8 @@ def test_a_step_is_in_flight_while_the_next_one_is_scheduled():
 
 
 # --------------------------------------------------------------------- tree links
-def test_captures_and_tree_restores_equal_cold():
-    a_cold, b_cold = cold(A), cold(B)
-    e = async_engine()
-    first = e.run(A)
-    assert first.cached == 0
-    same(first, a_cold)
-    assert cache_stats(e)["links"] == 3                 # 64, 128, 192
-    b = e.run(B)                                         # A's link at 128
-    a = e.run(A)                                         # a 3-link chain to 192
-    assert (b.cached, a.cached) == (2 * GRID, 3 * GRID)
-    same(b, b_cold)
-    same(a, a_cold)
-    s = cache_stats(e)
-    assert s["hits"] == 2 and s["restores"] == 2 and s["tokens_served"] == 5 * GRID
-
-
-def test_a_corrupted_restore_is_caught_under_async_scheduling():
-    """Negative control: the comparisons above can fail in this order too."""
-    ref = cold(A)
-    e = async_engine()
-    e.run(A)
-    e.corrupt_restores()
-    warm = e.run(A)
-    assert warm.cached == 3 * GRID
-    with pytest.raises(AssertionError):
-        same(warm, ref)
+# (a tree hit equal to cold, and its negative control, under async scheduling: the
+# `async` cases of test_protocol.py)
 
 
 @pytest.mark.parametrize("defer_save", [False, True])

@@ -32,9 +32,14 @@ def same(warm, ref) -> None:
     assert warm.state is not None and warm.state == ref.state
 
 
-def test_hit_from_the_tree_equals_cold():
+SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@SCHEDULING
+def test_hit_from_the_tree_equals_cold(async_scheduling):
+    """Sync and async scheduling (vLLM's `AsyncScheduler`, one step in flight) alike."""
     a_cold, b_cold = cold(A), cold(B)
-    e = HarnessEngine()
+    e = HarnessEngine(async_scheduling=async_scheduling)
     first = e.run(A)
     assert first.cached == 0
     same(first, a_cold)
@@ -48,11 +53,12 @@ def test_hit_from_the_tree_equals_cold():
     assert s["hits"] == 2 and s["restores"] == 2 and s["tokens_served"] == 5 * GRID
 
 
-def test_a_corrupted_restore_is_caught():
+@SCHEDULING
+def test_a_corrupted_restore_is_caught(async_scheduling):
     """Negative control: one value of the restored state off by one changes the digests (and
-    here the sampled tokens too), so the comparisons above can fail."""
+    here the sampled tokens too), so the comparisons above can fail (in either order)."""
     ref = cold(A)
-    e = HarnessEngine()
+    e = HarnessEngine(async_scheduling=async_scheduling)
     e.run(A)
     e.corrupt_restores()
     warm = e.run(A)
