@@ -257,16 +257,18 @@ class FaultRunner:
         r.raise_for_status()
         return r.json().get("results") or []
 
-    def _corruption_target(self) -> tuple[list[int], int] | None:
-        """A recent shared-domain prompt and its deepest cut short of its last token (where its
-        prefill captured a link, unless evicted since), drawn at random."""
+    def _corruption_targets(self) -> list[tuple[list[int], int]]:
+        """Recent shared-domain prompts, each with its deepest cut short of its last token
+        (where its prefill captured a link, unless evicted since), newest first: the links
+        likeliest to be still held (a small RAM budget evicts the oldest first, and a loaded
+        machine's run has more of them in flight when the fault fires)."""
         seg = self.ctx.segmentation
         found = []
-        for ids in self.ctx.ledger.recent_prompts():
+        for ids in reversed(self.ctx.ledger.recent_prompts()):
             cuts = seg.cuts(ids, len(ids) - 1)
             if cuts:
                 found.append((ids, cuts[-1]))
-        return self.rng.choice(found) if found else None
+        return found
 
     def _diverging_token(self, ids: list[int], cut: int) -> int:
         """A token for position `cut` that no remembered prompt sharing `ids[:cut]` has there
@@ -284,7 +286,8 @@ class FaultRunner:
         check flagged it is the summary's business (report.corruptions)."""
         ctx = self.ctx
         tried: list[str] = []
-        target = self._corruption_target()
+        targets = self._corruption_targets()
+        target = targets.pop(0) if targets else None
         for _ in range(CORRUPT_ATTEMPTS):
             if target is None:
                 break
@@ -316,7 +319,7 @@ class FaultRunner:
                     f"not injected ({tried[-1]}); the request: {rec.cause} {rec.detail}"[:300])
             # the link at `cut` was gone: one the lookup just found is likelier to stay
             target = ((ids, got) if 0 < got < cut and got in ctx.segmentation.cuts(ids)
-                      else self._corruption_target())
+                      else targets.pop(0) if targets else None)
         return True, f"nothing injected ({'; '.join(tried) or 'no recent prompt with a cut'})"
 
     def kill_restart(self) -> tuple[bool, str]:
