@@ -43,6 +43,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import requests
@@ -102,6 +103,36 @@ class FaultRunner:
             self.rng.shuffle(order)
             yield from order
 
+    def _kill_due(self) -> float:
+        """When a kill may fire: the life has served `min_life_s`, the last kill is
+        `kill_gap_s` old."""
+        return max(self.life_started + self.min_life_s, self.last_kill + self.kill_gap_s)
+
+    def kinds_in_order(self):
+        """The schedule as it runs: a kill not yet due waits aside while the other kinds go
+        on (a kill gap longer than a round must not stall every other kind behind it; a later
+        round's kill while one waits is the same kill), and a `restore_corruption` that
+        injected nothing comes back after the next kind until one has (a loaded machine's
+        budget can evict every target link of one try; CI needs one injected)."""
+        schedule = self.schedule()
+        upcoming: deque[str] = deque()
+        kill_waiting = False
+        while True:
+            if kill_waiting and self._kill_due() <= self.ctx.now():
+                kill_waiting, kind = False, "kill_restart"
+            else:
+                kind = upcoming.popleft() if upcoming else next(schedule)
+                if kind == "kill_restart" and self._kill_due() > self.ctx.now() \
+                        and set(self.kinds) != {"kill_restart"}:
+                    kill_waiting = True
+                    continue
+            corruptions = self.corruptions
+            yield kind
+            if kind == "restore_corruption" and self.corruptions == corruptions == 0:
+                if not upcoming:
+                    upcoming.append(next(schedule))
+                upcoming.insert(1, "restore_corruption")
+
     def run(self) -> None:
         ctx = self.ctx
         if ctx.stop.wait(self.first_s):
@@ -109,12 +140,11 @@ class FaultRunner:
         while not ctx.ledger.recent():
             if ctx.stop.wait(1.0):
                 return
-        for kind in self.schedule():
+        for kind in self.kinds_in_order():
             if not ctx.wait_up():
                 return
             if kind == "kill_restart":
-                ready = max(self.life_started + self.min_life_s, self.last_kill + self.kill_gap_s)
-                if ctx.stop.wait(max(0.0, ready - ctx.now())) or not ctx.wait_up():
+                if ctx.stop.wait(max(0.0, self._kill_due() - ctx.now())) or not ctx.wait_up():
                     return
             life, t = ctx.server.life, ctx.now()
             try:
