@@ -22,7 +22,8 @@ The schedule starts once the shared domain has served an answer (faults that rep
 it), then draws kinds from seeded shuffles of the whole list (so every kind comes once per
 round, `restore_corruption` `corrupt_per_round` times) at exponential gaps; a kind that needs
 the disk tier is left out without one. A kill waits until the current life has served
-`min_life_s` and the previous kill is `kill_gap_s` old, so restarts do not eat the run.
+`min_life_s` and the previous kill is `kill_gap_s` old, so restarts do not eat the run; the
+other kinds go on meanwhile (`FaultRunner.kinds_in_order`).
 
 Which request a corruption hits, and why not any: a corrupted state spreads. The request's
 prefill writes attention K/V from it into vLLM's block pool (shared in place with later hits)
