@@ -1,4 +1,6 @@
-"""The RAM tree at tensor parallel size 2: warm equals cold, bit for bit, on every rank.
+"""The RAM tree at tensor parallel size 2: warm equals cold, bit for bit, on every rank, for
+qwen3-next-tiny in bf16 and as W8A8 int8 (`qwen3-next-tiny-w8a8`, tests/connector/
+test_quantized.py).
 
 (Tree links, with attention K/V in place below them, the default. End anchors are
 session-exact, so their check is the float32 greedy gate of test_end_anchors.py, which needs
@@ -39,11 +41,11 @@ EXT = HEAD + [50 + (i * 13) % 3000 for i in range(70)]
 BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
 
 
-@pytest.fixture(scope="module")
-def llm(inproc, embedded_model, monkeypatch_module):
+@pytest.fixture(scope="module", params=["qwen3-next-tiny", "qwen3-next-tiny-w8a8"])
+def llm(request, inproc, embedded_model, monkeypatch_module):
     first, second = sorted(os.sched_getaffinity(0))[:2]  # the cores this process may use
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
-    with connector_engine(embedded_model("qwen3-next-tiny"), tensor_parallel_size=2,
+    with connector_engine(embedded_model(request.param), tensor_parallel_size=2,
                           max_model_len=4096, worker_extension_cls=(
                               "vllm_hybridcache.testing.instrumentation.FaultInjection"),
                           extra={"grid": GRID, "message_end_min": 64,
@@ -83,9 +85,19 @@ def same(warm: dict, cold_run: dict) -> None:
     assert warm["states"] == cold_run["states"]
 
 
+def _quant_schemes(worker) -> set[str]:
+    return {type(getattr(m, "scheme", None)).__name__
+            for name, m in worker.model_runner.model.named_modules()
+            if name.endswith(("in_proj_qkvz", "qkv_proj"))}
+
+
 def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
     assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     assert _sched(llm).cache.tier_names()[0] == "ram"
+    quantized = llm.llm_engine.vllm_config.model_config.quantization is not None
+    # the quantized checkpoint runs vLLM's int8 kernels on both ranks (its own shards)
+    expect = {"CompressedTensorsW8A8Int8"} if quantized else {"NoneType"}
+    assert llm.collective_rpc(_quant_schemes) == [expect, expect]
 
 
 def test_a_warm_prompt_and_a_branch_equal_their_cold_runs_on_every_rank(llm):

@@ -120,6 +120,10 @@ def build_checkpoint(spec: ModelSpec, out: Path) -> None:
 
         save_file(extra, str(out / "model-extra.safetensors"), metadata={"format": "pt"})
         _merge_index(out, extra)
+    if spec.quantize is not None:
+        from vllm_hybridcache.models.quantize import quantize_checkpoint
+
+        quantize_checkpoint(out, spec.quantize)
     hf_tokenizer(spec.vision).save_pretrained(out)
     if spec.processor_files is not None:
         import json

@@ -37,6 +37,9 @@ class ModelSpec:
     # Processor files the real checkpoint ships beside its weights (file name -> JSON), for
     # models whose vLLM front end loads transformers' processor (Qwen3.5's Qwen3VLProcessor).
     processor_files: Callable[[], dict[str, dict]] | None = None
+    # A quantization mode of `models.quantize` applied to the float weights after they are
+    # written (the same seed and config as the float entry give the same float weights).
+    quantize: str | None = None
 
 
 def _qwen3_next(special: dict[str, int], *, hidden: int, layers: int, heads: int,
@@ -314,6 +317,12 @@ CATALOG: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec("qwen3-next-tiny", "Qwen3-Next, 4 layers (3 GDN + 1 attention), hidden 256",
                   _qwen3_next_tiny, seed=1),
+        ModelSpec("qwen3-next-tiny-w8a8", "qwen3-next-tiny quantized: compressed-tensors W8A8 "
+                  "int8 (dense linears; routed experts in bf16)", _qwen3_next_tiny, seed=1,
+                  quantize="w8a8"),
+        ModelSpec("qwen3-next-tiny-w8a8-dequant", "qwen3-next-tiny-w8a8's weights dequantized "
+                  "to bf16 (its float reference)", _qwen3_next_tiny, seed=1,
+                  quantize="w8a8-dequant"),
         ModelSpec("qwen3-next-small", "Qwen3-Next, 8 layers, hidden 1024 (benchmarks)",
                   _qwen3_next_small, seed=2),
         ModelSpec("flash-next-tiny", "Flash-Next (qwen4_exp), 4 layers, GDN + QSA + PLE + HC + MoE",

@@ -1,0 +1,133 @@
+"""The cache on a quantized checkpoint: qwen3-next-tiny as compressed-tensors W8A8 int8
+(`models/quantize.py`: dense linears int8 through vLLM's oneDNN scaled-mm kernel, routed
+experts in bf16), served by vLLM's own Qwen3-Next with the plugin.
+
+Checked, in one engine each:
+- the checkpoint loads quantized (the layers run vLLM's W8A8 int8 scheme, not a float
+  fallback);
+- its prompt logprobs agree with its dequantized twin's (the same int8 weights times their
+  scales in bf16, in a plain vLLM engine) within `LOGPROB_TOLERANCE` nats on average: what is
+  left is the per-token activation quantization. Negative control: the same comparison one
+  position off is several times the tolerance;
+- warm equals cold, bit for bit (greedy tokens, logprobs, the digests of every state section and
+  complete K/V block), for a 3-link chain and a branch; a restore corrupted after its checks
+  passed fails that comparison (negative control).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from tests.connector.conftest import connector_engine, engine_parts
+from vllm_hybridcache.testing.instrumentation import instrument, instrumentation_of
+
+pytestmark = pytest.mark.slow
+
+GRID = 256
+A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 132)]          # 3 segments + tail
+B = A[: 2 * GRID] + [50 + (i * 13) % 3000 for i in range(300)]     # shares 2 segments
+
+LOGPROB_TOLERANCE = 0.35
+"""Mean |quantized - dequantized| prompt logprob, nats. Measured on this model: 0.20 (the
+logprobs themselves spread 1.3 nats around -9.1; the same comparison one position off, 1.4)."""
+
+
+def prompt_logprobs(llm, prompt) -> list[float]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)[0]
+    return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+
+
+@pytest.fixture(scope="module")
+def dequantized_logprobs(inproc, embedded_model):
+    """The float reference, computed (and its engine shut down) before the quantized engine
+    starts."""
+    with connector_engine(embedded_model("qwen3-next-tiny-w8a8-dequant"), plugin=False) as ref:
+        return prompt_logprobs(ref, A)
+
+
+@pytest.fixture(scope="module")
+def llm(inproc, embedded_model, dequantized_logprobs):
+    with connector_engine(embedded_model("qwen3-next-tiny-w8a8"),
+                          extra={"grid": GRID, "message_end_min": 64,
+                                 "inner_captures": False}) as engine:
+        instrument(engine)
+        yield engine
+
+
+def run(llm, prompt):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=5, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)[0]
+    return {
+        "tokens": list(out.outputs[0].token_ids),
+        "cached": out.num_cached_tokens,
+        "logprobs": [{k: v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs],
+        "state": instrumentation_of(llm).take_digests(out.request_id),
+    }
+
+
+def clear(llm):
+    sched, _ = engine_parts(llm)
+    sched.clear()
+
+
+def _schemes(worker) -> dict[str, str]:
+    model = worker.model_runner.model
+    return {name: type(getattr(m, "scheme", None)).__name__
+            for name, m in model.named_modules()
+            if name.endswith(("in_proj_qkvz", "in_proj_ba", "out_proj", "qkv_proj", "o_proj"))}
+
+
+def test_the_checkpoint_runs_vllm_w8a8_int8_kernels(llm):
+    (schemes,) = llm.collective_rpc(_schemes)
+    quantized = {n: s for n, s in schemes.items() if not n.endswith("in_proj_ba")}
+    assert quantized and set(quantized.values()) == {"CompressedTensorsW8A8Int8"}, schemes
+    # the ignored projection stays in bf16
+    assert {s for n, s in schemes.items() if n.endswith("in_proj_ba")} == {"NoneType"}
+
+
+def test_prompt_logprobs_agree_with_the_dequantized_weights(llm, dequantized_logprobs):
+    quantized = prompt_logprobs(llm, A)
+    ref = dequantized_logprobs
+    gap = statistics.mean(abs(q - r) for q, r in zip(quantized, ref, strict=True))
+    assert gap <= LOGPROB_TOLERANCE
+    # negative control: the measure tells other logprobs apart
+    off = statistics.mean(abs(q - r) for q, r in zip(quantized[1:], ref[:-1], strict=True))
+    assert off > 3 * LOGPROB_TOLERANCE
+
+
+def test_warm_runs_equal_cold_runs_on_the_quantized_model(llm):
+    clear(llm)
+    a_cold = run(llm, A)
+    assert a_cold["cached"] == 0 and a_cold["state"]
+    clear(llm)
+    b_cold = run(llm, B)
+    clear(llm)
+    run(llm, A)                      # captures links at 256, 512, 768
+    b_warm = run(llm, B)
+    a_warm = run(llm, A)
+    assert b_warm["cached"] == 2 * GRID and a_warm["cached"] == 3 * GRID
+    for warm, cold in ((a_warm, a_cold), (b_warm, b_cold)):
+        assert warm["tokens"] == cold["tokens"]
+        assert warm["logprobs"] == cold["logprobs"]
+        assert warm["state"] == cold["state"]
+
+
+def test_a_corrupted_link_fails_the_comparison(llm):
+    clear(llm)
+    cold = run(llm, A)
+    _, worker = engine_parts(llm)
+    for link_id in list(worker.store._entries):
+        first = next(iter(worker.store.buffers(link_id).sections.values()))
+        first.add_(torch.ones_like(first))
+    warm = run(llm, A)
+    assert warm["cached"] == 3 * GRID
+    assert warm["logprobs"] != cold["logprobs"] or warm["state"] != cold["state"]
+    clear(llm)
