@@ -1,0 +1,73 @@
+"""The W8A8 writer of the embedded quantized checkpoints (`models/quantize.py`), without vLLM:
+the int8 grid per output channel, what it rewrites in a folder, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_hybridcache.models.quantize import int8_per_channel, quantize_checkpoint
+
+
+def test_int8_per_channel_is_the_nearest_grid_point_of_each_row():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 32, generator=g)
+    w[3] = 0.0
+    q, scale = int8_per_channel(w)
+    assert q.dtype == torch.int8 and scale.shape == (6, 1)
+    err = (q.float() * scale - w).abs()
+    assert bool((err <= scale / 2 + 1e-7).all())
+    live = [0, 1, 2, 4, 5]
+    assert q[live].abs().amax(dim=1).tolist() == [127] * 5       # each row's absmax on the grid
+    assert scale[3].item() == 1.0 and not q[3].any()             # a zero row stays zero
+
+
+def _folder(tmp_path):
+    tensors = {
+        "model.layers.0.linear_attn.in_proj_qkvz.weight": torch.randn(16, 8).bfloat16(),
+        "model.layers.0.linear_attn.in_proj_ba.weight": torch.randn(4, 8).bfloat16(),
+        "model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(8, 8).bfloat16(),
+        "model.layers.0.input_layernorm.weight": torch.randn(8).bfloat16(),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    return tensors
+
+
+def test_w8a8_rewrites_only_the_targets_and_names_the_format(tmp_path):
+    before = _folder(tmp_path)
+    assert quantize_checkpoint(tmp_path, "w8a8") == 1
+    after = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert after[name].dtype == torch.int8
+    assert after[name.replace("weight", "weight_scale")].shape == (16, 1)
+    for kept in set(before) - {name}:
+        assert torch.equal(after[kept], before[kept])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert "re:.*\\.mlp\\.experts.*" in config["quantization_config"]["ignore"]
+
+
+def test_the_dequantized_twin_holds_the_int8_grid_in_the_float_dtype(tmp_path):
+    before = _folder(tmp_path)
+    quantize_checkpoint(tmp_path, "w8a8-dequant")
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    after = load_file(str(tmp_path / "model.safetensors"))[name]
+    q, scale = int8_per_channel(before[name])
+    assert after.dtype == torch.bfloat16
+    assert torch.equal(after, (q.float() * scale).bfloat16())
+    assert not torch.equal(after, before[name])                    # it did move the weights
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_refusals(tmp_path):
+    _folder(tmp_path)
+    with pytest.raises(ValueError, match="unknown quantization mode"):
+        quantize_checkpoint(tmp_path, "int4")
+    (tmp_path / "model.safetensors").unlink()
+    save_file({"lm_head.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="matches the W8A8 targets"):
+        quantize_checkpoint(tmp_path, "w8a8")
