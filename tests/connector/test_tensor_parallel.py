@@ -2,7 +2,8 @@
 qwen3-next-tiny in bf16 and as W8A8 int8 (`qwen3-next-tiny-w8a8`, tests/connector/
 test_quantized.py).
 
-(Tree links, with attention K/V in place below them, the default. End anchors are
+(Tree links, with attention K/V in place below them, the default; and the disk tier, one file
+per rank of every link, served back with the RAM tier cleared. End anchors are
 session-exact, so their check is the float32 greedy gate of test_end_anchors.py, which needs
 flash-next-tiny: this package's Flash-Next runs at TP = 1 only, issue 30.)
 
@@ -42,14 +43,17 @@ BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
 
 
 @pytest.fixture(scope="module", params=["qwen3-next-tiny", "qwen3-next-tiny-w8a8"])
-def llm(request, inproc, embedded_model, monkeypatch_module):
+def llm(request, inproc, embedded_model, monkeypatch_module, tmp_path_factory):
     first, second = sorted(os.sched_getaffinity(0))[:2]  # the cores this process may use
+    disk = tmp_path_factory.mktemp("tp-disk")
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
     with connector_engine(embedded_model(request.param), tensor_parallel_size=2,
                           max_model_len=4096, worker_extension_cls=(
                               "vllm_hybridcache.testing.instrumentation.FaultInjection"),
                           extra={"grid": GRID, "message_end_min": 64,
-                                 "inner_captures": False}) as engine:
+                                 "inner_captures": False, "disk_dir": str(disk / "links"),
+                                 "disk_key_file": str(disk / "disk.key"),
+                                 "disk_write_first_tokens": 0}) as engine:
         sched = inproc_scheduler_connector(engine)._sched
         sched.instrumentation = Instrumentation(probe_states=True)
         assert engine.collective_rpc(probe_states_on_worker) == [True, True]
@@ -114,6 +118,31 @@ def test_a_warm_prompt_and_a_branch_equal_their_cold_runs_on_every_rank(llm):
     assert branch["cached"] == 3 * GRID
     same(ext, ext_cold)
     same(branch, branch_cold)
+
+
+def _disk_files(llm) -> list[int]:
+    disk = _sched(llm).cache.tier("disk", "tree")
+    return [len(list(s.dir.rglob("*.link"))) for s in disk.dir.shards]
+
+
+def test_a_disk_hit_equals_cold_on_every_rank(llm):
+    """Each rank writes its own file of every link (core/disk/sharded.py); with the RAM tier
+    cleared, the links come back from both ranks' files, exact on each rank."""
+    import time
+
+    ext_cold = cold(llm, EXT)
+    _sched(llm).clear()
+    run(llm, HEAD)                       # 5 links, written behind by both ranks' writers
+    deadline = time.monotonic() + 120
+    while min(_disk_files(llm)) < 5 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _disk_files(llm) == [5, 5]
+    _sched(llm).clear(tier="ram")
+    ext = run(llm, EXT)
+    assert ext["cached"] == 5 * GRID
+    same(ext, ext_cold)
+    assert _sched(llm).cache.tier("disk", "tree").stats().restores >= 1
+    _sched(llm).clear()
 
 
 def test_negative_control_a_restore_corrupted_on_every_rank_is_caught(llm):

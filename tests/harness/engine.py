@@ -58,8 +58,9 @@ ATTN_LAYER = "attn.1"
 
 @functools.cache
 def _model_dir() -> str:
-    """A folder holding only a config.json, enough for vLLM's `ModelConfig` (no weights, no
-    tokenizer: the harness never loads a model). One per process, removed at exit."""
+    """A folder holding a config.json, enough for vLLM's `ModelConfig`, and one small weight
+    file that only names the checkpoint by content (the disk tier's fingerprint); no tokenizer:
+    the harness never loads a model. One per process, removed at exit."""
     d = Path(tempfile.mkdtemp(prefix="hc-harness-"))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "config.json").write_text(json.dumps({
@@ -67,6 +68,9 @@ def _model_dir() -> str:
         "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
         "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": MAX_LEN,
         "torch_dtype": "float32"}))
+    from safetensors.torch import save_file
+
+    save_file({"harness": torch.arange(8, dtype=torch.float32)}, str(d / "model.safetensors"))
     return str(d)
 
 
@@ -165,6 +169,7 @@ class FakeWorker:
         self.sections = [torch.zeros(n, *s) for s in SECTION_SHAPES]
         self.kv = torch.zeros(2, n, BLOCK, 1, HEAD)       # [K/V, blocks, tokens, heads, dim]
         self.connector = HybridSnapshotConnector(cfg, KVConnectorRole.WORKER, kv_config)
+        self.connector._worker.rank = rank  # what vLLM's tensor-parallel group says in a worker
         # the worker side reads state tensors from the forward context, as in a model runner
         ctx = cfg.compilation_config.static_forward_context
         ctx[MAMBA_LAYER] = _Layer(self.sections)
@@ -514,14 +519,14 @@ class HarnessEngine:
 # Tests read cache state only through these helpers, so a change of the stats payload or of
 # the plan's job layout is adapted here.
 
-def cache_stats(engine: HarnessEngine, kind: str = "tree") -> dict[str, Any]:
+def cache_stats(engine: HarnessEngine, kind: str = "tree", tier: str = "ram") -> dict[str, Any]:
     """The connector's cumulative stats of one kind of cache: "tree" (the shared snapshot tree)
-    or "anchor" (end anchors of finished requests), from the payload the scheduler side sends
-    to vLLM's metrics (`get_kv_connector_stats`).
+    or "anchor" (end anchors of finished requests), of one tier ("ram", "disk"), from the
+    payload the scheduler side sends to vLLM's metrics (`get_kv_connector_stats`).
     """
     payload = engine.connector.get_kv_connector_stats()
     assert payload is not None, "the connector is inactive"
-    return dict(payload.data["tiers"]["ram"][kind])   # {"tiers": {tier: {kind: stats}}}
+    return dict(payload.data["tiers"][tier][kind])   # {"tiers": {tier: {kind: stats}}}
 
 
 def load_chain(job) -> list[int]:

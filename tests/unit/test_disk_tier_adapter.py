@@ -51,11 +51,27 @@ def _commit_link(side, worker, cut: int, build: bool = True):
     return r, side.build_plan(_no_steps()) if build else None
 
 
-def test_tp_or_pp_above_one_refuses_the_disk_tier(tmp_path):
+def test_pp_above_one_refuses_the_disk_tier(tmp_path):
+    cfg = _vllm_config()
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(RuntimeError, match="one pipeline stage only"):
+        _side(tmp_path, cfg)
+
+
+def test_tp_above_one_opens_one_folder_per_rank(tmp_path):
+    """TP = 2: one link is one file per rank (core/disk/sharded.py); the workers are told
+    how many ranks write, each its share of the budget (tests/harness/test_disk_shards.py
+    runs it)."""
+    from vllm_hybridcache.core.disk.sharded import ShardedDirectory
+
     cfg = _vllm_config()
     cfg.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(RuntimeError, match="one worker only"):
-        _side(tmp_path, cfg)
+    side = _side(tmp_path, cfg)
+    disk = side.cache.tier("disk", "tree")
+    assert isinstance(disk.dir, ShardedDirectory)
+    assert [s.dir.name for s in disk.dir.shards] == ["shard-0-of-2", "shard-1-of-2"]
+    assert disk.dir.shards[0].fingerprint != disk.dir.shards[1].fingerprint
+    assert disk.dir.budget_bytes <= side.settings.disk_budget_bytes
 
 
 def test_an_unusable_disk_dir_is_a_clear_start_up_error(tmp_path):

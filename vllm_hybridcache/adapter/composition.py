@@ -52,13 +52,16 @@ class OpenContext:
     cache: SnapshotCache | None = None  # set once built (for ram_depth)
     _fingerprint: Any = field(default=None, repr=False)
 
-    def refuse_parallel(self, what: str, unset: str) -> None:
+    def refuse_parallel(self, what: str, unset: str, tensor_parallel: bool = False) -> None:
         """A start-up error for a tier that holds whole links while each worker holds a
-        shard of every one (TP or PP above 1)."""
+        shard of every one (TP or PP above 1); `tensor_parallel`: the tier keeps one part per
+        tensor-parallel rank, so only PP above 1 is refused."""
         pc = self.vllm_config.parallel_config
-        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        if pc.pipeline_parallel_size > 1 or (pc.tensor_parallel_size > 1
+                                             and not tensor_parallel):
+            one = "one pipeline stage" if tensor_parallel else "one worker"
             raise RuntimeError(
-                f"hybridcache: {what} works with one worker only for now "
+                f"hybridcache: {what} works with {one} only for now "
                 f"(tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
                 f"{pc.pipeline_parallel_size}): each worker holds a shard of every link. Unset "
                 f"{unset} to run without it.")

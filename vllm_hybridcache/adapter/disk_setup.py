@@ -22,6 +22,8 @@ from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.folder import own_folder
 from vllm_hybridcache.core.disk.reader import SourceOrigin
+from vllm_hybridcache.core.disk.shard import Shard
+from vllm_hybridcache.core.disk.sharded import ShardedDirectory
 from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget
 from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
@@ -41,7 +43,12 @@ def open_disk(ctx) -> DiskBehind | None:
     settings = ctx.settings
     if not settings.disk_dir:
         return None
-    ctx.refuse_parallel("the disk tier (disk_dir)", "VLLM_HYBRIDCACHE_DISK_DIR / disk_dir")
+    ctx.refuse_parallel("the disk tier (disk_dir)", "VLLM_HYBRIDCACHE_DISK_DIR / disk_dir",
+                        tensor_parallel=True)
+    # TP > 1: each rank writes and reads its own shard of every link (core/disk/sharded.py),
+    # under each rank's share of the budget
+    world = int(ctx.vllm_config.parallel_config.tensor_parallel_size)
+    budget = settings.disk_budget_bytes // world
     # session spill: end anchors on disk (on the MTP route too: an anchor file carries its
     # draft tag, and the disk anchor tier applies the RAM one's `fits`)
     spill = bool(settings.session_spill and ctx.anchors_on)
@@ -58,9 +65,10 @@ def open_disk(ctx) -> DiskBehind | None:
                            "the same bytes. Serving with the RAM tiers only.", e.reason)
             ctx.tiers_off["disk"] = e.reason
             return None
-        directory = LinkDirectory(root, fp.digest, settings.disk_budget_bytes,
-                                  settings.disk_min_free_bytes, float(settings.disk_ttl_s),
-                                  key=key, key_file=key_file)
+        shards = [LinkDirectory(root, fp.digest, budget, settings.disk_min_free_bytes,
+                                float(settings.disk_ttl_s), key=key, key_file=key_file,
+                                shard=Shard(rank, world)) for rank in range(world)]
+        directory = shards[0] if world == 1 else ShardedDirectory(shards)
         directory.open()
         directory.probe_writable()
     except (OSError, KeyFileError) as e:
@@ -68,18 +76,21 @@ def open_disk(ctx) -> DiskBehind | None:
             f"hybridcache: disk_dir {str(root)!r} is not usable ({type(e).__name__}: {e}); "
             "give a folder of your own (or unset VLLM_HYBRIDCACHE_DISK_DIR / disk_dir)"
         ) from e
-    target = DiskTarget(str(root), fp.digest, settings.disk_budget_bytes,
+    target = DiskTarget(str(root), fp.digest, budget,
                         settings.disk_min_free_bytes, float(settings.disk_ttl_s),
                         key_file=str(key_file), key_id=key.key_id, spill=spill,
                         drain_s=float(settings.spill_timeout_s),
-                        direct_reads=settings.disk_direct_reads)
-    origin = SourceOrigin(fp.digest, str(key_file), "disk", str(root), key.key_id)
+                        direct_reads=settings.disk_direct_reads, shards=world)
+    origin = SourceOrigin(fp.digest, str(key_file), "disk", str(root), key.key_id,
+                          shards=world)
     if spill:
         _warn_short_shutdown(ctx.vllm_config, settings.spill_timeout_s)
     st = directory.stats
-    logger.info("hybridcache: disk tier on %s (fingerprint %s): %d files, %d bytes; swept "
+    logger.info("hybridcache: disk tier on %s (fingerprint %s%s): %d files, %d bytes; swept "
                 "%d foreign folders (%d kept: in use), %d temporaries, %d damaged files",
-                directory.dir, fp.hex[:16], st.files, st.bytes, st.swept_dirs,
+                directory.dir, fp.hex[:16],
+                f", {world} tensor-parallel ranks: one file per rank" if world > 1 else "",
+                st.files, st.bytes, st.swept_dirs,
                 st.kept_foreign_dirs, st.swept_temporaries, sum(st.refused.values()))
     seg = ctx.segmentation
     disk = DiskTier(ctx.layout, directory, lambda toks: seg.cuts(toks.tolist()), next_id=ctx.ids,

@@ -108,8 +108,9 @@ class StepReport(KVConnectorWorkerMetadata):
 
     A capture counts as saved only if every worker saved its shard, so `saved` holds a count
     per link and `workers` the number of reports merged. `tier_reports`: each lower tier's
-    handler report by tier name, when it has one (core/tiers/handler.py `report`); merged by
-    keeping the last worker's (the disk and cluster tiers run with TP=1 only).
+    handler report by tier name, when it has one (core/tiers/handler.py `report`), from the
+    worker of tensor-parallel rank 0; `shard_reports`: the other ranks' handler reports, by
+    tier name and rank (at TP > 1 each rank's disk writer writes its own shard's files).
     """
 
     saved: dict[LinkAddr, float] = field(default_factory=dict)  # link -> seconds (max)
@@ -120,6 +121,7 @@ class StepReport(KVConnectorWorkerMetadata):
     lost_links: set[LinkAddr] = field(default_factory=set)     # payload missing on a worker
     workers: int = 1
     tier_reports: dict[str, Any] = field(default_factory=dict)
+    shard_reports: dict[str, dict[int, Any]] = field(default_factory=dict)
     # staged files a worker refused as it read their parts, by (tier, kind) and problem (a
     # LinkFileProblem value: checksum, unauthenticated, ...), for tiers that count them
     # themselves (the disk tier's writer counts its own)
@@ -138,6 +140,8 @@ class StepReport(KVConnectorWorkerMetadata):
             out.failed_loads |= src.failed_loads
             out.lost_links |= src.lost_links
             out.tier_reports.update(src.tier_reports)
+            for name, by_rank in src.shard_reports.items():
+                out.shard_reports.setdefault(name, {}).update(by_rank)
             for k, probs in src.refused.items():
                 acc = out.refused.setdefault(k, {})
                 for problem, n in probs.items():

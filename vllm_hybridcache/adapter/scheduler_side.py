@@ -685,6 +685,7 @@ class SchedulerSide:
             if entry is not None:
                 self._end_restore(req_id, entry, True, seconds)
         self.cache.absorb(report.tier_reports)
+        self.cache.absorb_shards(report.shard_reports)
         for (tier, kind), problems in report.refused.items():
             counter = getattr(self.cache.tier(tier, kind), "note_refused", None)
             if counter is not None:

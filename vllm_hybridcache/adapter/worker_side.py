@@ -74,6 +74,9 @@ class WorkerSide:
         # tests and benchmarks only (fault injection, state probes, copy totals); see
         # vllm_hybridcache/testing/instrumentation.py. None in production.
         self.instrumentation: StepProbes | None = None
+        # this worker's tensor-parallel rank: whose shard of every link it holds, and so
+        # which rank's files of a disk link it writes and reads (core/disk/shard.py)
+        self.rank = _tp_rank()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.parts is None:
@@ -168,7 +171,8 @@ class WorkerSide:
             if origin is None:
                 raise DiskReadError(job.chain[0].link_id if job.chain else -1, "mismatch",
                                     "a load with files but no origin")
-            stage_chain(self.store, job.chain, job.sources, origin.fingerprint, direct, defer,
+            fingerprint, sources = origin.for_rank(self.rank, job.sources)
+            stage_chain(self.store, job.chain, sources, fingerprint, direct, defer,
                         key=origin.key(), root=Path(origin.root), expect=job.expect or None)
         except DiskReadError as e:
             if handler is not None and handler.read_failed(e.problem):
@@ -191,6 +195,7 @@ class WorkerSide:
             if handler is None:
                 handler = self.handlers[name] = handler_class(name)(self.store,
                                                                     self._between_steps)
+                handler.rank = self.rank
             handler.start(ops)
 
     def start_load(self, plan: StepPlan) -> None:
@@ -305,9 +310,12 @@ class WorkerSide:
         for name, handler in self.handlers.items():
             rep = handler.report()
             if rep is not None:
-                r.tier_reports[name] = rep
+                if self.rank == 0:
+                    r.tier_reports[name] = rep
+                else:
+                    r.shard_reports[name] = {self.rank: rep}
         if not (r.saved or r.failed_saves or r.loaded or r.failed_loads or r.lost_links
-                or r.tier_reports):
+                or r.tier_reports or r.shard_reports):
             return None
         self._report = StepReport(workers=1)
         return r
@@ -320,3 +328,13 @@ class WorkerSide:
         done, failed = self._recving, self._failed_recving
         self._recving, self._failed_recving = set(), set()
         return done, failed
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 before vLLM's parallel groups exist: a worker
+    built outside an engine, as the no-model harness does)."""
+    from vllm.distributed import parallel_state
+
+    if getattr(parallel_state, "_TP", None) is None:
+        return 0
+    return int(parallel_state.get_tensor_model_parallel_rank())

@@ -318,6 +318,14 @@ class SnapshotCache:
             if lt is not None:
                 lt.absorb(rep)
 
+    def absorb_shards(self, reports: dict[str, dict[int, Any]]) -> None:
+        """The handler reports of the workers of tensor-parallel rank > 0, by tier and rank."""
+        for name, by_rank in reports.items():
+            lt = self._lower.get(name)
+            if lt is not None:
+                for rank, rep in sorted(by_rank.items()):
+                    lt.absorb_shard(rank, rep)
+
     def stats(self) -> dict[Route, CacheStats]:
         return {route: t.stats() for route, t in self._tiers.items()}
 

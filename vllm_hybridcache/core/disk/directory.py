@@ -62,6 +62,7 @@ from .linkfile import (
     write_link_file,
 )
 from .safeio import SymlinkRefused, dir_fd, relative_parts
+from .shard import Shard
 from .tags import EncodedTag
 
 __all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
@@ -129,12 +130,16 @@ class LinkDirectory:
         *,
         key: LinkKey,
         key_file: Path | None = None,
+        shard: Shard | None = None,
     ) -> None:
         """ttl_s: 0 = files never expire. free_bytes: free space of the file system holding a
         path (default shutil.disk_usage); injected by tests. key: the disk key (authenticates
-        and names the files); key_file: where it is kept (`open` refuses one inside `root`)."""
+        and names the files); key_file: where it is kept (`open` refuses one inside `root`).
+        shard: which rank's files of a link this instance holds at TP > 1 (shards.py): its own
+        folder below the fingerprint's, its own fingerprint in every header."""
         self.root = Path(os.path.abspath(Path(root).expanduser()))
-        self.fingerprint = fingerprint
+        self.shard = shard if shard is not None else Shard()
+        self.fingerprint = self.shard.fingerprint(fingerprint)
         self.key = key
         self.key_file = key_file
         self.budget_bytes = budget_bytes
@@ -143,7 +148,10 @@ class LinkDirectory:
         self.tmp_max_age_s = tmp_max_age_s
         self._clock = clock or time.time
         self._free = free_bytes or (lambda p: shutil.disk_usage(p).free)
-        self.dir = self.root / key.name(b"fingerprint", fingerprint, size=8)
+        # the fingerprint's folder (locked, swept and kept as one engine's), and where this
+        # instance's files are: the same folder, or this rank's below it (shards.py)
+        self.home = self.root / key.name(b"fingerprint", fingerprint, size=8)
+        self.dir = self.home / self.shard.folder if self.shard.sharded else self.home
         self._index: dict[Path, DiskLink] = {}
         # indexed path -> indexed files whose parent it is (eviction takes leaves only: a
         # chain is usable only while every link below its end is on disk)
@@ -176,11 +184,11 @@ class LinkDirectory:
         locks). So the lock counts only if the file we locked is still the one at the path;
         otherwise the folder is created again.
         """
-        path = self.dir / LOCK_NAME
+        path = self.home / LOCK_NAME
         for _ in range(LOCK_ATTEMPTS):
-            self._mkdir(self.dir)
+            self._mkdir(self.home)
             try:
-                with dir_fd(self.dir) as d:
+                with dir_fd(self.home) as d:
                     fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                                  | os.O_CLOEXEC, 0o600, dir_fd=d)
             except FileNotFoundError:
@@ -192,6 +200,8 @@ class LinkDirectory:
                 held.st_dev,
                 held.st_ino,
             ):
+                if self.dir != self.home:
+                    self._mkdir(self.dir)
                 return fd
             os.close(fd)
         raise OSError(
@@ -218,7 +228,7 @@ class LinkDirectory:
             found = [self.root / e.name for e in it
                      if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
         for d in found:
-            if d == self.dir:
+            if d == self.home:
                 continue
             try:  # not a fingerprint directory of ours without it: left alone
                 with dir_fd(d) as dfd:

@@ -47,7 +47,7 @@ class DiskHandler(TierHandler):
     def start(self, ops: Any) -> None:
         """Start the writer on the first plan; warm the read buffers it names (once)."""
         if self.writer is None:
-            self.writer = LinkWriter(ops.target)
+            self.writer = LinkWriter(ops.target, rank=self.rank)  # this rank's files
             atexit.register(self.writer.close, 10.0)
         if ops.warm and self.store is not None and self.warm is None:
             self.warm = threading.Thread(target=self._warm_buffers, args=(ops.warm,),

@@ -43,6 +43,7 @@ from .direct import DirectIOUnsupported, helper, read_parts_direct
 from .hugepages import advise_huge_pages
 from .inplace import fits_in_place, read_in_place, split_point
 from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header, read_parts
+from .shard import Shard, relocate
 
 __all__ = ["LOCAL_PROBLEMS", "DiskReadError", "SourceKey", "SourceOrigin", "read_verified",
            "stage_chain", "warm_read_buffers"]
@@ -68,9 +69,22 @@ class SourceOrigin(msgspec.Struct, frozen=True):
     purpose: str
     root: str
     key_id: str = ""  # the key the scheduler side read (core/auth.py `key_from_file`)
+    # workers that each hold a shard of every link (TP, core/disk/shard.py): the sources
+    # name rank 0's files, each worker reads its own rank's, whose headers carry its rank's
+    # fingerprint
+    shards: int = 1
 
     def key(self) -> LinkKey:
         return key_from_file(self.key_file, self.purpose, expect_id=self.key_id)
+
+    def for_rank(self, rank: int, sources: Sequence[str]) -> tuple[bytes, list[str]]:
+        """(the fingerprint rank `rank`'s files carry, the files of `sources`' links it
+        reads)."""
+        if self.shards <= 1:
+            return self.fingerprint, list(sources)
+        shard = Shard(rank, self.shards)
+        return (shard.fingerprint(self.fingerprint),
+                [str(relocate(p, rank, self.shards)) for p in sources])
 
 
 # problems of a read that are this machine's own (the file deleted meanwhile, an I/O error),

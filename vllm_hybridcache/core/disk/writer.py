@@ -41,6 +41,7 @@ import torch
 from ..auth import key_from_file
 from ..stats import SECONDS_BOUNDS, Histogram
 from .directory import TREE, LinkDirectory
+from .shard import Shard, relocate
 from .tags import EncodedTag
 
 __all__ = ["QUEUE_MAX", "DiskTarget", "DrainReport", "LinkWriter", "WriteJob"]
@@ -65,6 +66,9 @@ class DiskTarget(msgspec.Struct, frozen=True):
     spill: bool = False  # session spill: end anchors are written at shutdown and eviction
     drain_s: float = 10.0  # time limit of the shutdown drain
     direct_reads: bool = True  # a disk hit reads with direct I/O (core/disk/inplace.py)
+    # workers that each hold a shard of every link (TP): each writes its own rank's files
+    # (core/disk/shard.py); `budget_bytes` is each rank's share
+    shards: int = 1
 
 
 class WriteJob(msgspec.Struct, frozen=True):
@@ -104,10 +108,12 @@ class LinkWriter:
     """One background thread writing link files; see the module docstring."""
 
     def __init__(self, target: DiskTarget, max_queue: int = QUEUE_MAX,
-                 directory: Callable[[DiskTarget], LinkDirectory] | None = None) -> None:
+                 directory: Callable[[DiskTarget], LinkDirectory] | None = None,
+                 rank: int = 0) -> None:
         self.target = target
         self.max_queue = max_queue
-        self._make_dir = directory or _open_directory
+        self.shard = Shard(rank, target.shards)  # whose files of each link this one writes
+        self._make_dir = directory or (lambda t: _open_directory(t, self.shard))
         self._cv = threading.Condition()
         # ("write", job, parts) | ("forget", [paths]) | ("clear",) | ("clear_tenant", tag,
         # kind) | ("stop",), in order
@@ -218,7 +224,7 @@ class LinkWriter:
                 self._items.appendleft(("write", job, dict(parts)))
             self._cv.notify()
         finished = self.close(max(0.0, timeout - (time.monotonic() - t0)) + 1.0)
-        sizes = [_size(_target_path(self.target, j)) for j, _ in anchors]
+        sizes = [_size(_target_path(self.target, j, self.shard)) for j, _ in anchors]
         with self._cv:
             skipped = self._stats["skips"].get("shutdown", 0) - skipped_before
         return DrainReport(len(anchors), sum(1 for n in sizes if n is not None),
@@ -252,8 +258,9 @@ class LinkWriter:
                     self._skip("shutdown")
                 elif op == "write":
                     self._write(directory, item[1], item[2])
-                elif directory is not None and op == "forget":
-                    directory.delete([Path(p) for p in item[1]])
+                elif directory is not None and op == "forget":  # named by rank 0's paths
+                    directory.delete([relocate(p, self.shard.rank, self.shard.world)
+                                      for p in item[1]])
                 elif directory is not None and op == "clear":
                     directory.clear(TREE)  # anchor files: deleted one by one (`forget`)
                 elif directory is not None and op == "clear_tenant":
@@ -322,17 +329,18 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def _target_path(target: DiskTarget, job: WriteJob) -> Path:
+def _target_path(target: DiskTarget, job: WriteJob, shard: Shard | None = None) -> Path:
     """Where `job`'s file lands (LinkDirectory's naming, without opening the directory)."""
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
-                      key=key_from_file(target.key_file, "disk", expect_id=target.key_id))
+                      key=key_from_file(target.key_file, "disk", expect_id=target.key_id),
+                      shard=shard)
     return d.path_for(job.domain, job.end, job.digest, job.kind)
 
 
-def _open_directory(target: DiskTarget) -> LinkDirectory:
+def _open_directory(target: DiskTarget, shard: Shard | None = None) -> LinkDirectory:
     d = LinkDirectory(Path(target.root), target.fingerprint, target.budget_bytes,
                       target.min_free_bytes, target.ttl_s,
                       key=key_from_file(target.key_file, "disk", expect_id=target.key_id),
-                      key_file=Path(target.key_file))
+                      key_file=Path(target.key_file), shard=shard)
     d.open()
     return d

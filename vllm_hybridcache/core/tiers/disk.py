@@ -144,6 +144,7 @@ class DiskTier(CacheTier):
         directory.on_delete = lambda p: self._forget.append(str(p))
         self._rec = StatsRecorder()
         self._worker: dict[str, Any] = {}  # the writer's latest cumulative stats
+        self._shard_workers: dict[int, dict[str, Any]] = {}  # other ranks' writers (TP > 1)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -397,9 +398,13 @@ class DiskTier(CacheTier):
         self._tenant_clears.clear()  # in place: the anchor tier appends to this same list
         return out
 
-    def absorb_worker(self, snapshot: dict[str, Any]) -> None:
-        """The writer's latest cumulative stats (see core/disk/writer.py)."""
-        self._worker = dict(snapshot)
+    def absorb_worker(self, snapshot: dict[str, Any], rank: int = 0) -> None:
+        """A writer's latest cumulative stats (see core/disk/writer.py): rank 0's, or at
+        TP > 1 another rank's (each writes its own shard of every link)."""
+        if rank == 0:
+            self._worker = dict(snapshot)
+        else:
+            self._shard_workers[rank] = dict(snapshot)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> CacheStats:
@@ -408,23 +413,26 @@ class DiskTier(CacheTier):
         every file refused (header at lookup, parts at read) by its problem."""
         snap = self._rec.snapshot()
         w = self._worker
+        writers = [w, *self._shard_workers.values()]  # rank 0's first, then the others'
         ds = self.dir.stats
-        snap.captures = int(w.get("writes", 0))
-        snap.capture_bytes = int(w.get("write_bytes", 0))
+        snap.captures = int(w.get("writes", 0))  # links (rank 0 writes one file of each)
+        snap.capture_bytes = sum(int(x.get("write_bytes", 0)) for x in writers)
         if w.get("write_seconds"):
             snap.capture_seconds = msgspec.convert(w["write_seconds"], Histogram)
         skips = dict(snap.skips)
-        for reason, n in w.get("skips", {}).items():
-            skips[reason] = skips.get(reason, 0) + n
-        if w.get("dropped"):
-            skips["queue_full"] = int(w["dropped"])
+        for x in writers:
+            for reason, n in x.get("skips", {}).items():
+                skips[reason] = skips.get(reason, 0) + n
+        dropped = sum(int(x.get("dropped", 0)) for x in writers)
+        if dropped:
+            skips["queue_full"] = dropped
         snap.skips = skips
         misses = dict(snap.misses)
         if self._slow:
             misses[ReadRefusal.SLOWER_THAN_PREFILL.value] = self._slow
         if self._misfit:
             misses[TagProblem.DRAFT_TAG.value] = self._misfit
-        for src in (ds.refused, w.get("read_failures", {})):
+        for src in (ds.refused, *(x.get("read_failures", {}) for x in writers)):
             for reason, n in src.items():
                 misses[reason] = misses.get(reason, 0) + n
         snap.misses = misses
@@ -455,4 +463,8 @@ class DiskTier(CacheTier):
 
     @property
     def bytes_held(self) -> int:
-        return int(self._worker["bytes"]) if "bytes" in self._worker else self.dir.stats.bytes
+        """Bytes of every rank's files: the writers' counts once each reported, else the
+        start-up scan's."""
+        if "bytes" not in self._worker:
+            return self.dir.stats.bytes
+        return sum(int(x.get("bytes", 0)) for x in (self._worker, *self._shard_workers.values()))

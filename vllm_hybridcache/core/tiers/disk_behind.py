@@ -168,3 +168,8 @@ class DiskBehind(LowerTier):
         """The writer's latest cumulative stats (core/disk/writer.py)."""
         if report is not None:
             self.disk.absorb_worker(report)
+
+    def absorb_shard(self, rank: int, report: Any) -> None:
+        """Another rank's writer's stats (TP > 1: each rank writes its own shard's files)."""
+        if report is not None:
+            self.disk.absorb_worker(report, rank)

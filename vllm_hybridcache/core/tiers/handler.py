@@ -20,7 +20,8 @@ class TierHandler:
 
     `store` is the worker's LinkStore (every tier's payloads, by link id); `between_steps` is
     set while no step runs (background work that must not share the cores with a forward
-    waits on it).
+    waits on it). `rank`: the worker's tensor-parallel rank (whose shard of every link its
+    store holds), set by the worker side right after it builds the handler.
     """
 
     # a load of this tier's hit may read its other links' states lazily (when first needed)
@@ -29,6 +30,7 @@ class TierHandler:
     def __init__(self, store: Any, between_steps: threading.Event) -> None:
         self.store = store
         self.between_steps = between_steps
+        self.rank = 0
 
     def start(self, ops: Any) -> None:
         """Before the step's loads (every plan carrying this tier's operations)."""

@@ -87,4 +87,7 @@ class LowerTier(ABC):
         or None when there are none. Called once per plan, after the events of the step."""
 
     def absorb(self, report: Any) -> None:  # noqa: B027 (a no-op default)
-        """The handler's latest report (aggregated over the workers)."""
+        """The handler's latest report (of the worker of tensor-parallel rank 0)."""
+
+    def absorb_shard(self, rank: int, report: Any) -> None:  # noqa: B027 (a no-op default)
+        """The latest report of the handler of tensor-parallel rank `rank` > 0."""
