@@ -465,3 +465,49 @@ def test_the_disk_commands_import_no_vllm(cache):
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "0 problem(s)" in r.stdout
+
+
+def _sharded(root: Path, world: int = 2) -> list[LinkDirectory]:
+    """A TP = `world` engine's folders: each rank wrote its own file of every link."""
+    from vllm_hybridcache.core.disk.shard import Shard
+
+    out = []
+    for rank in range(world):
+        d = LinkDirectory(root, FP, 1 << 30, key=TEST_KEY, shard=Shard(rank, world))
+        d.open()
+        _write_chain(d, DOM_A)
+        d.close()
+        out.append(d)
+    return out
+
+
+def test_a_tensor_parallel_engine_s_rank_folders_are_listed_verified_and_cleared(tmp_path,
+                                                                                    capsys):
+    """TP > 1 (core/disk/sharded.py): each rank's folder below the fingerprint's is a folder
+    of its own for ls, verify and prune; a rank's file moved into another rank's folder is
+    refused as foreign (its header names its rank); clear takes the fingerprint folder whole."""
+    root = tmp_path / "links"
+    ranks = _sharded(root)
+    rc, out = run_json(capsys, "ls", str(root))
+    assert rc == 0
+    labels = [f["folder"] for f in out["folders"]]
+    assert labels == [f"{ranks[0].home.name}/shard-0-of-2", f"{ranks[0].home.name}/shard-1-of-2"]
+    assert [len(f["files"]) for f in out["folders"]] == [3, 3]
+    rc, out = run_json(capsys, "verify", str(root))
+    assert rc == 0 and out["problems"] == 0
+    assert {f["fingerprint"] for f in out["folders"]} == {FP.hex()}
+    rc, out = run_json(capsys, "prune", str(root), "--budget", "1GiB")
+    assert rc == 0 and all(f["files_after"] == 3 for f in out["folders"])
+    # negative control: rank 0's root link copied over rank 1's
+    keys = PromptKeys(PROMPT)
+    mine = ranks[0].path_for(DOM_A, 64, keys.digest(64))
+    theirs = ranks[1].path_for(DOM_A, 64, keys.digest(64))
+    theirs.write_bytes(mine.read_bytes())
+    rc, out = run_json(capsys, "verify", str(root))
+    assert rc != 0
+    problems = {(f["folder"].rsplit("/", 1)[1], p["problem"])
+                for f in out["folders"] for p in f["problems"]}
+    assert ("shard-1-of-2", "foreign") in problems
+    assert not any(s == "shard-0-of-2" for s, _ in problems)
+    rc, _, _ = run(capsys, "clear", str(root))
+    assert rc == 0 and not ranks[0].home.exists()

@@ -52,14 +52,17 @@ def test_a_rank_s_files_sit_in_its_folder_under_the_same_names(tmp_path):
         Shard(2, 2)
 
 
-def test_each_rank_s_header_carries_its_own_fingerprint(tmp_path):
+def test_each_rank_s_header_carries_the_engine_s_fingerprint_and_its_shard(tmp_path):
     zero, one = _rank(tmp_path, 0), _rank(tmp_path, 1)
-    assert len({zero.fingerprint, one.fingerprint, FP}) == 3
+    assert zero.fingerprint == one.fingerprint == FP
+    assert (zero.shard.tag, one.shard.tag, Shard().tag) == ("0/2", "1/2", "")
     _write_chain(one)
     f = one.path_for(DOM, 64, KEYS.digest(64))
-    read_header(f, one.fingerprint, TEST_KEY, tmp_path)
-    with pytest.raises(LinkFileError):
-        read_header(f, zero.fingerprint, TEST_KEY, tmp_path)
+    header, _ = read_header(f, FP, TEST_KEY, tmp_path, "1/2")
+    assert header.shard == "1/2"
+    for other in ("0/2", ""):                        # rank 0's reader, a one-worker reader
+        with pytest.raises(LinkFileError, match="foreign"):
+            read_header(f, FP, TEST_KEY, tmp_path, other)
 
 
 def test_the_ranks_share_the_fingerprint_folder_and_no_sweep_takes_a_rank_s(tmp_path):

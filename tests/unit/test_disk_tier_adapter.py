@@ -70,7 +70,7 @@ def test_tp_above_one_opens_one_folder_per_rank(tmp_path):
     disk = side.cache.tier("disk", "tree")
     assert isinstance(disk.dir, ShardedDirectory)
     assert [s.dir.name for s in disk.dir.shards] == ["shard-0-of-2", "shard-1-of-2"]
-    assert disk.dir.shards[0].fingerprint != disk.dir.shards[1].fingerprint
+    assert [s.shard.tag for s in disk.dir.shards] == ["0/2", "1/2"]
     assert disk.dir.budget_bytes <= side.settings.disk_budget_bytes
 
 

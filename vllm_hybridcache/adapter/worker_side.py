@@ -171,9 +171,10 @@ class WorkerSide:
             if origin is None:
                 raise DiskReadError(job.chain[0].link_id if job.chain else -1, "mismatch",
                                     "a load with files but no origin")
-            fingerprint, sources = origin.for_rank(self.rank, job.sources)
-            stage_chain(self.store, job.chain, sources, fingerprint, direct, defer,
-                        key=origin.key(), root=Path(origin.root), expect=job.expect or None)
+            sources, shard = origin.for_rank(self.rank, job.sources)  # this rank's files
+            stage_chain(self.store, job.chain, sources, origin.fingerprint, direct, defer,
+                        key=origin.key(), root=Path(origin.root), expect=job.expect or None,
+                        shard=shard)
         except DiskReadError as e:
             if handler is not None and handler.read_failed(e.problem):
                 raise  # counted by the tier's own handler

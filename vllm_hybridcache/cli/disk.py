@@ -112,7 +112,9 @@ class LinkEntry:
 
 @dataclass
 class FolderListing:
-    """One fingerprint folder `DIR/<name>`."""
+    """One fingerprint folder `DIR/<name>`, or at TP > 1 one rank's folder below it
+    (`DIR/<name>/<shard>`, core/disk/shard.py): each rank's files are listed, checked and
+    pruned as a folder of their own."""
 
     name: str
     in_use: bool | None  # an engine holds its .in-use lock; None: no lock file (not ours)
@@ -120,10 +122,26 @@ class FolderListing:
     temporaries: list[LinkEntry] = field(default_factory=list)  # writes in progress or cut
     others: list[str] = field(default_factory=list)  # files the engine never reads
     symlinks: list[str] = field(default_factory=list)  # planted: the engine removes them
+    shard: str = ""  # the rank's folder below `name` ("" with one worker)
 
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.links)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The folder's path below DIR, one component each."""
+        return (self.name, self.shard) if self.shard else (self.name,)
+
+    @property
+    def label(self) -> str:
+        return "/".join(self.parts)
+
+    def shard_of(self):
+        """The rank whose files these are (a `Shard`; one worker's when unsharded)."""
+        from vllm_hybridcache.core.disk.shard import Shard
+
+        return Shard.from_folder(self.shard) if self.shard else Shard()
 
 
 def _link_dir():
@@ -178,25 +196,40 @@ def _in_use(root: Path, name: str) -> bool | None:
         return not _try_exclusive(fd)  # closing the descriptor releases a lock taken
 
 
-def _scan_folder(root: Path, name: str) -> FolderListing:
+def _shard_folders(root: Path, name: str) -> list[str]:
+    """The rank folders below fingerprint folder `name` (TP > 1), in rank order."""
+    from vllm_hybridcache.core.disk.safeio import dir_fd
+    from vllm_hybridcache.core.disk.shard import Shard
+
+    with dir_fd(root, name) as fd, os.scandir(fd) as it:
+        found = [e.name for e in it if e.is_dir(follow_symlinks=False)
+                 and Shard.from_folder(e.name) is not None]
+    return sorted(found, key=lambda n: Shard.from_folder(n).rank)
+
+
+def _scan_folder(root: Path, name: str, shard: str = "") -> FolderListing:
     from vllm_hybridcache.core.disk.linkfile import TMP_PREFIX
     from vllm_hybridcache.core.disk.safeio import SymlinkRefused, dir_fd
+    from vllm_hybridcache.core.disk.shard import Shard
 
     d = _link_dir()
-    listing = FolderListing(name, _in_use(root, name))
-    with dir_fd(root, name) as fd, os.scandir(fd) as it:
+    listing = FolderListing(name, _in_use(root, name), shard=shard)
+    at = listing.label
+    with dir_fd(root, *listing.parts) as fd, os.scandir(fd) as it:
         subs = [(e.name, e.is_symlink(), e.is_dir(follow_symlinks=False)) for e in it]
     for sub, link, is_dir in sorted(subs):
         if link:
-            listing.symlinks.append(f"{name}/{sub}")
+            listing.symlinks.append(f"{at}/{sub}")
             continue
         if not is_dir:
             if sub != d.LOCK_NAME:
-                listing.others.append(f"{name}/{sub}")
+                listing.others.append(f"{at}/{sub}")
             continue
+        if not shard and Shard.from_folder(sub) is not None:
+            continue  # a rank's folder (TP > 1): listed as a folder of its own
         anchor = sub.startswith(d.ANCHOR_PREFIX)
         try:
-            with dir_fd(root, name, sub) as fd, os.scandir(fd) as it:
+            with dir_fd(root, *listing.parts, sub) as fd, os.scandir(fd) as it:
                 entries = []
                 for e in it:
                     try:
@@ -206,7 +239,7 @@ def _scan_folder(root: Path, name: str) -> FolderListing:
         except (FileNotFoundError, SymlinkRefused, NotADirectoryError):
             continue
         for fname, flink, st in sorted(entries, key=lambda x: x[0]):
-            rel = f"{name}/{sub}/{fname}"
+            rel = f"{at}/{sub}/{fname}"
             if flink:
                 listing.symlinks.append(rel)
                 continue
@@ -246,7 +279,11 @@ def list_root(root: Path) -> tuple[list[FolderListing], list[str]]:
             symlinks.append(name)
         elif is_dir:
             try:
-                folders.append(_scan_folder(root, name))
+                shards = _shard_folders(root, name)
+                listing = _scan_folder(root, name)
+                if not shards or listing.links or listing.temporaries or listing.others:
+                    folders.append(listing)
+                folders += [_scan_folder(root, name, shard) for shard in shards]
             except (FileNotFoundError, SymlinkRefused):
                 continue  # swept meanwhile by an engine
     return folders, symlinks
@@ -324,7 +361,7 @@ def _select(folders: list[FolderListing], wanted: str | None, key=None
     chosen = [f for f in folders if f.name == name]
     if not chosen:
         raise CommandError(f"no fingerprint folder {wanted!r}; there are: "
-                           f"{', '.join(f.name for f in folders) or 'none'}")
+                           f"{', '.join(sorted({f.name for f in folders})) or 'none'}")
     return chosen
 
 
@@ -376,9 +413,10 @@ def folder_fingerprint(root: Path, folder: FolderListing, key) -> bytes | None:
     return None
 
 
-def _namer(root: Path, fp: bytes, key):
-    """A LinkDirectory of `fp` on `root`, never opened: its names (`path_for`) and rules."""
-    return _link_dir().LinkDirectory(root, fp, 1, key=key)
+def _namer(root: Path, fp: bytes, key, shard=None):
+    """A LinkDirectory of `fp` (and of one rank's `shard` at TP > 1) on `root`, never opened:
+    its names (`path_for`) and rules."""
+    return _link_dir().LinkDirectory(root, fp, 1, key=key, shard=shard)
 
 
 @dataclass
@@ -407,7 +445,7 @@ def _check_file(root: Path, path: Path, fp: bytes | None, key, namer) -> tuple[C
                            "fingerprint"), None
         return Checked(rel, problem, f"{problem}: header"), None
     try:
-        header, base = read_header(path, fp, key, root)
+        header, base = read_header(path, fp, key, root, namer.shard.tag)
         if namer.path_for(header.domain, header.end, header.digest, header.kind) != path:
             return Checked(rel, "mismatch", "its name does not name its header"), None
         dst = {e.name: torch.empty(e.nbytes, dtype=torch.uint8) for e in header.parts}
@@ -429,7 +467,7 @@ def verify_folder(root: Path, folder: FolderListing, key, progress=None
     whose parent link is missing or unsound marked `orphan` (a chain serves only while every
     link below it is on disk)."""
     fp = folder_fingerprint(root, folder, key)
-    namer = _namer(root, fp, key) if fp is not None else None
+    namer = _namer(root, fp, key, folder.shard_of()) if fp is not None else None
     out: list[Checked] = []
     sound: dict[Path, Any] = {}
     for entry in folder.links:
@@ -478,10 +516,10 @@ def _ls(args: argparse.Namespace) -> int:
         for e in f.links:
             item = asdict(e)
             if key is not None:
-                verdict = _header_tokens(root, root / e.rel, fp, key)
+                verdict = _header_tokens(root, root / e.rel, fp, key, f.shard_of().tag)
                 item.update(verdict)
             files.append(item)
-        out.append({"folder": f.name, "in_use": f.in_use, "files": files,
+        out.append({"folder": f.label, "in_use": f.in_use, "files": files,
                     "fingerprint": fp.hex() if fp is not None else None,
                     "temporaries": len(f.temporaries), "others": f.others,
                     "symlinks": f.symlinks})
@@ -493,7 +531,7 @@ def _ls(args: argparse.Namespace) -> int:
         state = {True: "in use by an engine", False: "idle", None: "no .in-use: not a cache "
                  "folder"}[f.in_use]
         fp = f", fingerprint {o['fingerprint']}" if o["fingerprint"] else ""
-        print(f"\n{f.name}  {_files(len(f.links))}, {human_bytes(f.nbytes)}, {state}{fp}")
+        print(f"\n{f.label}  {_files(len(f.links))}, {human_bytes(f.nbytes)}, {state}{fp}")
         if f.links:
             cols = (f"  {'kind':7s} {'tenant':16s} {'domain':16s} {'end':>8s} {'size':>10s} "
                     f"{'last use':>10s}")
@@ -516,14 +554,15 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _header_tokens(root: Path, path: Path, fp: bytes | None, key) -> dict[str, Any]:
+def _header_tokens(root: Path, path: Path, fp: bytes | None, key,
+                   shard: str = "") -> dict[str, Any]:
     """A file's start and token count from its verified header (ls --tokens)."""
     from vllm_hybridcache.core.disk.linkfile import LinkFileError, read_header
 
     if fp is None:
         return {"problem": "fingerprint unknown"}
     try:
-        h, _ = read_header(path, fp, key, root)
+        h, _ = read_header(path, fp, key, root, shard)
     except LinkFileError as e:
         return {"problem": e.problem.value}
     except OSError:
@@ -550,7 +589,7 @@ def _stats(args: argparse.Namespace) -> int:
             k["bytes"] += e.nbytes
         uses = [e.last_use for e in f.links]
         rows.append({
-            "folder": f.name, "in_use": f.in_use, "files": len(f.links), "bytes": f.nbytes,
+            "folder": f.label, "in_use": f.in_use, "files": len(f.links), "bytes": f.nbytes,
             "kinds": kinds, "tenants": len({e.tenant for e in f.links}),
             "domains": len({(e.tenant, e.domain) for e in f.links}),
             "oldest_use": min(uses) if uses else None, "newest_use": max(uses) if uses else None,
@@ -603,12 +642,12 @@ def _verify(args: argparse.Namespace) -> int:
         deleted = 0
         if args.delete and bad:
             # what an engine does with each when it meets it; a symlink: the link itself
-            namer = _namer(root, fp if fp is not None else b"", key)
+            namer = _namer(root, fp if fp is not None else b"", key, f.shard_of())
             deleted = namer.delete([root / v.rel for v in bad])
         counts: dict[str, int] = {}
         for v in verdicts:
             counts[v.problem or "ok"] = counts.get(v.problem or "ok", 0) + 1
-        report.append({"folder": f.name, "fingerprint": fp.hex() if fp is not None else None,
+        report.append({"folder": f.label, "fingerprint": fp.hex() if fp is not None else None,
                        "in_use": f.in_use, "files": len(f.links), "bytes": f.nbytes,
                        "counts": counts, "problems": [asdict(v) for v in bad],
                        "deleted": deleted,
@@ -671,7 +710,7 @@ def _prune_folder(root: Path, f: FolderListing, key, budget: int | None,
     """Apply TTL and budget to one folder through LinkDirectory (scan: damaged files, orphans,
     stale temporaries and expired files deleted, as at an engine's start; evict: the least
     valuable leaves until the budget holds)."""
-    row: dict[str, Any] = {"folder": f.name, "in_use": f.in_use, "skipped": None,
+    row: dict[str, Any] = {"folder": f.label, "in_use": f.in_use, "skipped": None,
                            "files_before": len(f.links), "bytes_before": f.nbytes}
     if f.in_use is None:
         row["skipped"] = "no .in-use lock file: not a cache folder an engine made"
@@ -691,8 +730,8 @@ def _prune_folder(root: Path, f: FolderListing, key, budget: int | None,
             row["in_use"] = True
             fcntl.flock(fd, fcntl.LOCK_SH)
         d = _link_dir().LinkDirectory(root, fp, budget if budget is not None else 1 << 62,
-                                      ttl_s=ttl or 0.0, key=key)
-        assert d.dir == root / f.name, (d.dir, f.name)
+                                      ttl_s=ttl or 0.0, key=key, shard=f.shard_of())
+        assert d.dir == root.joinpath(*f.parts), (d.dir, f.label)
         d.scan()
         if budget is not None and d.stats.bytes > budget:
             d.evict(d.stats.bytes - budget)
@@ -721,15 +760,16 @@ def _clear(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         held = []
         locked = []
+        idle_by_name: dict[str, bool] = {}  # one lock per fingerprint folder (its ranks' too)
         for f in targets:
-            fd = stack.enter_context(_lock_fd(root, f.name))
-            if fd is None:
-                continue  # swept meanwhile
-            if _try_exclusive(fd):
-                locked.append((f, True))
-            else:
-                held.append(f)
-                locked.append((f, False))
+            if f.name not in idle_by_name:
+                fd = stack.enter_context(_lock_fd(root, f.name))
+                if fd is None:
+                    continue  # swept meanwhile
+                idle_by_name[f.name] = _try_exclusive(fd)
+                if not idle_by_name[f.name]:
+                    held.append(f)
+            locked.append((f, idle_by_name[f.name]))
         if held and not args.force:
             names = ", ".join(f.name for f in held)
             raise CommandError(
@@ -758,17 +798,18 @@ def _clear_folder(root: Path, f: FolderListing, idle: bool, kind: str | None,
     does; otherwise (a kind, or --force on a held folder) delete its link files through
     LinkDirectory.clear, which leaves the folder and its lock to the engine."""
     files = [e for e in f.links if kind is None or e.kind == kind]
-    row = {"folder": f.name, "in_use": not idle, "files": len(files),
+    row = {"folder": f.label, "in_use": not idle, "files": len(files),
            "bytes": sum(e.nbytes for e in files), "removed": False}
     if idle and kind is None:
         shutil.rmtree(root / f.name, ignore_errors=True)
         row["removed"] = not os.path.lexists(root / f.name)
         return row
     fp = folder_fingerprint(root, f, key())
-    d = _link_dir().LinkDirectory(root, fp if fp is not None else b"", 1, key=key())
+    d = _link_dir().LinkDirectory(root, fp if fp is not None else b"", 1, key=key(),
+                                  shard=f.shard_of())
     # clear() acts on the folder's files by name only; a folder of unknown fingerprint is
     # named for the instance here (its files need no header to be deleted)
-    d.dir = root / f.name
+    d.dir = root.joinpath(*f.parts)
     row["files"] = d.clear(kind)
     return row
 

@@ -135,11 +135,11 @@ class LinkDirectory:
         """ttl_s: 0 = files never expire. free_bytes: free space of the file system holding a
         path (default shutil.disk_usage); injected by tests. key: the disk key (authenticates
         and names the files); key_file: where it is kept (`open` refuses one inside `root`).
-        shard: which rank's files of a link this instance holds at TP > 1 (shards.py): its own
-        folder below the fingerprint's, its own fingerprint in every header."""
+        shard: which rank's files of a link this instance holds at TP > 1 (shard.py): its own
+        folder below the fingerprint's, its rank's shard tag in every header."""
         self.root = Path(os.path.abspath(Path(root).expanduser()))
         self.shard = shard if shard is not None else Shard()
-        self.fingerprint = self.shard.fingerprint(fingerprint)
+        self.fingerprint = fingerprint
         self.key = key
         self.key_file = key_file
         self.budget_bytes = budget_bytes
@@ -292,7 +292,7 @@ class LinkDirectory:
             if not p.name.endswith(SUFFIX):
                 continue  # an unrelated file: never read, never deleted
             try:
-                header, _ = read_header(p, self.fingerprint, self.key, self.root)
+                header, _ = read_header(p, self.fingerprint, self.key, self.root, self.shard.tag)
             except LinkFileError as e:
                 self._refuse(p, e.problem)
                 continue
@@ -457,7 +457,8 @@ class LinkDirectory:
             written = write_link_file(
                 path, key=self.key, fingerprint=self.fingerprint, domain=domain, digest=digest,
                 parent_digest=parent_digest, start=start, end=end, tokens=tokens, rows=rows,
-                parts=parts, created=self._clock(), kind=kind, tag=tag, root=self.root)
+                parts=parts, created=self._clock(), kind=kind, tag=tag, root=self.root,
+                shard=self.shard.tag)
         except LinkFileError:  # a symlink planted on the way: removed, counted
             link = self._first_symlink(path)
             if link is not None:
@@ -537,7 +538,8 @@ class LinkDirectory:
         chain: list[tuple[Path, LinkFileHeader, int]] = []
         while True:
             try:
-                header, base = read_header(path, self.fingerprint, self.key, self.root)
+                header, base = read_header(path, self.fingerprint, self.key, self.root,
+                                            self.shard.tag)
             except LinkFileError as e:
                 self._refuse(path, e.problem, descendants=[p for p, _, _ in chain])
                 return []
@@ -574,7 +576,8 @@ class LinkDirectory:
                 continue
             path = self.path_for(domain, end, digest, ANCHOR)
             try:
-                header, base = read_header(path, self.fingerprint, self.key, self.root)
+                header, base = read_header(path, self.fingerprint, self.key, self.root,
+                                            self.shard.tag)
             except LinkFileError as e:
                 self._refuse(path, e.problem)
                 continue

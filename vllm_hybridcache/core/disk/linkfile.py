@@ -154,6 +154,9 @@ class LinkFileHeader(msgspec.Struct, frozen=True):
     tag: EncodedTag | None = None
     # how the MACs are computed (a MacAlgorithm; equal to the magic's last byte)
     mac_alg: int = int(MacAlgorithm.BLAKE2B)
+    # which tensor-parallel rank's shard of the link the payload is ("rank/world", shard.py),
+    # "" with one worker: a reader takes only its own rank's (another rank's file is foreign)
+    shard: str = ""
 
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype=np.int64)
@@ -215,6 +218,7 @@ def write_link_file(
     kind: str = "tree",
     tag: EncodedTag | None = None,
     root: Path | None = None,
+    shard: str = "",
 ) -> int:
     """Write one link atomically at `path` (mode 0600), authenticated with `key`; returns the
     bytes written.
@@ -222,7 +226,8 @@ def write_link_file(
     `tokens` are the link's own token ids [start, end); `parts` maps part names to contiguous
     tensors (sections at `end`, view rows since the parent), written in the mapping's order;
     `tag`: the link's encoded draft tag (tags.py), None off a speculative route; `root`: the
-    cache folder `path` lies below (no symlink below it is followed; default its own folder).
+    cache folder `path` lies below (no symlink below it is followed; default its own folder);
+    `shard`: the rank's shard the parts are at TP > 1 (shard.py `Shard.tag`), "" otherwise.
     """
     toks = np.ascontiguousarray(tokens, dtype=np.int64)
     if not 0 <= start < end or toks.shape != (end - start,):
@@ -240,7 +245,7 @@ def write_link_file(
         offset = _round_up(offset + mv.nbytes)
     header = msgspec.msgpack.encode(LinkFileHeader(
         FORMAT_VERSION, fingerprint, domain, digest, parent_digest, start, end, toks.tobytes(),
-        rows, tuple(entries), created, kind, tag, int(alg)))
+        rows, tuple(entries), created, kind, tag, int(alg), shard))
     maced = _PRE_MACED.pack(magic(alg), len(header), crc32(header))
     head = maced + key.mac(maced, header, alg=alg) + header
     head += b"\0" * (_round_up(len(head)) - len(head))
@@ -277,13 +282,14 @@ def write_link_file(
 
 
 def read_header(path: Path, fingerprint: bytes, key: LinkKey,
-                root: Path | None = None) -> tuple[LinkFileHeader, int]:
+                root: Path | None = None, shard: str = "") -> tuple[LinkFileHeader, int]:
     """The verified header of a link file and the payload's offset in the file.
 
     Checks, in order: the magic, the header's CRC-32 and MAC (before its bytes are decoded),
-    the format and the fingerprint. Raises LinkFileError for anything but a complete link file
-    of this format and fingerprint written with `key`; OSError passes through (a file removed
-    by a concurrent sweep is the caller's miss). `root`: as for `write_link_file`.
+    the format, the fingerprint and the shard. Raises LinkFileError for anything but a complete
+    link file of this format, fingerprint and shard (`write_link_file`) written with `key`;
+    OSError passes through (a file removed by a concurrent sweep is the caller's miss). `root`:
+    as for `write_link_file`.
     """
     fd = open_link(path, root)
     with os.fdopen(fd, "rb") as f:
@@ -314,6 +320,8 @@ def read_header(path: Path, fingerprint: bytes, key: LinkKey,
         raise LinkFileError(LinkFileProblem.FORMAT, f"{path}: format {header.format}")
     if header.fingerprint != fingerprint:
         raise LinkFileError(LinkFileProblem.FOREIGN, str(path))
+    if header.shard != shard:  # another rank's shard of the link (TP): foreign to this one
+        raise LinkFileError(LinkFileProblem.FOREIGN, f"{path}: shard {header.shard!r}")
     base = _round_up(_PRE.size + hlen)
     end = max((e.offset + e.nbytes for e in header.parts), default=0)
     if size < base + end:

@@ -71,20 +71,19 @@ class SourceOrigin(msgspec.Struct, frozen=True):
     key_id: str = ""  # the key the scheduler side read (core/auth.py `key_from_file`)
     # workers that each hold a shard of every link (TP, core/disk/shard.py): the sources
     # name rank 0's files, each worker reads its own rank's, whose headers carry its rank's
-    # fingerprint
+    # shard tag
     shards: int = 1
 
     def key(self) -> LinkKey:
         return key_from_file(self.key_file, self.purpose, expect_id=self.key_id)
 
-    def for_rank(self, rank: int, sources: Sequence[str]) -> tuple[bytes, list[str]]:
-        """(the fingerprint rank `rank`'s files carry, the files of `sources`' links it
-        reads)."""
+    def for_rank(self, rank: int, sources: Sequence[str]) -> tuple[list[str], str]:
+        """(the files of `sources`' links rank `rank` reads, the shard tag their headers
+        carry)."""
         if self.shards <= 1:
-            return self.fingerprint, list(sources)
-        shard = Shard(rank, self.shards)
-        return (shard.fingerprint(self.fingerprint),
-                [str(relocate(p, rank, self.shards)) for p in sources])
+            return list(sources), ""
+        return ([str(relocate(p, rank, self.shards)) for p in sources],
+                Shard(rank, self.shards).tag)
 
 
 # problems of a read that are this machine's own (the file deleted meanwhile, an I/O error),
@@ -118,9 +117,10 @@ def read_verified(path: Path, header: LinkFileHeader, base: int,
 def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[str],
                 fingerprint: bytes, direct: bool = False, defer_sections: bool = False, *,
                 key: LinkKey, root: Path | None = None,
-                expect: Sequence[SourceKey] | None = None) -> int:
+                expect: Sequence[SourceKey] | None = None, shard: str = "") -> int:
     """Read `sources[i]` into the store as link `chain[i].link_id`, verified (header and parts
-    authenticated with `key`); returns the bytes read. On any problem every link staged by this
+    authenticated with `key`, the header of this rank's `shard`: shard.py); returns the bytes
+    read. On any problem every link staged by this
     call is dropped and DiskReadError raised, charged to the first file of the chain found at
     fault. `root`: the folder the files lie below (the disk tier's, the cluster staging
     folder); no symlink below it is followed. `expect[i]`: the (kind, domain, digest) the
@@ -150,7 +150,7 @@ def stage_chain(store: LinkStore, chain: Sequence[LinkRef], sources: Sequence[st
     try:
         for ref, src in zip(chain, sources, strict=True):
             at, path = ref, Path(src)
-            header, base = read_header(path, fingerprint, key, root)
+            header, base = read_header(path, fingerprint, key, root, shard)
             want = expect[len(staged)] if expect is not None else None
             if want is not None and (header.kind, header.domain, header.digest) != want:
                 raise LinkFileError(LinkFileProblem.MISMATCH,

@@ -1,10 +1,9 @@
 """Which rank's shard of a link a file holds at tensor parallel size N (sharded.py explains
-the layout): the rank's folder name, the fingerprint its headers carry, and how a path of one
+the layout): the rank's folder name, the shard tag its headers carry, and how a path of one
 rank's file names the same link's file of another rank. Pure; no vLLM."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import msgspec
@@ -24,6 +23,19 @@ class Shard(msgspec.Struct, frozen=True):
         if not (self.world >= 1 and 0 <= self.rank < self.world):
             raise ValueError(f"no rank {self.rank} of {self.world} workers")
 
+    @classmethod
+    def from_folder(cls, name: str) -> Shard | None:
+        """The rank whose folder `name` is (`shard-r-of-N`), or None for any other name."""
+        body = name.removeprefix(SHARD_PREFIX)
+        rank, sep, world = body.partition("-of-")
+        if body == name or not sep or not rank.isdigit() or not world.isdigit():
+            return None
+        try:
+            shard = cls(int(rank), int(world))
+        except ValueError:
+            return None
+        return shard if shard.sharded and shard.folder == name else None
+
     @property
     def sharded(self) -> bool:
         return self.world > 1
@@ -33,13 +45,11 @@ class Shard(msgspec.Struct, frozen=True):
         """This rank's folder below the fingerprint folder ("" when there is one worker)."""
         return f"{SHARD_PREFIX}{self.rank}-of-{self.world}" if self.sharded else ""
 
-    def fingerprint(self, engine: bytes) -> bytes:
-        """What this rank's headers carry: the engine's fingerprint itself with one worker,
-        else a digest binding it to (rank, world)."""
-        if not self.sharded:
-            return engine
-        return hashlib.sha256(b"hybridcache-shard\0" + engine
-                              + f"\0{self.rank}/{self.world}".encode()).digest()
+    @property
+    def tag(self) -> str:
+        """What this rank's headers carry beside the engine's fingerprint (linkfile.py
+        `shard`, authenticated with the header): "rank/world", "" with one worker."""
+        return f"{self.rank}/{self.world}" if self.sharded else ""
 
 
 def relocate(path: str | Path, rank: int, world: int) -> Path:

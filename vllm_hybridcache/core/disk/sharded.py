@@ -8,9 +8,10 @@ rules that keep a restore whole:
   every other rank's (a link's name is a function of its key), below the fingerprint folder
   F that all ranks lock together (directory.py: sweeps and clears treat F as one engine's).
   At N = 1 nothing changes: the files stay in `ROOT/<F>/`.
-- **Whose**: each rank's headers carry that rank's fingerprint (`Shard.fingerprint`: the
-  engine's, bound to rank and N), so a file of another rank, moved or renamed into a rank's
-  folder, fails verification like a foreign file and is never restored into the wrong shard.
+- **Whose**: each rank's headers carry the engine's fingerprint and the rank's shard tag
+  ("r/N", authenticated with the header), so a file of another rank, moved or renamed into a
+  rank's folder, fails verification like a foreign file and is never restored into the wrong
+  shard.
 - **Whole**: a link is on disk only while every rank's file is; each rank's file lands by an
   atomic rename, so the set becomes visible at once when its last file lands. The scheduler
   side (`ShardedDirectory`) finds chains in rank 0's folder and keeps a link only when every
@@ -141,7 +142,7 @@ class ShardedDirectory:
             if not s.has_file(theirs):
                 return False
             try:
-                h, _ = read_header(theirs, s.fingerprint, s.key, s.root)
+                h, _ = read_header(theirs, s.fingerprint, s.key, s.root, s.shard.tag)
             except LinkFileError as e:
                 self.refuse(path, e.problem, longer)
                 return False
