@@ -42,12 +42,17 @@ class SystemSpec(msgspec.Struct, frozen=True):
     description: str
     env: dict[str, str] = msgspec.field(default_factory=dict)
     """Extra environment for the server (the plugin's feature switches for ablations)."""
+    model: str = ""
+    """An embedded model this system serves instead of the run's `--model` (under the same
+    served name): a quantized twin of it, compared side by side in one run."""
 
 
 # The plugin's features one at a time (issue "conversations"): grid links only, then message-end
 # cuts, then end anchors (`ours`, the default setting). Same command as `ours`, env switches.
 _GRID_ONLY = {"VLLM_HYBRIDCACHE_MESSAGE_END_IDS": "-1", "VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0"}
 _NO_ANCHORS = {"VLLM_HYBRIDCACHE_SESSION_ANCHORS": "0"}
+# TP = 2 on vLLM's CPU backend: one core per rank, the first two this process may use
+_TP2_CORES = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2])
 
 SYSTEMS: dict[str, SystemSpec] = {
     s.name: s
@@ -82,6 +87,14 @@ SYSTEMS: dict[str, SystemSpec] = {
                    "(VLLM_HYBRIDCACHE_STEP_WAIT=0: it is not cached past that point, as "
                    "before step_wait)",
                    env={"VLLM_HYBRIDCACHE_STEP_WAIT": "0"}),
+        SystemSpec("ours-tp2", ["--plugin", "hybridcache", "--tensor-parallel-size", "2"],
+                   "vllm-hybridcache at tensor parallel size 2 (vLLM's CPU backend: one worker "
+                   f"process per rank, VLLM_CPU_OMP_THREADS_BIND={_TP2_CORES})",
+                   env={"VLLM_CPU_OMP_THREADS_BIND": _TP2_CORES}),
+        SystemSpec("ours-w8a8", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache on qwen3-next-tiny-w8a8: the same weights as "
+                   "compressed-tensors W8A8 int8 (dense linears int8, routed experts bf16)",
+                   model="qwen3-next-tiny-w8a8"),
         SystemSpec("ours-copy", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with attention K/V copied, not shared in place "
                    "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=0: a hit's attention rows are copied "
@@ -127,8 +140,13 @@ def vllm_command(settings: ServerSettings) -> str:
 
 def server_argv(spec: SystemSpec, settings: ServerSettings, port: int) -> list[str]:
     """The exact command line of one system (also written to the report)."""
+    model_path = settings.model_path
+    if spec.model:
+        from vllm_hybridcache.models import ensure_model
+
+        model_path = str(ensure_model(spec.model))
     return [
-        vllm_command(settings), "serve", settings.model_path,
+        vllm_command(settings), "serve", model_path,
         *spec.flags,
         "--served-model-name", settings.served_name,
         "--host", settings.host, "--port", str(port),

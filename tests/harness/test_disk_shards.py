@@ -177,3 +177,26 @@ def test_a_restarted_engine_serves_from_every_rank_s_files(tmp_path, cold_a):
     assert warm.cached == 3 * GRID
     assert warm.tokens == ref.tokens and warm.state == ref.state
     assert rank1_digests(again, warm) == ref1
+
+
+def test_an_end_anchor_spilled_by_eviction_serves_every_rank_from_its_files(tmp_path):
+    """Session spill at TP = 2: an end anchor RAM evicts is written by each rank's writer
+    (kind `anchor`), and the next turn of its conversation resumes from both ranks' files,
+    exact on each rank (the fake model's decode computes what its prefill would)."""
+    e = engine(tmp_path, session_anchors=1)
+    e.connector._sched.cache.tier("disk", "anchor").cost = None   # as `engine` does
+    first = e.run(A[:100], max_tokens=4)
+    turn = A[:100] + first.tokens + [7, 8, 9, 10, 11]
+    e.run([900 + i for i in range(90)], max_tokens=4)     # its anchor evicts the first's
+    deadline = time.monotonic() + 30.0
+    while (min(len([p for p in f.values() if p.parent.name.startswith("a-")])
+               for f in shard_files(tmp_path).values()) < 1 and time.monotonic() < deadline):
+        e.run([5] * 3, max_tokens=1)
+    ref = HarnessEngine(workers=2)
+    cold = ref.run(turn)
+    e.connector._sched.clear(tier="ram")
+    warm = e.run(turn)
+    assert warm.cached == 100 + len(first.tokens) - 1
+    assert warm.tokens == cold.tokens and warm.state == cold.state
+    assert rank1_digests(e, warm) == rank1_digests(ref, cold)
+    assert cache_stats(e, "anchor", tier="disk")["hits"] == 1
