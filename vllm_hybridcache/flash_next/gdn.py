@@ -17,6 +17,8 @@ start. The state after each piece is handed to the hook; the layer never sees th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.common import SectionBatch, section_batch
+from vllm_hybridcache.flash_next.linear import dense
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ple import PLE
 from vllm_hybridcache.inner_capture import InnerCapture, capture_pieces
@@ -75,7 +78,9 @@ class GatedDeltaNet(nn.Module, MambaBase):
     """One GDN mixer; owns the state sections of its decoder layer (GDN, and PLE if any)."""
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
-                 ops: FlashNextOps, ple: PLE | None) -> None:
+                 ops: FlashNextOps, ple: PLE | None, quant_config: Any = None) -> None:
+        """quant_config: the checkpoint's (linear.py); the small gate projections
+        (`in_proj_b`, `in_proj_a`: one column per value head) stay in the float dtype."""
         super().__init__()
         self.ops = ops
         self.prefix = prefix
@@ -90,8 +95,11 @@ class GatedDeltaNet(nn.Module, MambaBase):
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_kernel = config.linear_conv_kernel_dim
         conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        qc = quant_config
+        self.in_proj_qkv = dense(config.hidden_size, conv_dim, quant_config=qc,
+                                 prefix=f"{prefix}.in_proj_qkv")
+        self.in_proj_z = dense(config.hidden_size, self.value_dim, quant_config=qc,
+                               prefix=f"{prefix}.in_proj_z")
         self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(conv_dim, self.conv_kernel))
@@ -99,7 +107,8 @@ class GatedDeltaNet(nn.Module, MambaBase):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedNormSigmoidOrSilu(self.head_v_dim, config.rms_norm_eps,
                                            config.output_gate_type or config.hidden_act)
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = dense(self.value_dim, config.hidden_size, quant_config=qc,
+                              prefix=f"{prefix}.out_proj")
         # PLE runs before the mixer in the decoder layer, but its state lives here.
         self.ple_state_owner = ple is not None
         self._shapes = gdn_state_shapes(config) + (ple_state_shapes(config) if ple else [])

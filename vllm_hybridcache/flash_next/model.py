@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +50,10 @@ def _skips() -> set[str]:
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, ops: FlashNextOps,
                  rope: RopeTable, prefix: str,
-                 attention_cls: type[QSAAttention] = QSAAttention) -> None:
+                 attention_cls: type[QSAAttention] = QSAAttention,
+                 quant_config: Any = None) -> None:
+        """quant_config: the checkpoint's quantization (flash_next/linear.py), given by the
+        main model only (the MTP layer's checkpoint is not quantized)."""
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         ple_ids = config.ple_layer_ids or []
@@ -57,13 +61,15 @@ class DecoderLayer(nn.Module):
                     if layer_idx + 1 in ple_ids else None)
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config, layer_idx, vllm_config,
-                                             f"{prefix}.linear_attn", ops, self.ple)
+                                             f"{prefix}.linear_attn", ops, self.ple,
+                                             quant_config=quant_config)
         else:
             if self.ple is not None:
                 raise ValueError("Flash-Next PLE is only defined on linear_attention layers")
             self.self_attn = attention_cls(config, layer_idx, vllm_config,
-                                           f"{prefix}.self_attn", ops, rope)
-        self.mlp = SparseMoE(config)
+                                           f"{prefix}.self_attn", ops, rope,
+                                           quant_config=quant_config)
+        self.mlp = SparseMoE(config, quant_config, f"{prefix}.mlp")
         self.attn_hyper_connection = GatedResidual(config, ops)
         self.mlp_hyper_connection = GatedResidual(config, ops)
         self.ops = ops
@@ -159,7 +165,7 @@ class FlashNextModel(nn.Module):
         self.rope = RopeTable(config.head_dim, config.rope_parameters)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, vllm_config, ops, self.rope, f"{prefix}.layers.{i}",
-                         attention_cls)
+                         attention_cls, quant_config=vllm_config.quant_config)
             for i in range(config.num_hidden_layers))
         self.hyper_connection_mixer = GatedResidual(config, ops, use_combine=False)
 
@@ -231,8 +237,12 @@ def load_flash_next_weights(module: nn.Module, weights: Iterable[tuple[str, torc
         p = params[name]
         if tensor.dim() == 3 and p.dim() == 2:  # conv [C, 1, K] -> [C, K]
             tensor = tensor[:, 0]
-        with torch.no_grad():
-            p.copy_(tensor)
+        loader = getattr(p, "weight_loader", None)
+        if loader is not None:  # a vLLM layer's parameter (quantized weights, their scales)
+            loader(p, tensor)
+        else:
+            with torch.no_grad():
+                p.copy_(tensor)
         loaded.add(name)
     return loaded
 

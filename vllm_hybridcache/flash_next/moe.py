@@ -6,17 +6,23 @@ arithmetic (fp32 softmax, renormalised top-k, cast back) follows the reference e
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_hybridcache.flash_next.linear import dense
+
 
 class SharedExpertMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, quant_config: Any = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        qc = quant_config
+        self.gate_proj = dense(hidden, inter, quant_config=qc, prefix=f"{prefix}.gate_proj")
+        self.up_proj = dense(hidden, inter, quant_config=qc, prefix=f"{prefix}.up_proj")
+        self.down_proj = dense(inter, hidden, quant_config=qc, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -31,7 +37,9 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Experts are stored fused: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, quant_config: Any = None, prefix: str = "") -> None:
+        """quant_config: the checkpoint's, for the shared expert (linear.py); the routed
+        experts, the router and the shared-expert gate stay in the float dtype."""
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
@@ -40,7 +48,8 @@ class SparseMoE(nn.Module):
         self.gate = Router(config)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
-        self.shared_expert = SharedExpertMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert = SharedExpertMLP(hidden, config.shared_expert_intermediate_size,
+                                             quant_config, f"{prefix}.shared_expert")
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         # split-invariant mode (ops/split_invariant.py): run on tiles of this many rows and
         # pad every expert GEMM to it, so no GEMM's shape follows the step

@@ -9,6 +9,8 @@ group (backend.py); the layer writes this step's rows and gathers each sequence'
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -17,6 +19,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.backend import QSARowsBackend, qsa_rows_spec, row_width
 from vllm_hybridcache.flash_next.common import Qwen4RMSNorm, RopeTable
+from vllm_hybridcache.flash_next.linear import dense
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ops.reference import apply_partial_rope
 
@@ -40,7 +43,9 @@ class QSAAttention(nn.Module, AttentionLayerBase):
     supports_dcp = False
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
-                 ops: FlashNextOps, rope: RopeTable) -> None:
+                 ops: FlashNextOps, rope: RopeTable, quant_config: Any = None) -> None:
+        """quant_config: the checkpoint's, for q/k/v/o (linear.py); the indexer's projection
+        stays in the float dtype."""
         super().__init__()
         self.ops = ops
         self.rope = rope
@@ -53,10 +58,15 @@ class QSAAttention(nn.Module, AttentionLayerBase):
         self.scaling = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.attention_bias)
+        qc, bias = quant_config, bool(config.attention_bias)
+        self.q_proj = dense(h, self.num_heads * self.head_dim * 2, bias=bias, quant_config=qc,
+                            prefix=f"{prefix}.q_proj")
+        self.k_proj = dense(h, self.num_kv_heads * self.head_dim, bias=bias, quant_config=qc,
+                            prefix=f"{prefix}.k_proj")
+        self.v_proj = dense(h, self.num_kv_heads * self.head_dim, bias=bias, quant_config=qc,
+                            prefix=f"{prefix}.v_proj")
+        self.o_proj = dense(self.num_heads * self.head_dim, h, bias=bias, quant_config=qc,
+                            prefix=f"{prefix}.o_proj")
         self.q_norm = Qwen4RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = Qwen4RMSNorm(self.head_dim, config.rms_norm_eps)
         self.indexer = QSAIndexer(config)

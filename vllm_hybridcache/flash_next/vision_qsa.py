@@ -52,8 +52,8 @@ class MRopeQSAAttention(QSAAttention):
     """QSAAttention whose rows also carry each token's rotary cos/sin (module docstring)."""
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
-                 ops: FlashNextOps, rope: RopeTable) -> None:
-        super().__init__(config, layer_idx, vllm_config, prefix, ops, rope)
+                 ops: FlashNextOps, rope: RopeTable, quant_config=None) -> None:
+        super().__init__(config, layer_idx, vllm_config, prefix, ops, rope, quant_config)
         self.base_width = row_width(config)
         self.rot = rope.rotary_dim
         self.width = self.base_width + self.rot

@@ -328,6 +328,15 @@ CATALOG: dict[str, ModelSpec] = {
         ModelSpec("flash-next-tiny", "Flash-Next (qwen4_exp), 4 layers, GDN + QSA + PLE + HC + MoE",
                   _flash_next_tiny, seed=3, extra_weights=_flash_next_mtp_weights,
                   adjust_weights=_flash_next_adjust, revision=1),
+        ModelSpec("flash-next-tiny-w8a8", "flash-next-tiny quantized: compressed-tensors W8A8 "
+                  "int8 (GDN, attention and shared-expert projections; routed experts, gates, "
+                  "MTP layer in the float dtype)", _flash_next_tiny, seed=3,
+                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
+                  revision=1, quantize="w8a8"),
+        ModelSpec("flash-next-tiny-w8a8-dequant", "flash-next-tiny-w8a8's weights dequantized "
+                  "(its float reference)", _flash_next_tiny, seed=3,
+                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
+                  revision=1, quantize="w8a8-dequant"),
         ModelSpec("flash-next-vl-tiny", "Flash-Next with its vision tower "
                   "(Qwen4ExpForConditionalGeneration), flash-next-tiny's text model",
                   _flash_next_vl_tiny, seed=5, adjust_weights=_flash_next_adjust,

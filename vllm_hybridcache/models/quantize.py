@@ -10,7 +10,9 @@ and its quantized fused-MoE kernel are missing from the AVX2 build (`_C_AVX2` ha
 dtype (`ignore`), as the small projections do (the router, the shared-expert gate, the GDN
 `in_proj_ba` with its one column per value head).
 
-Two checkpoints come from one float model: the int8 one (`w8a8`) and its dequantized twin
+Schemes exist for Qwen3-Next (vLLM's model) and Flash-Next's text model (this package's,
+flash_next/linear.py), by the config's `model_type`. Two checkpoints come from one float
+model: the int8 one (`w8a8`) and its dequantized twin
 (`w8a8-dequant`: every quantized weight replaced by `int8 * scale` in the float dtype, the
 config without `quantization_config`), so a test can compare the quantized kernel against the
 same weights in float and see only the activation quantization's error.
@@ -21,26 +23,49 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-W8A8_TARGETS = re.compile(
-    r"\.(linear_attn\.(in_proj_qkvz|out_proj)|self_attn\.(q_proj|k_proj|v_proj|o_proj)"
-    r"|mlp\.shared_expert\.(gate_proj|up_proj|down_proj))\.weight$")
-"""The Qwen3-Next linears quantized (checkpoint names): every dense projection that vLLM
-builds with the model's `quant_config`, less the ignored ones below."""
 
-W8A8_IGNORE = ["lm_head", "re:.*\\.mlp\\.experts.*", "re:.*\\.mlp\\.gate$",
-               "re:.*\\.shared_expert_gate$", "re:.*\\.in_proj_ba$"]
-"""Layers vLLM must leave in the float dtype (vLLM module names): its AVX2 CPU build runs no
-quantized MoE, and the small projections gain nothing."""
+class Scheme(NamedTuple):
+    """Which linears of one architecture W8A8 quantizes (checkpoint names), and what vLLM must
+    leave in the float dtype (vLLM module names, the config's `ignore`)."""
+
+    targets: re.Pattern[str]
+    ignore: tuple[str, ...]
+
+
+SCHEMES: dict[str, Scheme] = {
+    # Qwen3-Next (vLLM's own model): every dense projection it builds with the model's
+    # `quant_config`, less the ignored ones (its AVX2 CPU build runs no quantized MoE, and the
+    # small projections gain nothing)
+    "qwen3_next": Scheme(
+        re.compile(r"\.(linear_attn\.(in_proj_qkvz|out_proj)"
+                   r"|self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+                   r"|mlp\.shared_expert\.(gate_proj|up_proj|down_proj))\.weight$"),
+        ("lm_head", "re:.*\\.mlp\\.experts.*", "re:.*\\.mlp\\.gate$",
+         "re:.*\\.shared_expert_gate$", "re:.*\\.in_proj_ba$")),
+    # Flash-Next (this package's model, flash_next/linear.py): the projections it builds with
+    # the checkpoint's `quant_config`, in the main model's layers (the MTP layer and the vision
+    # tower stay in the float dtype)
+    "qwen4_exp_text": Scheme(
+        re.compile(r"^model\.layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
+                   r"|self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+                   r"|mlp\.shared_expert\.(gate_proj|up_proj|down_proj))\.weight$"),
+        ("lm_head", "re:.*\\.mlp\\.experts.*")),
+}
+
+W8A8_TARGETS = SCHEMES["qwen3_next"].targets
+W8A8_IGNORE = list(SCHEMES["qwen3_next"].ignore)
 
 MODES = ("w8a8", "w8a8-dequant")
 
 
-def quantization_config() -> dict:
+def quantization_config(ignore: tuple[str, ...] | list[str] = tuple(W8A8_IGNORE)) -> dict:
     """compressed-tensors' description of W8A8 int8: symmetric int8 weights per output
-    channel (static), symmetric int8 activations per token (dynamic)."""
+    channel (static), symmetric int8 activations per token (dynamic); `ignore`: the layers
+    vLLM leaves in the float dtype."""
     return {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
@@ -53,7 +78,7 @@ def quantization_config() -> dict:
                                   "strategy": "token", "dynamic": True, "observer": None},
             "output_activations": None,
         }},
-        "ignore": list(W8A8_IGNORE),
+        "ignore": list(ignore),
         "kv_cache_scheme": None,
     }
 
@@ -76,6 +101,13 @@ def quantize_checkpoint(folder: Path, mode: str) -> int:
 
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; known: {', '.join(MODES)}")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type", "")
+    if model_type not in SCHEMES:
+        raise ValueError(f"no W8A8 scheme for model type {model_type!r}; known: "
+                         f"{', '.join(SCHEMES)}")
+    scheme = SCHEMES[model_type]
     count = 0
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
@@ -83,7 +115,7 @@ def quantize_checkpoint(folder: Path, mode: str) -> int:
         tensors = load_file(str(path))
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            if t.dim() != 2 or not W8A8_TARGETS.search(name):
+            if t.dim() != 2 or not scheme.targets.search(name):
                 out[name] = t
                 continue
             q, scale = int8_per_channel(t)
@@ -102,8 +134,6 @@ def quantize_checkpoint(folder: Path, mode: str) -> int:
     if count == 0:
         raise ValueError(f"no weight of {folder} matches the W8A8 targets")
     if mode == "w8a8":
-        config_path = folder / "config.json"
-        config = json.loads(config_path.read_text())
-        config["quantization_config"] = quantization_config()
+        config["quantization_config"] = quantization_config(scheme.ignore)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return count
