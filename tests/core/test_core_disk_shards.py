@@ -103,6 +103,7 @@ def test_deletes_evictions_and_clears_reach_every_rank(tmp_path):
     assert view.delete([deepest]) == 1
     assert told == [deepest]                         # the writer's index hears rank 0's path
     assert not relocate(deepest, 1, 2).exists()
+    assert view.evict(0) == 0 and len(view.first) == 2   # nothing asked, nothing evicted
     assert view.evict(1) > 0                         # a leaf of rank 0, and rank 1's with it
     assert len(view.first) == len(view.shards[1]) == 1
     view.clear()

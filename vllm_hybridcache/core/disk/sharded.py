@@ -180,8 +180,10 @@ class ShardedDirectory:
 
     def evict(self, nbytes: int) -> int:
         """Rank 0 picks the victims (mirrored on every rank); the bytes of every rank."""
+        if nbytes <= 0:
+            return 0
         before = sum(s.stats.bytes for s in self.shards)
-        self.first.evict(max(1, nbytes // self.world))
+        self.first.evict(-(-nbytes // self.world))  # rank 0's share, rounded up
         return before - sum(s.stats.bytes for s in self.shards)
 
     def clear(self, kind: str | None = None) -> int:
