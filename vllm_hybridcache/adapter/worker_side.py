@@ -334,8 +334,11 @@ class WorkerSide:
 def _tp_rank() -> int:
     """This worker's tensor-parallel rank (0 before vLLM's parallel groups exist: a worker
     built outside an engine, as the no-model harness does)."""
-    from vllm.distributed import parallel_state
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
+    )
 
-    if getattr(parallel_state, "_TP", None) is None:
+    if not model_parallel_is_initialized():
         return 0
-    return int(parallel_state.get_tensor_model_parallel_rank())
+    return int(get_tensor_model_parallel_rank())
