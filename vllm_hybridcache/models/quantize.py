@@ -56,13 +56,10 @@ SCHEMES: dict[str, Scheme] = {
         ("lm_head", "re:.*\\.mlp\\.experts.*")),
 }
 
-W8A8_TARGETS = SCHEMES["qwen3_next"].targets
-W8A8_IGNORE = list(SCHEMES["qwen3_next"].ignore)
-
 MODES = ("w8a8", "w8a8-dequant")
 
 
-def quantization_config(ignore: tuple[str, ...] | list[str] = tuple(W8A8_IGNORE)) -> dict:
+def quantization_config(ignore: tuple[str, ...] = SCHEMES["qwen3_next"].ignore) -> dict:
     """compressed-tensors' description of W8A8 int8: symmetric int8 weights per output
     channel (static), symmetric int8 activations per token (dynamic); `ignore`: the layers
     vLLM leaves in the float dtype."""
