@@ -7,7 +7,7 @@ Checked, in one engine each:
   and `in_proj_a`, the indexer, the routed experts) stay plain float layers;
 - prompt logprobs agree with the dequantized twin's (the same int8 weights times their scales,
   in a plain vLLM engine) within `LOGPROB_TOLERANCE` on average; the same comparison one
-  position off is several times the bound (negative control);
+  position off is more than twice the bound (negative control);
 - warm equals cold, bit for bit (greedy tokens, logprobs, the digests of every state section
   and complete K/V block) for a 3-link chain and a branch; a corrupted link fails it.
 """
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 LOGPROB_TOLERANCE = 0.15
 """Mean |quantized - dequantized| prompt logprob, nats. Measured on this model (bf16, prompt
-A): 0.052; the same comparison one position off, 0.66."""
+A, a 2-core Xeon with AVX-512 and AMX): 0.052; the same comparison one position off, 0.66."""
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_prompt_logprobs_agree_with_the_dequantized_weights(llm, dequantized_log
     gap = statistics.mean(abs(q - r) for q, r in zip(quantized, ref, strict=True))
     assert gap <= LOGPROB_TOLERANCE
     off = statistics.mean(abs(q - r) for q, r in zip(quantized[1:], ref[:-1], strict=True))
-    assert off > 3 * LOGPROB_TOLERANCE
+    assert off > 2 * LOGPROB_TOLERANCE
 
 
 def test_warm_runs_equal_cold_runs_on_the_quantized_model(llm):

@@ -8,7 +8,7 @@ Checked, in one engine each:
 - its prompt logprobs agree with its dequantized twin's (the same int8 weights times their
   scales in bf16, in a plain vLLM engine) within `LOGPROB_TOLERANCE` nats on average: what is
   left is the per-token activation quantization. Negative control: the same comparison one
-  position off is several times the tolerance;
+  position off is more than twice the tolerance;
 - warm equals cold, bit for bit (greedy tokens, logprobs, the digests of every state section and
   complete K/V block), for a 3-link chain and a branch; a restore corrupted after its checks
   passed fails that comparison (negative control).
@@ -30,9 +30,10 @@ GRID = 256
 A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 132)]          # 3 segments + tail
 B = A[: 2 * GRID] + [50 + (i * 13) % 3000 for i in range(300)]     # shares 2 segments
 
-LOGPROB_TOLERANCE = 0.35
-"""Mean |quantized - dequantized| prompt logprob, nats. Measured on this model: 0.20 (the
-logprobs themselves spread 1.3 nats around -9.1; the same comparison one position off, 1.4)."""
+LOGPROB_TOLERANCE = 0.4
+"""Mean |quantized - dequantized| prompt logprob, nats. Measured on this model: 0.20 (a 2-core
+Xeon with AVX-512 and AMX; the logprobs themselves spread 1.3 nats around -9.1; the same
+comparison one position off, 1.43). The bound leaves room for other CPUs' kernels."""
 
 
 def prompt_logprobs(llm, prompt) -> list[float]:
@@ -100,7 +101,7 @@ def test_prompt_logprobs_agree_with_the_dequantized_weights(llm, dequantized_log
     assert gap <= LOGPROB_TOLERANCE
     # negative control: the measure tells other logprobs apart
     off = statistics.mean(abs(q - r) for q, r in zip(quantized[1:], ref[:-1], strict=True))
-    assert off > 3 * LOGPROB_TOLERANCE
+    assert off > 2 * LOGPROB_TOLERANCE
 
 
 def test_warm_runs_equal_cold_runs_on_the_quantized_model(llm):

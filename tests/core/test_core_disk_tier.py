@@ -312,6 +312,34 @@ def test_existing_files_are_not_written_again_and_clear_deletes_them(written, la
     assert not e.disk.lookup(e.cache.keys(PROMPT), DOM).hit
 
 
+def test_a_link_committed_while_a_clear_is_queued_is_written_again(written, layout):
+    """A clear deletes the files here and queues the writer's own clear behind its queued
+    writes; an older write landing between the two leaves a file the writer's clear then
+    deletes. A link committed meanwhile must not trust that file: it is written (behind the
+    writer's clear), and once the writer reports the clear done, a file there is trusted
+    again. Negative control: the file exists, so without the clear in flight no job comes."""
+    root, _, _ = written
+    e = _restart(root, layout)
+    keys = e.tree.keys(PROMPT)
+    r = e.tree.reserve(keys, 64, DOM)
+    e.tree.commit(r.link_id)
+    record = e.tree.link_record(r.link_id)
+    assert e.disk.write_job(record) is None                  # on disk: not written again
+    e.cache.clear(tier="disk")
+    path = e.disk.dir.path_for(DOM, 64, keys.digest(64))    # an older write lands after it
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"an older write")
+    assert e.disk.write_job(record) is not None              # clear decided, not yet sent
+    assert e.disk.take_writer_ops()[1]                       # the writer's clear is sent
+    assert e.disk.write_job(record) is not None              # sent, not yet reported done
+    e.writer.clear()
+    e.flush()                                                # the writer's report: 1 clear
+    assert e.writer.snapshot()["clears"] == 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"a file there now")
+    assert e.disk.write_job(record) is None                  # trusted again
+
+
 def test_writer_drops_writes_when_behind_and_keeps_buffers_busy(tmp_path, layout):
     gate = threading.Event()
 

@@ -21,7 +21,8 @@ start past the limit is skipped (`shutdown`), so the limit bounds how long a sto
 was written and what was dropped is returned for the log.
 
 Stats are cumulative (`snapshot()`): files and bytes held, writes and their bytes and seconds,
-skips by reason, writes dropped, evictions and expiries, read failures recorded by the worker.
+skips by reason, writes dropped, evictions and expiries, read failures recorded by the worker,
+clears (whole and per tenant) carried out.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class LinkWriter:
         self._done: list[int] = []  # ids no longer busy, not yet taken by the worker
         self._stats: dict[str, Any] = {"dropped": 0, "files": 0, "bytes": 0, "writes": 0,
                                        "write_bytes": 0, "skips": {}, "evictions": 0,
-                                       "expired": 0, "read_failures": {}, "error": ""}
+                                       "expired": 0, "read_failures": {}, "error": "",
+                                       "clears": 0}
         self._hist = Histogram.empty(SECONDS_BOUNDS)
         self._deadline: float | None = None  # monotonic; writes starting later are skipped
         self._version = 0  # bumped on every stats change: the worker reports only news
@@ -265,6 +267,9 @@ class LinkWriter:
                     directory.clear(TREE)  # anchor files: deleted one by one (`forget`)
                 elif directory is not None and op == "clear_tenant":
                     directory.clear_tenant(item[1], item[2])
+                if op in ("clear", "clear_tenant"):  # done (or nothing to clear): reported
+                    with self._cv:
+                        self._stats["clears"] += 1
             except Exception as e:  # never let one bad write end the thread
                 logger.warning("hybridcache: disk writer: %s failed: %s", op, e, exc_info=True)
                 if op == "write":

@@ -141,6 +141,9 @@ class DiskTier(CacheTier):
         # (tenant tag, kind) of the tenants' clears since the writer last heard: it deletes
         # their files that land after the clear, and forgets the ones deleted here
         self._tenant_clears: list[tuple[bytes, str]] = []
+        # clears (whole and per tenant) handed to the writers; until every writer reports as
+        # many done, a file there may be an older write its queued clear is about to delete
+        self._clears_sent = 0
         directory.on_delete = lambda p: self._forget.append(str(p))
         self._rec = StatsRecorder()
         self._worker: dict[str, Any] = {}  # the writer's latest cumulative stats
@@ -314,8 +317,10 @@ class DiskTier(CacheTier):
         except UnencodableTag:
             self._rec.skip(TagProblem.DRAFT_TAG.value)
             return None
-        if self.dir.has_file(self.dir.path_for(record.domain, record.end, record.digest)):
-            return None
+        if (not self._clear_in_flight()
+                and self.dir.has_file(self.dir.path_for(record.domain, record.end,
+                                                        record.digest))):
+            return None  # on disk already (the writer skips it too, by the same check)
         if not self.admits(record.domain, record.end, record.digest):
             self._rec.skip("not_admitted")
             return None
@@ -389,6 +394,7 @@ class DiskTier(CacheTier):
         """(files the writer must forget, whether it must clear) since the last call."""
         forget, clear = self._forget, self._clear_writer
         self._forget, self._clear_writer = [], False
+        self._clears_sent += int(clear)
         return forget, clear
 
     def take_tenant_clears(self) -> list[tuple[bytes, str]]:
@@ -396,7 +402,22 @@ class DiskTier(CacheTier):
         (DiskOps.clear_tenants), in order."""
         out = list(self._tenant_clears)
         self._tenant_clears.clear()  # in place: the anchor tier appends to this same list
+        self._clears_sent += len(out)
         return out
+
+    def _clear_in_flight(self) -> bool:
+        """A clear was decided here that some writer has not carried out yet (or not yet
+        reported): a link file found now may be an older write landing before that clear,
+        which will then delete it, so a committed link is written again rather than trusted
+        to it (the writer's queue runs the clear first, then this write)."""
+        if self._clear_writer or self._tenant_clears:
+            return True
+        if not self._clears_sent:
+            return False
+        done = [int(w.get("clears", 0)) for w in (self._worker, *self._shard_workers.values())]
+        if len(done) < getattr(self.dir, "world", 1):  # a rank that never reported
+            return True
+        return self._clears_sent > min(done)
 
     def absorb_worker(self, snapshot: dict[str, Any], rank: int = 0) -> None:
         """A writer's latest cumulative stats (see core/disk/writer.py): rank 0's, or at
