@@ -22,13 +22,10 @@ import pytest
 import torch
 
 from tests.connector.conftest import connector_engine, engine_parts
-from vllm_hybridcache.testing.instrumentation import instrument, instrumentation_of
+from tests.connector.test_exactness import GRID, A, B, clear, run
+from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
-
-GRID = 256
-A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 132)]          # 3 segments + tail
-B = A[: 2 * GRID] + [50 + (i * 13) % 3000 for i in range(300)]     # shares 2 segments
 
 LOGPROB_TOLERANCE = 0.4
 """Mean |quantized - dequantized| prompt logprob, nats. Measured on this model: 0.20 (a 2-core
@@ -59,24 +56,6 @@ def llm(inproc, embedded_model, dequantized_logprobs):
                                  "inner_captures": False}) as engine:
         instrument(engine)
         yield engine
-
-
-def run(llm, prompt):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=5, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)[0]
-    return {
-        "tokens": list(out.outputs[0].token_ids),
-        "cached": out.num_cached_tokens,
-        "logprobs": [{k: v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs],
-        "state": instrumentation_of(llm).take_digests(out.request_id),
-    }
-
-
-def clear(llm):
-    sched, _ = engine_parts(llm)
-    sched.clear()
 
 
 def _schemes(worker) -> dict[str, str]:
