@@ -65,7 +65,10 @@ def clear(llm):
     sched.clear()
 
 
-def test_warm_runs_equal_cold_runs(llm):
+def check_chain_and_branch(llm) -> dict:
+    """A and B cold, then A (links at 256, 512, 768), B (resumes at A's 2nd cut) and A again
+    (the deepest cut: a 3-link chain) warm: each equals its cold run in tokens, logprobs and
+    state. Returns A's cold run. Shared by the exactness tests of every checkpoint."""
     clear(llm)
     a_cold = run(llm, A)
     assert a_cold["cached"] == 0 and a_cold["state"]
@@ -82,6 +85,19 @@ def test_warm_runs_equal_cold_runs(llm):
         assert warm["tokens"] == cold["tokens"]
         assert warm["logprobs"] == cold["logprobs"]
         assert warm["state"] == cold["state"]
+    return a_cold
+
+
+def corrupt_links(llm) -> None:
+    """Negative control: every stored link's first state section off by one."""
+    _, worker = engine_parts(llm)
+    for link_id in list(worker.store._entries):
+        first = next(iter(worker.store.buffers(link_id).sections.values()))
+        first.add_(torch.ones_like(first))
+
+
+def test_warm_runs_equal_cold_runs(llm):
+    check_chain_and_branch(llm)
 
 
 def test_chain_and_shared_root(llm):
@@ -118,11 +134,7 @@ def test_corrupted_link_is_caught(llm):
     """Negative control: the comparison above detects a bad restore."""
     clear(llm)
     cold = run(llm, A)
-    _, worker = engine_parts(llm)
-    for link_id in list(worker.store._entries):
-        bufs = worker.store.buffers(link_id)
-        first = next(iter(bufs.sections.values()))
-        first.add_(torch.ones_like(first))
+    corrupt_links(llm)
     warm = run(llm, A)
     assert warm["cached"] == 3 * GRID
     assert warm["logprobs"] != cold["logprobs"] or warm["state"] != cold["state"]

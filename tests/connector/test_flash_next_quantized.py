@@ -14,14 +14,18 @@ Checked, in one engine each:
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
-import torch
 
-from tests.connector.conftest import connector_engine, engine_parts
-from tests.connector.test_exactness import GRID, A, B, clear, run
-from tests.connector.test_quantized import prompt_logprobs
+from tests.connector.conftest import connector_engine
+from tests.connector.test_exactness import (
+    GRID,
+    A,
+    check_chain_and_branch,
+    clear,
+    corrupt_links,
+    run,
+)
+from tests.connector.test_quantized import assert_close_to_reference, prompt_logprobs
 from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -67,34 +71,12 @@ def test_the_quantized_projections_run_vllm_w8a8_int8(llm):
 
 
 def test_prompt_logprobs_agree_with_the_dequantized_weights(llm, dequantized_logprobs):
-    quantized = prompt_logprobs(llm, A)
-    ref = dequantized_logprobs
-    gap = statistics.mean(abs(q - r) for q, r in zip(quantized, ref, strict=True))
-    assert gap <= LOGPROB_TOLERANCE
-    off = statistics.mean(abs(q - r) for q, r in zip(quantized[1:], ref[:-1], strict=True))
-    assert off > 2 * LOGPROB_TOLERANCE
+    assert_close_to_reference(prompt_logprobs(llm, A), dequantized_logprobs, LOGPROB_TOLERANCE)
 
 
 def test_warm_runs_equal_cold_runs_on_the_quantized_model(llm):
-    clear(llm)
-    a_cold = run(llm, A)
-    assert a_cold["cached"] == 0 and a_cold["state"]
-    clear(llm)
-    b_cold = run(llm, B)
-    clear(llm)
-    run(llm, A)
-    b_warm = run(llm, B)
-    a_warm = run(llm, A)
-    assert (b_warm["cached"], a_warm["cached"]) == (2 * GRID, 3 * GRID)
-    for warm, cold in ((a_warm, a_cold), (b_warm, b_cold)):
-        assert warm["tokens"] == cold["tokens"]
-        assert warm["logprobs"] == cold["logprobs"]
-        assert warm["state"] == cold["state"]
-    # negative control: one corrupted section of the stored links is caught
-    _, worker = engine_parts(llm)
-    for link_id in list(worker.store._entries):
-        first = next(iter(worker.store.buffers(link_id).sections.values()))
-        first.add_(torch.ones_like(first))
+    a_cold = check_chain_and_branch(llm)
+    corrupt_links(llm)                       # negative control: a corrupted link is caught
     bad = run(llm, A)
     assert bad["cached"] == 3 * GRID
     assert bad["logprobs"] != a_cold["logprobs"] or bad["state"] != a_cold["state"]

@@ -19,10 +19,16 @@ from __future__ import annotations
 import statistics
 
 import pytest
-import torch
 
-from tests.connector.conftest import connector_engine, engine_parts
-from tests.connector.test_exactness import GRID, A, B, clear, run
+from tests.connector.conftest import connector_engine
+from tests.connector.test_exactness import (
+    GRID,
+    A,
+    check_chain_and_branch,
+    clear,
+    corrupt_links,
+    run,
+)
 from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
@@ -73,40 +79,27 @@ def test_the_checkpoint_runs_vllm_w8a8_int8_kernels(llm):
     assert {s for n, s in schemes.items() if n.endswith("in_proj_ba")} == {"NoneType"}
 
 
-def test_prompt_logprobs_agree_with_the_dequantized_weights(llm, dequantized_logprobs):
-    quantized = prompt_logprobs(llm, A)
-    ref = dequantized_logprobs
+def assert_close_to_reference(quantized: list[float], ref: list[float], tol: float) -> None:
+    """Mean |quantized - reference| within `tol`; negative control: the same measure one
+    position off is above twice `tol` (it tells other logprobs apart)."""
     gap = statistics.mean(abs(q - r) for q, r in zip(quantized, ref, strict=True))
-    assert gap <= LOGPROB_TOLERANCE
-    # negative control: the measure tells other logprobs apart
+    assert gap <= tol
     off = statistics.mean(abs(q - r) for q, r in zip(quantized[1:], ref[:-1], strict=True))
-    assert off > 2 * LOGPROB_TOLERANCE
+    assert off > 2 * tol
+
+
+def test_prompt_logprobs_agree_with_the_dequantized_weights(llm, dequantized_logprobs):
+    assert_close_to_reference(prompt_logprobs(llm, A), dequantized_logprobs, LOGPROB_TOLERANCE)
 
 
 def test_warm_runs_equal_cold_runs_on_the_quantized_model(llm):
-    clear(llm)
-    a_cold = run(llm, A)
-    assert a_cold["cached"] == 0 and a_cold["state"]
-    clear(llm)
-    b_cold = run(llm, B)
-    clear(llm)
-    run(llm, A)                      # captures links at 256, 512, 768
-    b_warm = run(llm, B)
-    a_warm = run(llm, A)
-    assert b_warm["cached"] == 2 * GRID and a_warm["cached"] == 3 * GRID
-    for warm, cold in ((a_warm, a_cold), (b_warm, b_cold)):
-        assert warm["tokens"] == cold["tokens"]
-        assert warm["logprobs"] == cold["logprobs"]
-        assert warm["state"] == cold["state"]
+    check_chain_and_branch(llm)
 
 
 def test_a_corrupted_link_fails_the_comparison(llm):
     clear(llm)
     cold = run(llm, A)
-    _, worker = engine_parts(llm)
-    for link_id in list(worker.store._entries):
-        first = next(iter(worker.store.buffers(link_id).sections.values()))
-        first.add_(torch.ones_like(first))
+    corrupt_links(llm)
     warm = run(llm, A)
     assert warm["cached"] == 3 * GRID
     assert warm["logprobs"] != cold["logprobs"] or warm["state"] != cold["state"]
