@@ -1,5 +1,5 @@
 """This package's Flash-Next on a quantized checkpoint: flash-next-tiny as compressed-tensors
-W8A8 int8 (`models/quantize.py`; flash_next/linear.py builds its GDN, attention and
+W8A8 int8 (`models/quantize.py`; flash_next/parallel.py builds its GDN, attention and
 shared-expert projections as vLLM's `ReplicatedLinear` with the checkpoint's quantization).
 
 Checked, in one engine each:

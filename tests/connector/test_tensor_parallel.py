@@ -1,11 +1,13 @@
 """The RAM tree at tensor parallel size 2: warm equals cold, bit for bit, on every rank, for
 qwen3-next-tiny in bf16 and as W8A8 int8 (`qwen3-next-tiny-w8a8`, tests/connector/
-test_quantized.py).
+test_quantized.py), this package's Flash-Next as W8A8 int8 (`flash-next-tiny-w8a8`,
+flash_next/parallel.py) and Flash-Next in bf16 with MTP speculative decoding (2 draft tokens:
+the MTP route, the draft head's rows in every link).
 
 (Tree links, with attention K/V in place below them, the default; and the disk tier, one file
 per rank of every link, served back with the RAM tier cleared. End anchors are
-session-exact, so their check is the float32 greedy gate of test_end_anchors.py, which needs
-flash-next-tiny: this package's Flash-Next runs at TP = 1 only, issue 30.)
+session-exact, so their check is the float32 greedy gate of test_end_anchors.py, not run at
+TP = 2.)
 
 vLLM's CPU backend runs TP = 2 with its multiprocessing executor (one worker process per rank,
 threads bound one core each: `VLLM_CPU_OMP_THREADS_BIND=0|1`, the first two cores this process
@@ -42,12 +44,22 @@ EXT = HEAD + [50 + (i * 13) % 3000 for i in range(70)]
 BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
 
 
-@pytest.fixture(scope="module", params=["qwen3-next-tiny", "qwen3-next-tiny-w8a8"])
+# (checkpoint, draft tokens of MTP speculative decoding: 0 = none)
+ENGINES = {"qwen3-next-tiny": ("qwen3-next-tiny", 0),
+           "qwen3-next-tiny-w8a8": ("qwen3-next-tiny-w8a8", 0),
+           "flash-next-tiny-w8a8": ("flash-next-tiny-w8a8", 0),
+           "flash-next-tiny-mtp2": ("flash-next-tiny", 2)}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
 def llm(request, inproc, embedded_model, monkeypatch_module, tmp_path_factory):
     first, second = sorted(os.sched_getaffinity(0))[:2]  # the cores this process may use
     disk = tmp_path_factory.mktemp("tp-disk")
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
-    with connector_engine(embedded_model(request.param), tensor_parallel_size=2,
+    model, drafts = ENGINES[request.param]
+    spec = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": drafts}}
+            if drafts else {})
+    with connector_engine(embedded_model(model), tensor_parallel_size=2, **spec,
                           max_model_len=4096, worker_extension_cls=(
                               "vllm_hybridcache.testing.instrumentation.FaultInjection"),
                           extra={"grid": GRID, "message_end_min": 64,
@@ -92,7 +104,7 @@ def same(warm: dict, cold_run: dict) -> None:
 def _quant_schemes(worker) -> set[str]:
     return {type(getattr(m, "scheme", None)).__name__
             for name, m in worker.model_runner.model.named_modules()
-            if name.endswith(("in_proj_qkvz", "qkv_proj"))}
+            if name.endswith(("in_proj_qkvz", "qkv_proj", "in_proj_qkv", "q_proj"))}
 
 
 def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
@@ -102,6 +114,11 @@ def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
     # the quantized checkpoint runs vLLM's int8 kernels on both ranks (its own shards)
     expect = {"CompressedTensorsW8A8Int8"} if quantized else {"NoneType"}
     assert llm.collective_rpc(_quant_schemes) == [expect, expect]
+    # with MTP drafts the links are the MTP route's and carry the draft head's rows
+    mtp = llm.llm_engine.vllm_config.speculative_config is not None
+    assert _sched(llm).base_domain["route"] == ("mtp" if mtp else "ar")
+    views = [v.name for v in _sched(llm).parts.layout.views]
+    assert any(v.startswith("mtp.") for v in views) == mtp, views
 
 
 def test_a_warm_prompt_and_a_branch_equal_their_cold_runs_on_every_rank(llm):

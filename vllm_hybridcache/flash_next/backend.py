@@ -24,22 +24,27 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
-
-def row_width(text_config) -> int:
-    """Elements per token row: K and V of every kv head, plus the raw index key."""
-    return (2 * text_config.num_key_value_heads * text_config.head_dim
-            + text_config.indexer_head_dim)
+from vllm_hybridcache.flash_next.parallel import config_world, kv_heads_per_rank
 
 
-def qsa_rows_spec(text_config, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
-    """The KV-cache spec of one QSA layer (see module docstring)."""
+def row_width(text_config, world: int = 1) -> int:
+    """Elements per token row on one of `world` tensor parallel ranks: K and V of the kv heads
+    that rank holds (flash_next/parallel.py), plus the raw index key (replicated)."""
+    kv_heads = kv_heads_per_rank(text_config.num_key_value_heads, world)
+    return 2 * kv_heads * text_config.head_dim + text_config.indexer_head_dim
+
+
+def qsa_rows_spec(text_config, block_size: int, dtype: torch.dtype,
+                  world: int = 1) -> FullAttentionSpec:
+    """The KV-cache spec of one QSA layer on one of `world` ranks (see module docstring)."""
+    width = row_width(text_config, world)
     return FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=text_config.num_key_value_heads,
+        num_kv_heads=kv_heads_per_rank(text_config.num_key_value_heads, world),
         head_size=text_config.head_dim,
         dtype=dtype,
         num_head_slots=1,
-        state_content_bytes=row_width(text_config) * torch.empty((), dtype=dtype).element_size(),
+        state_content_bytes=width * torch.empty((), dtype=dtype).element_size(),
     )
 
 
@@ -113,7 +118,8 @@ class QSARowsBackend(AttentionBackend):
         if width is None:
             from vllm.config import get_current_vllm_config
 
-            width = row_width(get_current_vllm_config().model_config.hf_text_config)
+            cfg = get_current_vllm_config()
+            width = row_width(cfg.model_config.hf_text_config, config_world(cfg))
         return replace(spec, num_head_slots=1,
                        state_content_bytes=width * torch.empty((), dtype=spec.dtype)
                        .element_size())

@@ -28,22 +28,36 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.common import SectionBatch, section_batch
-from vllm_hybridcache.flash_next.linear import dense
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
+from vllm_hybridcache.flash_next.parallel import (
+    column,
+    parts_loader,
+    row,
+    split_even,
+    tp_rank_world,
+)
 from vllm_hybridcache.flash_next.ple import PLE
 from vllm_hybridcache.inner_capture import InnerCapture, capture_pieces
 
 
-def gdn_state_shapes(config) -> list[tuple[int, ...]]:
-    key_dim = config.linear_key_head_dim * config.linear_num_key_heads
-    value_dim = config.linear_value_head_dim * config.linear_num_value_heads
+def gdn_heads(config, world: int = 1) -> tuple[int, int]:
+    """(key heads, value heads) one of `world` tensor parallel ranks holds."""
+    return (split_even(config.linear_num_key_heads, world, "linear_num_key_heads"),
+            split_even(config.linear_num_value_heads, world, "linear_num_value_heads"))
+
+
+def gdn_state_shapes(config, world: int = 1) -> list[tuple[int, ...]]:
+    """One rank's GDN sections (conv tail, recurrent state): its heads only."""
+    k_heads, v_heads = gdn_heads(config, world)
+    key_dim = config.linear_key_head_dim * k_heads
+    value_dim = config.linear_value_head_dim * v_heads
     conv_dim = 2 * key_dim + value_dim
     return [(conv_dim, config.linear_conv_kernel_dim - 1),
-            (config.linear_num_value_heads, config.linear_key_head_dim,
-             config.linear_value_head_dim)]
+            (v_heads, config.linear_key_head_dim, config.linear_value_head_dim)]
 
 
 def ple_state_shapes(config) -> list[tuple[int, ...]]:
+    """The PLE sections (replicated on every tensor parallel rank, parallel.py)."""
     hc_hidden = config.hidden_size * config.hc_count
     return [(config.ngram_size - 1,),
             (hc_hidden, (config.ple_conv_kernel_size - 1) * config.ngram_size)]
@@ -79,39 +93,46 @@ class GatedDeltaNet(nn.Module, MambaBase):
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
                  ops: FlashNextOps, ple: PLE | None, quant_config: Any = None) -> None:
-        """quant_config: the checkpoint's (linear.py); the small gate projections
-        (`in_proj_b`, `in_proj_a`: one column per value head) stay in the float dtype."""
+        """quant_config: the checkpoint's (parallel.py); the small gate projections
+        (`in_proj_b`, `in_proj_a`: one column per value head) stay in the float dtype. At
+        TP > 1 this rank holds its share of the key and value heads (parallel.py)."""
         super().__init__()
         self.ops = ops
         self.prefix = prefix
         self.layer_idx = layer_idx
         self.model_dtype = vllm_config.model_config.dtype
         self.cache_config = vllm_config.cache_config
-        self.num_v_heads = config.linear_num_value_heads
-        self.num_k_heads = config.linear_num_key_heads
+        _, world = tp_rank_world()
+        self.num_k_heads, self.num_v_heads = gdn_heads(config, world)
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.head_k_dim * self.num_k_heads
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_kernel = config.linear_conv_kernel_dim
+        full_k = self.head_k_dim * config.linear_num_key_heads
+        full_v = self.head_v_dim * config.linear_num_value_heads
+        full_heads = config.linear_num_value_heads
+        conv_parts = (full_k, full_k, full_v)
+        qc, h = quant_config, config.hidden_size
+        self.in_proj_qkv = column(h, sum(conv_parts), quant_config=qc, parts=conv_parts,
+                                  prefix=f"{prefix}.in_proj_qkv")
+        self.in_proj_z = column(h, full_v, quant_config=qc, prefix=f"{prefix}.in_proj_z")
+        self.in_proj_b = column(h, full_heads, prefix=f"{prefix}.in_proj_b")
+        self.in_proj_a = column(h, full_heads, prefix=f"{prefix}.in_proj_a")
         conv_dim = 2 * self.key_dim + self.value_dim
-        qc = quant_config
-        self.in_proj_qkv = dense(config.hidden_size, conv_dim, quant_config=qc,
-                                 prefix=f"{prefix}.in_proj_qkv")
-        self.in_proj_z = dense(config.hidden_size, self.value_dim, quant_config=qc,
-                               prefix=f"{prefix}.in_proj_z")
-        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(conv_dim, self.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        if world > 1:  # the checkpoint holds every head: load this rank's
+            self.conv_weight.weight_loader = parts_loader(conv_parts)
+            self.dt_bias.weight_loader = parts_loader((full_heads,))
+            self.A_log.weight_loader = parts_loader((full_heads,))
         self.norm = GatedNormSigmoidOrSilu(self.head_v_dim, config.rms_norm_eps,
                                            config.output_gate_type or config.hidden_act)
-        self.out_proj = dense(self.value_dim, config.hidden_size, quant_config=qc,
-                              prefix=f"{prefix}.out_proj")
+        self.out_proj = row(full_v, h, quant_config=qc, prefix=f"{prefix}.out_proj")
         # PLE runs before the mixer in the decoder layer, but its state lives here.
         self.ple_state_owner = ple is not None
-        self._shapes = gdn_state_shapes(config) + (ple_state_shapes(config) if ple else [])
+        self._shapes = gdn_state_shapes(config, world) + (ple_state_shapes(config) if ple else [])
         self.kv_cache = (torch.tensor([]),)
         # injected by the adapter when the backend is split-invariant; None otherwise
         self.inner_capture: InnerCapture | None = None

@@ -31,6 +31,14 @@ from vllm_hybridcache.flash_next.hyper import GatedResidual
 from vllm_hybridcache.flash_next.moe import SparseMoE
 from vllm_hybridcache.flash_next.ops import get_backend
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
+from vllm_hybridcache.flash_next.parallel import (
+    config_world,
+    lm_head,
+    logits_head,
+    rank_slice,
+    tie,
+    vocab_embedding,
+)
 from vllm_hybridcache.flash_next.ple import PLE
 from vllm_hybridcache.flash_next.qsa import QSAAttention
 
@@ -52,7 +60,7 @@ class DecoderLayer(nn.Module):
                  rope: RopeTable, prefix: str,
                  attention_cls: type[QSAAttention] = QSAAttention,
                  quant_config: Any = None) -> None:
-        """quant_config: the checkpoint's quantization (flash_next/linear.py), given by the
+        """quant_config: the checkpoint's quantization (flash_next/parallel.py), given by the
         main model only (the MTP layer's checkpoint is not quantized)."""
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
@@ -161,7 +169,7 @@ class FlashNextModel(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.hc_count = config.hc_count
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.rope = RopeTable(config.head_dim, config.rope_parameters)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, vllm_config, ops, self.rope, f"{prefix}.layers.{i}",
@@ -210,13 +218,16 @@ def load_flash_next_weights(module: nn.Module, weights: Iterable[tuple[str, torc
                 raise ValueError(f"{name} in the checkpoint differs from the config's hashing")
             continue
         if m := _EXPERT_RE.match(name):
+            # this rank's share of the expert's intermediate size (moe.py)
             base, e, which = m.group(1), int(m.group(2)), m.group(3)
             if which == "down_proj":
                 target, rows = params[f"{base}.w2"], None
+                tensor = rank_slice(tensor, (tensor.shape[1],), dim=1)
             else:
                 target = params[f"{base}.w13"]
                 inter = target.shape[1] // 2
                 rows = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
+                tensor = rank_slice(tensor, (tensor.shape[0],))
             with torch.no_grad():
                 dst = target[e] if rows is None else target[e, rows]
                 dst.copy_(tensor)
@@ -266,9 +277,10 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.ops = get_backend(None)
         self.model = FlashNextModel(vllm_config=vllm_config, prefix="model", ops=self.ops,
                                     attention_cls=self.attention_cls)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.vocab_size, config.hidden_size)
+        self.logits = logits_head(config.vocab_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            tie(self.lm_head, self.model.embed_tokens)
 
     @classmethod
     def inner_capture_align(cls) -> int:
@@ -290,7 +302,7 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return self.logits(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = load_flash_next_weights(
@@ -305,9 +317,10 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def _sections(cls, vllm_config: VllmConfig) -> list[tuple[tuple, tuple]]:
         config = vllm_config.model_config.hf_text_config
         dtype = vllm_config.model_config.dtype
-        out = [(tuple(gdn_state_shapes(config)), section_dtypes(dtype, False))]
+        gdn = gdn_state_shapes(config, config_world(vllm_config))  # one rank's heads
+        out = [(tuple(gdn), section_dtypes(dtype, False))]
         if config.ple_layer_ids:
-            out.append((tuple(gdn_state_shapes(config) + ple_state_shapes(config)),
+            out.append((tuple(gdn + ple_state_shapes(config)),
                         section_dtypes(dtype, True)))
         return out
 

@@ -2,6 +2,10 @@
 
 Written in torch (per-expert gather/scatter) so it runs in float32 as well as bf16; routing
 arithmetic (fp32 softmax, renormalised top-k, cast back) follows the reference exactly.
+
+At tensor parallel size N every rank routes every token (the router is replicated) and holds
+1/N of each expert's intermediate size (routed and shared experts alike: the split vLLM's
+`FusedMoE` makes without expert parallelism); the block's partial output is all-reduced once.
 """
 
 from __future__ import annotations
@@ -12,17 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_hybridcache.flash_next.linear import dense
+from vllm_hybridcache.flash_next.parallel import all_reduce, column, row, split_even, tp_rank_world
 
 
 class SharedExpertMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, quant_config: Any = None,
                  prefix: str = "") -> None:
         super().__init__()
+        """At TP > 1 `down_proj` leaves its partial sum to the MoE block's one all-reduce."""
         qc = quant_config
-        self.gate_proj = dense(hidden, inter, quant_config=qc, prefix=f"{prefix}.gate_proj")
-        self.up_proj = dense(hidden, inter, quant_config=qc, prefix=f"{prefix}.up_proj")
-        self.down_proj = dense(inter, hidden, quant_config=qc, prefix=f"{prefix}.down_proj")
+        self.gate_proj = column(hidden, inter, quant_config=qc, prefix=f"{prefix}.gate_proj")
+        self.up_proj = column(hidden, inter, quant_config=qc, prefix=f"{prefix}.up_proj")
+        self.down_proj = row(inter, hidden, quant_config=qc, prefix=f"{prefix}.down_proj",
+                             reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -35,7 +41,8 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Experts are stored fused: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    """Experts are stored fused: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], with
+    I this rank's share of `moe_intermediate_size` (module docstring)."""
 
     def __init__(self, config, quant_config: Any = None, prefix: str = "") -> None:
         """quant_config: the checkpoint's, for the shared expert (linear.py); the routed
@@ -44,7 +51,9 @@ class SparseMoE(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        _, world = tp_rank_world()
+        inter = split_even(config.moe_intermediate_size, world, "moe_intermediate_size")
+        hidden = config.hidden_size
         self.gate = Router(config)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
@@ -59,8 +68,8 @@ class SparseMoE(nn.Module):
         if self.fixed_rows:
             from vllm_hybridcache.flash_next.ops.split_invariant import row_tiles
 
-            return row_tiles(self._forward, x, tile=self.fixed_rows)
-        return self._forward(x)
+            return all_reduce(row_tiles(self._forward, x, tile=self.fixed_rows))
+        return all_reduce(self._forward(x))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)

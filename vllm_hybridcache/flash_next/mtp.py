@@ -42,6 +42,7 @@ from vllm_hybridcache.flash_next.common import Qwen4RMSNorm, RopeTable
 from vllm_hybridcache.flash_next.hyper import GatedResidual
 from vllm_hybridcache.flash_next.model import DecoderLayer, load_flash_next_weights
 from vllm_hybridcache.flash_next.ops import get_backend
+from vllm_hybridcache.flash_next.parallel import lm_head, logits_head, tie, vocab_embedding
 
 DRAFT_HEAD = "mtp.draft_head"  # the MTPModule's name in vLLM's static forward context
 
@@ -54,7 +55,7 @@ class MTPModule(nn.Module):
         self.hidden = config.hidden_size
         self.hc_count = config.hc_count
         self.ops = get_backend(None)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.fc_embedding = nn.Linear(self.hidden, self.hidden, bias=False)
         self.fc_hidden = nn.Linear(self.hidden, self.hidden, bias=False)
         self.pre_fc_norm_embedding = Qwen4RMSNorm(self.hidden, config.rms_norm_eps)
@@ -122,7 +123,8 @@ class FlashNextMTP(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.model = MTPModule(vllm_config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.vocab_size, config.hidden_size)
+        self.logits = logits_head(config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -134,7 +136,7 @@ class FlashNextMTP(nn.Module):
         return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0):
-        return self.lm_head(hidden_states)
+        return self.logits(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         start = self.model.start
@@ -156,6 +158,6 @@ class FlashNextMTP(nn.Module):
 
         loaded = load_flash_next_weights(self, select(), split_parts=1)
         if "lm_head.weight" not in loaded and self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            tie(self.lm_head, self.model.embed_tokens)
         self.model.ops.prepare_model(self)
         return loaded

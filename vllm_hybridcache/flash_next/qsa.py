@@ -19,9 +19,16 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm_hybridcache.compat import layer_attn_metadata, register_forward_layer
 from vllm_hybridcache.flash_next.backend import QSARowsBackend, qsa_rows_spec, row_width
 from vllm_hybridcache.flash_next.common import Qwen4RMSNorm, RopeTable
-from vllm_hybridcache.flash_next.linear import dense
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ops.reference import apply_partial_rope
+from vllm_hybridcache.flash_next.parallel import (
+    column,
+    kv_heads_per_rank,
+    kv_shard,
+    row,
+    split_even,
+    tp_rank_world,
+)
 
 
 class QSAIndexer(nn.Module):
@@ -44,33 +51,38 @@ class QSAAttention(nn.Module, AttentionLayerBase):
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
                  ops: FlashNextOps, rope: RopeTable, quant_config: Any = None) -> None:
-        """quant_config: the checkpoint's, for q/k/v/o (linear.py); the indexer's projection
-        stays in the float dtype."""
+        """quant_config: the checkpoint's, for q/k/v/o (parallel.py); the indexer's projection
+        stays in the float dtype. At TP > 1 this rank holds its share of the query heads and
+        the kv heads they read (split, or replicated when fewer than the ranks: parallel.py);
+        the indexer is replicated, so every rank selects the same tokens."""
         super().__init__()
         self.ops = ops
         self.rope = rope
         self.prefix = prefix
         self.config = config
         self.vllm_config = vllm_config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        _, world = tp_rank_world()
+        self.num_heads = split_even(config.num_attention_heads, world, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, world)
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
-        h = config.hidden_size
+        h, d = config.hidden_size, config.head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         qc, bias = quant_config, bool(config.attention_bias)
-        self.q_proj = dense(h, self.num_heads * self.head_dim * 2, bias=bias, quant_config=qc,
-                            prefix=f"{prefix}.q_proj")
-        self.k_proj = dense(h, self.num_kv_heads * self.head_dim, bias=bias, quant_config=qc,
-                            prefix=f"{prefix}.k_proj")
-        self.v_proj = dense(h, self.num_kv_heads * self.head_dim, bias=bias, quant_config=qc,
-                            prefix=f"{prefix}.v_proj")
-        self.o_proj = dense(self.num_heads * self.head_dim, h, bias=bias, quant_config=qc,
-                            prefix=f"{prefix}.o_proj")
+        # q_proj's rows are [query | gate] per head, so a split by rows is a split by heads
+        self.q_proj = column(h, heads * d * 2, bias=bias, quant_config=qc,
+                             prefix=f"{prefix}.q_proj")
+        kv = kv_shard(kv_heads)
+        self.k_proj = column(h, kv_heads * d, bias=bias, quant_config=qc, shard=kv,
+                             prefix=f"{prefix}.k_proj")
+        self.v_proj = column(h, kv_heads * d, bias=bias, quant_config=qc, shard=kv,
+                             prefix=f"{prefix}.v_proj")
+        self.o_proj = row(heads * d, h, bias=bias, quant_config=qc, prefix=f"{prefix}.o_proj")
         self.q_norm = Qwen4RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = Qwen4RMSNorm(self.head_dim, config.rms_norm_eps)
         self.indexer = QSAIndexer(config)
-        self.width = row_width(config)
+        self.width = row_width(config, world)
         QSARowsBackend.row_elements = self.width
         self.kv_dtype = vllm_config.model_config.dtype
         self.kv_cache = torch.tensor([])
@@ -81,7 +93,8 @@ class QSAAttention(nn.Module, AttentionLayerBase):
         return QSARowsBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
-        return qsa_rows_spec(self.config, vllm_config.cache_config.block_size, self.kv_dtype)
+        return qsa_rows_spec(self.config, vllm_config.cache_config.block_size, self.kv_dtype,
+                             tp_rank_world()[1])
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         # vLLM's unified [blocks, heads=1, tokens, row] view; rows are [K | V | index key].

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm_hybridcache.flash_next.backend import QSARowsBackend, row_width
 from vllm_hybridcache.flash_next.common import RopeTable
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
+from vllm_hybridcache.flash_next.parallel import tp_rank_world
 from vllm_hybridcache.flash_next.qsa import QSAAttention
 
 
@@ -54,7 +55,7 @@ class MRopeQSAAttention(QSAAttention):
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str,
                  ops: FlashNextOps, rope: RopeTable, quant_config=None) -> None:
         super().__init__(config, layer_idx, vllm_config, prefix, ops, rope, quant_config)
-        self.base_width = row_width(config)
+        self.base_width = row_width(config, tp_rank_world()[1])
         self.rot = rope.rotary_dim
         self.width = self.base_width + self.rot
         QSARowsBackend.row_elements = self.width
@@ -63,7 +64,7 @@ class MRopeQSAAttention(QSAAttention):
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
         size = torch.empty((), dtype=self.kv_dtype).element_size()
         return FullAttentionSpec(block_size=vllm_config.cache_config.block_size,
-                                 num_kv_heads=self.config.num_key_value_heads,
+                                 num_kv_heads=self.num_kv_heads,
                                  head_size=self.config.head_dim, dtype=self.kv_dtype,
                                  num_head_slots=1, state_content_bytes=self.width * size)
 

@@ -11,7 +11,7 @@ dtype (`ignore`), as the small projections do (the router, the shared-expert gat
 `in_proj_ba` with its one column per value head).
 
 Schemes exist for Qwen3-Next (vLLM's model) and Flash-Next's text model (this package's,
-flash_next/linear.py), by the config's `model_type`. Two checkpoints come from one float
+flash_next/parallel.py), by the config's `model_type`. Two checkpoints come from one float
 model: the int8 one (`w8a8`) and its dequantized twin
 (`w8a8-dequant`: every quantized weight replaced by `int8 * scale` in the float dtype, the
 config without `quantization_config`), so a test can compare the quantized kernel against the
@@ -46,7 +46,7 @@ SCHEMES: dict[str, Scheme] = {
                    r"|mlp\.shared_expert\.(gate_proj|up_proj|down_proj))\.weight$"),
         ("lm_head", "re:.*\\.mlp\\.experts.*", "re:.*\\.mlp\\.gate$",
          "re:.*\\.shared_expert_gate$", "re:.*\\.in_proj_ba$")),
-    # Flash-Next (this package's model, flash_next/linear.py): the projections it builds with
+    # Flash-Next (this package's model, flash_next/parallel.py): the projections it builds with
     # the checkpoint's `quant_config`, in the main model's layers (the MTP layer and the vision
     # tower stay in the float dtype)
     "qwen4_exp_text": Scheme(
