@@ -7,7 +7,7 @@ What it measures, in one run on one folder (so the device and its load are the s
 - **read**: `stage_chain` of those files into a RAM `LinkStore`, the way a disk hit reads them:
   each file's header read and verified first, untimed (the scheduler's lookup does that right
   before the hit, so the staging finds the headers in the page cache), then one request per
-  file straight into a reused page-aligned store buffer (core/disk/inplace.py, the store's
+  file straight into a reused page-aligned store buffer (core/linkformat/inplace.py, the store's
   PagePool) with direct I/O (`direct`; `buffered`: the same request through the page cache)
   and every part's CRC-32 checked. Side by side in the same rounds (every arm once per round,
   in turn; the files' pages dropped from the page cache before each, `posix_fadvise(DONTNEED)`
@@ -20,7 +20,7 @@ What it measures, in one run on one folder (so the device and its load are the s
   seconds per GiB of each read (every thread of the process), and the ratios against the
   fastest `dd` (median against median, best against best) are reported;
 - the CPU side alone: the staging from the page cache, and the CRC-32 rate of the tier
-  (core/disk/crc.py: ISA-L's when installed) and of zlib, which bound the tier's read rate
+  (core/linkformat/crc.py: ISA-L's when installed) and of zlib, which bound the tier's read rate
   whatever the device; and the tier's read with zlib's CRC-32 (what it was before ISA-L's).
 
 Usage: python -m benchmarks.run --micro disk --dir /path/on/the/disk [--links 16] [--mib 38]
@@ -54,9 +54,10 @@ from vllm_hybridcache.core import (
     ViewSpec,
 )
 from vllm_hybridcache.core.auth import PREFERRED_MAC, LinkKey, MacAlgorithm, new_secret
-from vllm_hybridcache.core.disk import LinkDirectory, crc, direct, inplace, linkfile, reader
-from vllm_hybridcache.core.disk.reader import stage_chain
+from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.keys import make_domain
+from vllm_hybridcache.core.linkformat import crc, direct, inplace, linkfile, reader
+from vllm_hybridcache.core.linkformat.reader import stage_chain
 
 FP = b"B" * 32
 DOM = make_domain(bench="disk")

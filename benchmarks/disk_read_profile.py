@@ -54,10 +54,10 @@ from benchmarks.disk_bench import (
     write_chain,
 )
 from vllm_hybridcache.core import LinkRef, LinkStore
-from vllm_hybridcache.core.disk import linkfile, reader
-from vllm_hybridcache.core.disk.crc import crc32
-from vllm_hybridcache.core.disk.hugepages import advise_huge_pages
-from vllm_hybridcache.core.disk.reader import stage_chain
+from vllm_hybridcache.core.linkformat import linkfile, reader
+from vllm_hybridcache.core.linkformat.crc import crc32
+from vllm_hybridcache.core.linkformat.hugepages import advise_huge_pages
+from vllm_hybridcache.core.linkformat.reader import stage_chain
 
 PHASES = ("header", "tokens", "allocate", "hint", "read", "crc", "mac", "seal")
 

@@ -113,7 +113,8 @@ def lookup_seconds(root: Path, ids: list[int], grid: int) -> dict:
 
     from vllm_hybridcache.core import PromptKeys
     from vllm_hybridcache.core.auth import key_from_file
-    from vllm_hybridcache.core.disk import LinkDirectory, linkfile
+    from vllm_hybridcache.core.disk import LinkDirectory
+    from vllm_hybridcache.core.linkformat import linkfile
 
     f = next(root.rglob("*.link"))
     with open(f, "rb") as fh:  # the engine's fingerprint and the domain, as the file says

@@ -20,8 +20,8 @@ import torch
 from tests.keys import KEY_FILE, TEST_KEY, other_key, write_key_file
 from vllm_hybridcache.cli.tools import main
 from vllm_hybridcache.core.disk.directory import LinkDirectory
-from vllm_hybridcache.core.disk.linkfile import ALIGN
 from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.linkformat.linkfile import ALIGN
 
 ROOT = Path(__file__).resolve().parents[2]
 FP = bytes(range(32))
@@ -210,8 +210,8 @@ def test_verify_catches_a_flipped_byte_in_a_part_and_in_a_header(cache, capsys):
 def test_verify_catches_a_part_altered_with_its_crc_kept(cache, capsys):
     """What anyone can do to a CRC-checked file: XOR the CRC-32 polynomial into a part (its
     CRC stays the same). Only the part's MAC, which needs the disk key, can tell."""
-    from vllm_hybridcache.core.disk.crc import crc32
-    from vllm_hybridcache.core.disk.linkfile import read_header
+    from vllm_hybridcache.core.linkformat.crc import crc32
+    from vllm_hybridcache.core.linkformat.linkfile import read_header
 
     path = _by_end(cache, 128)[0]
     header, base = read_header(path, FP, TEST_KEY)
@@ -469,7 +469,7 @@ def test_the_disk_commands_import_no_vllm(cache):
 
 def _sharded(root: Path, world: int = 2) -> list[LinkDirectory]:
     """A TP = `world` engine's folders: each rank wrote its own file of every link."""
-    from vllm_hybridcache.core.disk.shard import Shard
+    from vllm_hybridcache.core.linkformat.shard import Shard
 
     out = []
     for rank in range(world):

@@ -10,8 +10,9 @@ import torch
 from tests.core.link_bytes import fill_seeded, restored_bytes
 from tests.keys import CLUSTER_KEY
 from vllm_hybridcache.core import IdSource, LinkStore, SnapshotCache, SnapshotTree, TreeConfig
-from vllm_hybridcache.core.disk.reader import stage_chain
 from vllm_hybridcache.core.keys import PromptKeys, make_domain
+from vllm_hybridcache.core.linkformat.reader import SourceOrigin, stage_chain
+from vllm_hybridcache.core.linkformat.shard import Shard
 from vllm_hybridcache.core.tiers.anchors import EndAnchors
 from vllm_hybridcache.core.tiers.cluster import (
     ClusterError,
@@ -129,10 +130,14 @@ class Clock:
 
 class Replica:
     """One replica without vLLM: RAM tree + cluster tier (scheduler), store (worker); with
-    `anchors`, also RAM end anchors and the cluster's end anchors (ClusterAnchors)."""
+    `anchors`, also RAM end anchors and the cluster's end anchors (ClusterAnchors). With
+    `shards` = N > 1 it stands for an engine at tensor parallel size N: one store per rank
+    (`stores`; `store` is rank 0's), each rank's shard of a link its own seeded bytes,
+    published under the rank's locator (as each rank's worker does, cluster/engine.py)."""
 
     def __init__(self, cluster: FakeCluster, name: str, layout, tmp_path, fp: bytes = FP,
-                 budget: int = 1 << 30, anchors: bool = False, key=CLUSTER_KEY) -> None:
+                 budget: int = 1 << 30, anchors: bool = False, key=CLUSTER_KEY,
+                 shards: int = 1) -> None:
         ids = IdSource()
         self.key = key
         self.clock = Clock()
@@ -143,7 +148,7 @@ class Replica:
                                 budget, timeout_s=10.0, next_id=ids, promote=self.tree.adopt,
                                 clock=self.clock, owner=name,
                                 baseline=lambda k, d, lim: self.tree.lookup(k, d, lim).tokens,
-                                key=key)
+                                key=key, shards=shards)
         tiers = [self.tree, self.tier]
         self.anchors: EndAnchors | None = None
         self.remote_anchors: ClusterAnchors | None = None
@@ -154,7 +159,9 @@ class Replica:
                 self.tier, local=lambda k, d, lim: ram.lookup(k, d, lim).tokens)
             tiers += [self.anchors, self.remote_anchors]
         self.cache = SnapshotCache(tiers)
-        self.store = LinkStore(layout, pin_memory=False)
+        self.stores = [LinkStore(layout, pin_memory=False) for _ in range(shards)]
+        self.store = self.stores[0]
+        self.shards = shards
         self.layout, self.fp, self.tmp = layout, fp, tmp_path / name
         self.tmp.mkdir(parents=True, exist_ok=True)
 
@@ -165,16 +172,24 @@ class Replica:
         for c in cuts_of(keys.tokens):
             r = self.cache.reserve("tree", keys, c, DOM)
             assert r.link_id is not None
-            fill_seeded(self.store, r.link_id, self.layout.view_rows(r.start, r.end), gen)
+            for store in self.stores:
+                fill_seeded(store, r.link_id, self.layout.view_rows(r.start, r.end), gen)
             assert self.cache.commit(r.addr)
             job = self.tier.publish_job(self.tree.link_record(r.link_id))
             assert job is not None
-            b = self.store.buffers(job.link_id)
-            payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp, self.key)
-            parent = (locator(self.key, self.fp, job.domain, job.parent_digest) if job.start
-                      else b"")
-            self.transport.publish(locator(self.key, self.fp, job.domain, job.digest), parent,
-                                   job.start, job.end, payload)
+            for rank in range(self.shards):
+                self.publish(job, rank)
+
+    def publish(self, job, rank: int = 0) -> None:
+        """Rank `rank`'s worker's publication of `job` (its shard of the link)."""
+        tag = Shard(rank, self.shards).tag
+        b = self.stores[rank].buffers(job.link_id)
+        payload = link_payload(job, self.fp, {**b.sections, **b.views}, self.tmp, self.key,
+                               shard=tag)
+        parent = (locator(self.key, self.fp, job.domain, job.parent_digest, tag) if job.start
+                  else b"")
+        self.transport.publish(locator(self.key, self.fp, job.domain, job.digest, tag),
+                               parent, job.start, job.end, payload)
 
     def capture_anchor(self, tokens: np.ndarray, seed: int = 0, publish: bool = True) -> int:
         """Commit an end anchor of `tokens` (seeded bytes) and publish it, as the adapter and
@@ -207,6 +222,26 @@ class Replica:
 
     def restore_bytes(self, chain) -> dict[str, bytes]:
         return restored_bytes(self.store, chain)
+
+    def serve_ranks(self, res) -> list[dict[str, bytes]]:
+        """`serve` at tensor parallel size N: each rank's worker stages its own rank's files
+        (the plan's sources relocated to its shard folder, headers of its shard tag) into its
+        store; each rank's restored bytes."""
+        assert self.cache.begin_restore(res)
+        origin = SourceOrigin(self.fp, "", "cluster", str(self.tier.stage_dir),
+                              shards=self.shards)
+        out = []
+        try:
+            for rank, store in enumerate(self.stores):
+                sources, tag = origin.for_rank(rank, self.cache.sources(res))
+                stage_chain(store, res.plan.chain, sources, self.fp, key=self.key,
+                            root=self.tier.stage_dir, shard=tag)
+                out.append(restored_bytes(store, res.plan.chain))
+        except Exception:
+            self.cache.end_restore(res, False, 0.01)
+            raise
+        self.cache.end_restore(res, True, 0.01)
+        return out
 
     def serve(self, res) -> dict[str, bytes]:
         """The worker's part of a remote hit: stage the files verified, then restore."""

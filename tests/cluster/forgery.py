@@ -25,8 +25,8 @@ import ray
 
 from vllm_hybridcache.cluster import RayTransport
 from vllm_hybridcache.core.auth import LinkKey, key_from_file
-from vllm_hybridcache.core.disk import linkfile
-from vllm_hybridcache.core.disk.linkfile import LinkFileHeader, read_header, write_link_file
+from vllm_hybridcache.core.linkformat import linkfile
+from vllm_hybridcache.core.linkformat.linkfile import LinkFileHeader, read_header, write_link_file
 
 # The CRC-32 generator polynomial in zlib's (reflected) bit order, as 5 bytes: a message XORed
 # with it at any offset keeps its CRC-32 (the difference is a multiple of the polynomial).

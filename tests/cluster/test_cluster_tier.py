@@ -9,8 +9,8 @@ import pytest
 from tests.cluster.fakes import DOM, FP, PROMPT, FakeCluster, Replica, cuts_of, relisted
 from tests.cluster.forgery import forge, forge_keeping_header
 from tests.keys import other_key
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.linkformat.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.tiers.cluster import ClusterMiss, ClusterTier
 
 

@@ -48,7 +48,7 @@ from tests.connector.test_mtp_route import NEW_TEXT, PROMPTS, SESSION
 from tests.keys import KEY_FILE, TEST_KEY
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
 from vllm_hybridcache.adapter.draft_tags import DraftStep, NextToken, RebuiltAnchor
-from vllm_hybridcache.core.disk.linkfile import read_header, read_parts, write_link_file
+from vllm_hybridcache.core.linkformat.linkfile import read_header, read_parts, write_link_file
 from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow

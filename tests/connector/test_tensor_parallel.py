@@ -6,8 +6,9 @@ the MTP route, the draft head's rows in every link).
 
 (Tree links, with attention K/V in place below them, the default; and the disk tier, one file
 per rank of every link, served back with the RAM tier cleared. End anchors are
-session-exact, so their check is the float32 greedy gate of test_end_anchors.py, not run at
-TP = 2.)
+session-exact, so their check is the float32 greedy gate of test_end_anchors.py, on
+flash-next-tiny in float32 at TP = 2, with a restore corrupted on both ranks as its negative
+control.)
 
 vLLM's CPU backend runs TP = 2 with its multiprocessing executor (one worker process per rank,
 threads bound one core each: `VLLM_CPU_OMP_THREADS_BIND=0|1`, the first two cores this process
@@ -26,6 +27,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tests.connector.conftest import connector_engine
 from vllm_hybridcache.compat import inproc_scheduler_connector
@@ -44,11 +46,13 @@ EXT = HEAD + [50 + (i * 13) % 3000 for i in range(70)]
 BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
 
 
-# (checkpoint, draft tokens of MTP speculative decoding: 0 = none)
-ENGINES = {"qwen3-next-tiny": ("qwen3-next-tiny", 0),
-           "qwen3-next-tiny-w8a8": ("qwen3-next-tiny-w8a8", 0),
-           "flash-next-tiny-w8a8": ("flash-next-tiny-w8a8", 0),
-           "flash-next-tiny-mtp2": ("flash-next-tiny", 2)}
+# (checkpoint, draft tokens of MTP speculative decoding: 0 = none, dtype: None = the
+# checkpoint's)
+ENGINES = {"qwen3-next-tiny": ("qwen3-next-tiny", 0, None),
+           "qwen3-next-tiny-w8a8": ("qwen3-next-tiny-w8a8", 0, None),
+           "flash-next-tiny-w8a8": ("flash-next-tiny-w8a8", 0, None),
+           "flash-next-tiny-mtp2": ("flash-next-tiny", 2, None),
+           "flash-next-tiny-f32": ("flash-next-tiny", 0, "float32")}  # the end-anchor gate
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
@@ -56,9 +60,11 @@ def llm(request, inproc, embedded_model, monkeypatch_module, tmp_path_factory):
     first, second = sorted(os.sched_getaffinity(0))[:2]  # the cores this process may use
     disk = tmp_path_factory.mktemp("tp-disk")
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
-    model, drafts = ENGINES[request.param]
+    model, drafts, dtype = ENGINES[request.param]
     spec = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": drafts}}
             if drafts else {})
+    if dtype:
+        spec["dtype"] = dtype
     with connector_engine(embedded_model(model), tensor_parallel_size=2, **spec,
                           max_model_len=4096, worker_extension_cls=(
                               "vllm_hybridcache.testing.instrumentation.FaultInjection"),
@@ -186,4 +192,39 @@ def test_negative_control_a_restore_corrupted_on_every_rank_is_caught(llm):
     assert all(d is not None and d["corrupted"] for d in done), done
     with pytest.raises(AssertionError):
         same(warm, ext_cold)
+    _sched(llm).clear()
+
+
+def test_an_end_anchor_passes_the_greedy_gate_on_two_ranks(llm):
+    """Live continuation at TP = 2: each rank resumes from its own shard of the end anchor;
+    the resumed turn agrees with a cold run of its prompt within the float32 drift, and the
+    same resume with its state corrupted on both ranks fails the gate."""
+    from tests.connector.test_end_anchors import greedy_gate
+
+    if llm.llm_engine.vllm_config.model_config.dtype != torch.float32:
+        pytest.skip("the greedy gate's drift bound is float32's (test_end_anchors.py)")
+    if not _sched(llm).anchors.enabled:
+        pytest.skip("end anchors are off in this engine")
+    p = [200 + (i * 41) % 2500 for i in range(300)]
+    _sched(llm).clear()
+    first = run(llm, p)
+    nxt = p + first["tokens"] + [11 + (i * 3) % 500 for i in range(30)]
+    cold_run = cold(llm, nxt)
+    for corrupt in (False, True):
+        _sched(llm).clear()
+        run(llm, p)
+        run(llm, [1, 2, 3])  # one more step: the anchor's copy lands and is committed
+        tag = str(llm.request_counter.counter)
+        if corrupt:
+            assert llm.collective_rpc("hybridcache_corrupt_restore", args=(tag,)) == [
+                {"armed": True}, {"armed": True}]
+        warm = run(llm, nxt)
+        assert warm["cached"] == len(p) + len(first["tokens"]) - 1  # the end anchor
+        if not corrupt:
+            assert greedy_gate(warm, cold_run) == len(cold_run["tokens"])
+            continue
+        done = llm.collective_rpc("hybridcache_corruption_result", args=(tag,))
+        assert all(d is not None and d["corrupted"] and d["kind"] == "anchor" for d in done)
+        with pytest.raises(AssertionError, match=r"position \d: logprobs moved"):
+            greedy_gate(warm, cold_run)
     _sched(llm).clear()

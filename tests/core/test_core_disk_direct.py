@@ -1,4 +1,4 @@
-"""The direct-I/O read of link files (core/disk/direct.py): the bytes it hands over equal the
+"""The direct-I/O read of link files (core/linkformat/direct.py): the bytes it hands over equal the
 stored ones bit for bit, and everything the buffered read refuses it refuses too (a flipped
 byte anywhere, a file cut short after its header was checked, other parts than stored); a file
 system without direct I/O falls back to the buffered read, verified the same way."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.keys import TEST_KEY
-from vllm_hybridcache.core.disk import direct, reader
-from vllm_hybridcache.core.disk.direct import DirectIOUnsupported, read_parts_direct
-from vllm_hybridcache.core.disk.linkfile import (
+from vllm_hybridcache.core.linkformat import direct, reader
+from vllm_hybridcache.core.linkformat.direct import DirectIOUnsupported, read_parts_direct
+from vllm_hybridcache.core.linkformat.linkfile import (
     LinkFileError,
     LinkFileProblem,
     PartEntry,

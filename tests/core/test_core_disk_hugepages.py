@@ -1,4 +1,4 @@
-"""The huge-page hint the disk reader gives fresh store buffers (core/disk/hugepages.py): it
+"""The huge-page hint the disk reader gives fresh store buffers (core/linkformat/hugepages.py): it
 covers only the 2 MiB-aligned interior of the buffers' span, skips small or empty spans, and
 a kernel that refuses it changes nothing about the read."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hybridcache.core.disk import hugepages
-from vllm_hybridcache.core.disk.hugepages import HUGE, MIN_BYTES, advise_huge_pages
+from vllm_hybridcache.core.linkformat import hugepages
+from vllm_hybridcache.core.linkformat.hugepages import HUGE, MIN_BYTES, advise_huge_pages
 
 
 def _record(monkeypatch, rc: int = 0) -> list[tuple[int, int, int]]:

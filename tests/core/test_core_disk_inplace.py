@@ -1,5 +1,5 @@
 """A disk hit's read into reused page-aligned buffers (slabs.PagePool, store page-aligned links,
-core/disk/inplace.py): the pool reuses, aligns and stays bounded, concurrent readers never
+core/linkformat/inplace.py): the pool reuses, aligns and stays bounded, concurrent readers never
 share a buffer, a failed read hands its buffers back; one read per file lands every part where
 the store looks for it, bit for bit, and is verified as strictly as the per-part reads (a
 flipped byte, a file cut short, stale bytes of an earlier link in a reused buffer); direct I/O
@@ -20,14 +20,14 @@ import torch
 
 from tests.keys import TEST_KEY
 from vllm_hybridcache.core import LinkRef, LinkStore, SectionSpec, StateLayout, ViewSpec
-from vllm_hybridcache.core.disk import inplace, reader
-from vllm_hybridcache.core.disk.linkfile import (
+from vllm_hybridcache.core.linkformat import inplace, reader
+from vllm_hybridcache.core.linkformat.linkfile import (
     LinkFileError,
     LinkFileProblem,
     read_header,
     write_link_file,
 )
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.linkformat.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.slabs import PAGE, PagePool, size_class
 
 FP = b"p" * 32

@@ -1,4 +1,4 @@
-"""One link, one file per tensor-parallel rank (core/disk/shard.py, core/disk/sharded.py),
+"""One link, one file per tensor-parallel rank (core/linkformat/shard.py, core/disk/sharded.py),
 without an engine: where each rank's files are, what a rank's header carries, and the
 scheduler side's view of the ranks' folders as one directory of whole links."""
 
@@ -13,10 +13,10 @@ import pytest
 from tests.core.test_core_diskdir import CUTS, DOM, FP, OTHER_FP, PROMPT, _write_chain
 from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk.directory import LinkDirectory
-from vllm_hybridcache.core.disk.linkfile import LinkFileError, read_header
-from vllm_hybridcache.core.disk.shard import Shard, relocate
 from vllm_hybridcache.core.disk.sharded import ShardedDirectory
 from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.linkformat.linkfile import LinkFileError, read_header
+from vllm_hybridcache.core.linkformat.shard import Shard, relocate
 
 KEYS = PromptKeys(PROMPT)
 

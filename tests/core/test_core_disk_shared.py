@@ -21,9 +21,10 @@ import torch
 
 from tests.keys import TEST_KEY
 from vllm_hybridcache.core import LinkStore, PromptKeys
-from vllm_hybridcache.core.disk import LinkDirectory, read_header, read_parts
-from vllm_hybridcache.core.disk.linkfile import TMP_PREFIX
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.disk import LinkDirectory
+from vllm_hybridcache.core.linkformat import read_header, read_parts
+from vllm_hybridcache.core.linkformat.linkfile import TMP_PREFIX
+from vllm_hybridcache.core.linkformat.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.tiers.base import LinkRef
 
 from .conftest import SMALL_LAYOUT

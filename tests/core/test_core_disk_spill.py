@@ -22,12 +22,12 @@ from vllm_hybridcache.core import (
     TreeConfig,
 )
 from vllm_hybridcache.core.disk import LinkDirectory
-from vllm_hybridcache.core.disk.directory import ANCHOR
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
-from vllm_hybridcache.core.disk.tags import TagCodec
-from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
+from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter
 from vllm_hybridcache.core.keys import make_domain
+from vllm_hybridcache.core.linkformat.job import ANCHOR, WriteJob
+from vllm_hybridcache.core.linkformat.reader import DiskReadError, stage_chain
+from vllm_hybridcache.core.linkformat.tags import TagCodec
 from vllm_hybridcache.core.tiers.base import LinkAddr
 from vllm_hybridcache.core.tiers.disk import DiskTier
 from vllm_hybridcache.core.tiers.disk_anchors import DiskAnchors

@@ -18,14 +18,14 @@ from tests.core.test_core_disk_spill import FP as SFP
 from tests.core.test_core_disk_spill import TURN, Life
 from tests.core.test_core_disk_tier import DOM, FP, PROMPT, Engine, _cuts, _files
 from tests.keys import TEST_KEY
-from vllm_hybridcache.core.disk.linkfile import (
+from vllm_hybridcache.core.disk.writer import LinkWriter
+from vllm_hybridcache.core.linkformat.linkfile import (
     FORMAT_VERSION,
     LinkFileHeader,
     read_header,
 )
-from vllm_hybridcache.core.disk.reader import stage_chain
-from vllm_hybridcache.core.disk.tags import TagCodec, UnencodableTag
-from vllm_hybridcache.core.disk.writer import LinkWriter
+from vllm_hybridcache.core.linkformat.reader import stage_chain
+from vllm_hybridcache.core.linkformat.tags import TagCodec, UnencodableTag
 
 
 class Step(NamedTuple):

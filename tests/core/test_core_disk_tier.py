@@ -24,9 +24,10 @@ from vllm_hybridcache.core import (
     TreeConfig,
 )
 from vllm_hybridcache.core.disk import LinkDirectory
-from vllm_hybridcache.core.disk.reader import DiskReadError, stage_chain
-from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
+from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter
 from vllm_hybridcache.core.keys import make_domain
+from vllm_hybridcache.core.linkformat.job import WriteJob
+from vllm_hybridcache.core.linkformat.reader import DiskReadError, stage_chain
 from vllm_hybridcache.core.tiers.base import LinkAddr
 
 FP = b"F" * 32
@@ -203,7 +204,7 @@ def test_a_flipped_byte_is_a_counted_miss_and_deletes_the_longer_links(written, 
     root, _, _ = written
     files = {int(p.name.rsplit("-", 1)[1].split(".")[0]): p for p in _files(root)}
     victim = files[128]
-    from vllm_hybridcache.core.disk.linkfile import read_header
+    from vllm_hybridcache.core.linkformat.linkfile import read_header
 
     header, base = read_header(victim, FP, TEST_KEY)
     entry = {"section": header.parts[0], "view": header.parts[-1]}.get(part)
@@ -467,7 +468,7 @@ def test_kill_9_during_writes_never_leaves_a_torn_link_file(tmp_path):
     import sys
     import time
 
-    from vllm_hybridcache.core.disk.linkfile import read_header, read_parts
+    from vllm_hybridcache.core.linkformat.linkfile import read_header, read_parts
 
     for delay in (0.8, 1.3):
         root = tmp_path / f"run-{delay}"

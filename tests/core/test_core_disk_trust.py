@@ -28,18 +28,18 @@ from vllm_hybridcache.core.auth import (
     load_key_file,
     preferred_mac,
 )
-from vllm_hybridcache.core.disk import linkfile
-from vllm_hybridcache.core.disk.crc import crc32
 from vllm_hybridcache.core.disk.directory import LinkDirectory
 from vllm_hybridcache.core.disk.folder import UnsafeFolder, own_folder
-from vllm_hybridcache.core.disk.linkfile import (
+from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.linkformat import linkfile
+from vllm_hybridcache.core.linkformat.crc import crc32
+from vllm_hybridcache.core.linkformat.linkfile import (
     LinkFileError,
     LinkFileHeader,
     LinkFileProblem,
     read_header,
     read_parts,
 )
-from vllm_hybridcache.core.keys import PromptKeys
 
 FP = bytes(range(32))
 DOM = b"D" * 32
@@ -376,8 +376,8 @@ def test_a_file_swapped_after_the_lookup_is_refused_by_the_worker(tmp_path):
     and the read (another domain's genuine link of the same segment) is refused as
     `mismatch`, never restored as this prompt's state."""
     from vllm_hybridcache.core import LinkRef, LinkStore, StateLayout
-    from vllm_hybridcache.core.disk.reader import DiskReadError, SourceKey, stage_chain
     from vllm_hybridcache.core.layout import SectionSpec, ViewSpec
+    from vllm_hybridcache.core.linkformat.reader import DiskReadError, SourceKey, stage_chain
 
     layout = StateLayout((SectionSpec("state", (4, 4), "float32"),),
                          (ViewSpec("kv", (32,), "uint8"),), view_block_tokens=16)
@@ -453,7 +453,7 @@ def test_a_key_file_replaced_after_the_start_is_refused_not_trusted(tmp_path):
     reads the file later and finds another key refuses the work (a miss: nothing is deleted
     or invalidated because of it) instead of calling every file forged."""
     from vllm_hybridcache.core import auth
-    from vllm_hybridcache.core.disk.reader import SourceOrigin
+    from vllm_hybridcache.core.linkformat.reader import SourceOrigin
 
     path = write_key_file(tmp_path / "disk.key")
     started = auth.key_from_file(path, "disk")

@@ -12,8 +12,8 @@ import torch
 
 from tests.keys import TEST_KEY
 from vllm_hybridcache.core.disk.directory import LOCK_NAME, LinkDirectory
-from vllm_hybridcache.core.disk.linkfile import LinkFileProblem
 from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.linkformat.linkfile import LinkFileProblem
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(1, 33))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.keys import TEST_KEY
-from vllm_hybridcache.core.disk.linkfile import (
+from vllm_hybridcache.core.linkformat.linkfile import (
     ALIGN,
     LinkFileError,
     LinkFileProblem,
@@ -172,11 +172,12 @@ def test_rewrite_replaces_atomically(tmp_path):
 
 
 def test_the_crc_of_link_files_is_zlibs_crc32(tmp_path):
-    """core/disk/crc.py picks ISA-L's CRC-32 when installed (a dependency: pyproject.toml); it must
-    give zlib's values, so files written by either verify with the other."""
+    """core/linkformat/crc.py picks ISA-L's CRC-32 when installed (a dependency:
+    pyproject.toml); it must give zlib's values, so files written by either verify with the
+    other."""
     import zlib
 
-    from vllm_hybridcache.core.disk import crc
+    from vllm_hybridcache.core.linkformat import crc
 
     pytest.importorskip("isal")
     assert crc.BACKEND == "isal"

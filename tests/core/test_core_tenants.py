@@ -32,10 +32,10 @@ from vllm_hybridcache.core import (
     tenant_tag,
 )
 from vllm_hybridcache.core.disk import LinkDirectory
-from vllm_hybridcache.core.disk.directory import ANCHOR, TREE
 from vllm_hybridcache.core.disk.spill import SpillBook, anchor_job
-from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter, WriteJob
+from vllm_hybridcache.core.disk.writer import DiskTarget, LinkWriter
 from vllm_hybridcache.core.keys import PromptKeys, in_tenant
+from vllm_hybridcache.core.linkformat.job import ANCHOR, TREE, WriteJob
 from vllm_hybridcache.core.tiers.cluster import (
     ClusterTier,
     anchor_block,
@@ -215,7 +215,7 @@ def test_the_comparison_sees_a_reason_that_stays(tmp_path, layout):
 # ---------------------------------------------------------------- one tenant's clear
 def _files(w: World) -> dict[bytes, list[str]]:
     """The link files on disk, by the tenant named in their headers."""
-    from vllm_hybridcache.core.disk.linkfile import read_header
+    from vllm_hybridcache.core.linkformat.linkfile import read_header
 
     out: dict[bytes, list[str]] = {}
     for p in sorted((w.root / "disk").rglob("*.link")):

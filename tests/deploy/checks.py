@@ -292,7 +292,7 @@ def reason_values(stats_module: Any) -> frozenset[str]:
     """The `reason` values the plugin's series take: the miss, skip and hit-choice enums, the
     disk files' problems, and the disk writer's reasons its series' help text names."""
     from vllm_hybridcache.core import ChoiceReason, MissReason, SkipReason
-    from vllm_hybridcache.core.disk.linkfile import LinkFileProblem
+    from vllm_hybridcache.core.linkformat.linkfile import LinkFileProblem
 
     values = {r.value for e in (MissReason, SkipReason, ChoiceReason, LinkFileProblem)
               for r in e}

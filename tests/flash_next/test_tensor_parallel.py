@@ -77,7 +77,7 @@ def _shards(worker) -> dict:
 def _zero_expert_half(worker, rank: int, restore: bool = False) -> int:
     """Zero (or put back) rank `rank`'s half of every routed expert (`w2`, a plain parameter
     the layer reads as is); layers touched."""
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     if get_tensor_model_parallel_rank() != rank:
         return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.engine import HarnessEngine, cache_stats
-from vllm_hybridcache.core.disk.linkfile import LinkFileError, read_header
+from vllm_hybridcache.core.linkformat.linkfile import LinkFileError, read_header
 
 GRID = 64
 A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 20)]          # cuts at 64, 128, 192

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from tests.keys import TEST_KEY
-from vllm_hybridcache.core.disk.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
+from vllm_hybridcache.core.linkformat.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
 
 
 def header_of(path: Path) -> LinkFileHeader:

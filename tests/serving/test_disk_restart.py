@@ -74,7 +74,7 @@ from tests.serving.conftest import (
 from tests.serving.disk_files import link_file
 from tests.serving.worker_extensions import corrupt_next_restore, corruption_result
 from vllm_hybridcache.core import PromptKeys
-from vllm_hybridcache.core.disk.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
+from vllm_hybridcache.core.linkformat.linkfile import _PRE, TMP_PREFIX, LinkFileHeader, read_header
 
 pytestmark = pytest.mark.slow
 
@@ -243,7 +243,7 @@ def test_links_on_disk_serve_the_next_life(embedded_model, tmp_path):
 
             # the same turn with the last tool left out parts from that chain inside it: its
             # hit ends at a promoted link whose state the disk hit did not read (only the
-            # deepest link's is needed then, core/disk/reader.py), served from RAM with the
+            # deepest link's is needed then, core/linkformat/reader.py), served from RAM with the
             # state read from its file now, equal to a cold run
             hits = cache_stats(srv)["tiers"]["ram"]["kinds"]["tree"]["hits"]
             body = _same_as_cold(srv, sub[0], tools=TOOLS[:-1])

@@ -61,7 +61,7 @@ from tests.serving.disk_files import link_file
 from tests.serving.test_disk_session_spill import OUT, _complete, _turn
 from vllm_hybridcache.adapter.draft_rows import DRAFT_INPUT, DRAFT_PASS
 from vllm_hybridcache.core import PromptKeys
-from vllm_hybridcache.core.disk.linkfile import (
+from vllm_hybridcache.core.linkformat.linkfile import (
     _PRE,
     LinkFileHeader,
     read_header,

@@ -268,7 +268,7 @@ def _tenant_link(side, worker, salt: str, cut: int):
 def _tenants_on_disk(side, root) -> dict[str, int]:
     """Link files by tenant (read from their headers)."""
     from vllm_hybridcache.core import tenant_of, tenant_tag
-    from vllm_hybridcache.core.disk.linkfile import read_header
+    from vllm_hybridcache.core.linkformat.linkfile import read_header
 
     names = {tenant_tag(s): s for s in ("tenant-a", "tenant-b")}
     out: dict[str, int] = {}

@@ -21,11 +21,11 @@ from vllm_hybridcache.core.disk import LinkDirectory
 from vllm_hybridcache.core.disk.admission import WriteAdmission
 from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.folder import own_folder
-from vllm_hybridcache.core.disk.reader import SourceOrigin
-from vllm_hybridcache.core.disk.shard import Shard
 from vllm_hybridcache.core.disk.sharded import ShardedDirectory
-from vllm_hybridcache.core.disk.tags import TagCodec
 from vllm_hybridcache.core.disk.writer import DiskTarget
+from vllm_hybridcache.core.linkformat.reader import SourceOrigin
+from vllm_hybridcache.core.linkformat.shard import Shard
+from vllm_hybridcache.core.linkformat.tags import TagCodec
 from vllm_hybridcache.core.store import DEFAULT_POOL_BYTES as POOL_BYTES
 from vllm_hybridcache.core.tiers.disk_anchors import DiskAnchors
 from vllm_hybridcache.core.tiers.disk_behind import DiskBehind

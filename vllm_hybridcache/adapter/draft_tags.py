@@ -1,7 +1,7 @@
 """The MTP route's draft-tag policy: what a link carries so that `fits` knows which prompts it
 serves, and which prompt tokens the draft head's boundary row reads on this engine.
 
-The tags are plain NamedTuples (they go into link files through core/disk/tags.py TagCodec, by
+The tags are plain NamedTuples (they go into link files through core/linkformat/tags.py TagCodec, by
 name); `draft_reads` picks the route's rule once per engine; the per-request tag and fit
 (`RequestState.draft_tag` / `fits`, adapter/request_state.py) apply it to one prompt.
 """

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_hybridcache.adapter.draft_rows import DraftRebuild
 from vllm_hybridcache.core import LinkAddr, LinkRef
-from vllm_hybridcache.core.disk.reader import SourceKey, SourceOrigin
+from vllm_hybridcache.core.linkformat.reader import SourceKey, SourceOrigin
 
 
 @dataclass

@@ -58,8 +58,8 @@ from vllm_hybridcache.core import (
     SnapshotTree,
     Tier,
 )
-from vllm_hybridcache.core.disk.reader import SourceKey
 from vllm_hybridcache.core.keys import tenant_tag
+from vllm_hybridcache.core.linkformat.reader import SourceKey
 from vllm_hybridcache.segmentation import (
     FINE,
     RecentPrompts,

@@ -31,7 +31,7 @@ from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.adapter.tier_registry import handler_class
 from vllm_hybridcache.core import LinkStore, MissingLinkError
-from vllm_hybridcache.core.disk.reader import LOCAL_PROBLEMS, DiskReadError, stage_chain
+from vllm_hybridcache.core.linkformat.reader import LOCAL_PROBLEMS, DiskReadError, stage_chain
 from vllm_hybridcache.core.tiers.handler import TierHandler
 from vllm_hybridcache.ops.link_copy import gather_link
 from vllm_hybridcache.ops.paged_blocks import PagedBlocks
@@ -75,7 +75,7 @@ class WorkerSide:
         # vllm_hybridcache/testing/instrumentation.py. None in production.
         self.instrumentation: StepProbes | None = None
         # this worker's tensor-parallel rank: whose shard of every link it holds, and so
-        # which rank's files of a disk link it writes and reads (core/disk/shard.py)
+        # which rank's files of a disk link it writes and reads (core/linkformat/shard.py)
         self.rank = _tp_rank()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -158,7 +158,7 @@ class WorkerSide:
                               job.block_ids[self._tap.gid])
 
     def _stage(self, job: LoadJob) -> None:
-        """Read a disk hit's files into the store under the chain's ids (core/disk/reader.py);
+        """Read a disk hit's files into the store under the chain's ids (core/linkformat/reader.py);
         a refused file fails the load and is counted by its problem."""
         handler = self.handlers.get(job.tier)
         try:

@@ -4,7 +4,7 @@ Why: the disk tier's folder (`disk_dir`, docs/disk-tier.md) outlives every engin
 operator needs to see what it holds, prove it sound, shrink it and empty it without starting a
 vLLM engine. The commands work on the files alone, through the project's own code: names and
 folders as `LinkDirectory` makes them (core/disk/directory.py), headers and parts checked by
-`read_header`/`read_parts` (core/disk/linkfile.py: every CRC-32 and MAC), eviction and TTL by
+`read_header`/`read_parts` (core/linkformat/linkfile.py: every CRC-32 and MAC), eviction and TTL by
 `LinkDirectory.scan`/`evict`, the folder rules of `own_folder` (core/disk/folder.py). No vLLM
 is imported.
 
@@ -27,7 +27,7 @@ deletes a damaged header but not a damaged part, which a restore would find.
 Safety:
 - DIR must be the caller's own folder, not writable by group or others, not a symlink
   (`own_folder`'s rules, the engine's own); it is never created. Nothing below it is followed
-  through a symlink (every file is opened from the folder's descriptor, core/disk/safeio.py).
+  through a symlink (every file is opened from the folder's descriptor, core/linkformat/safeio.py).
 - `prune` may run while engines use the folder: it does what one more engine sharing the
   folder does (several engines share one folder by design: a file deleted under an engine is a
   counted miss, never a wrong token). It holds the folder's `.in-use` lock shared while it
@@ -113,7 +113,7 @@ class LinkEntry:
 @dataclass
 class FolderListing:
     """One fingerprint folder `DIR/<name>`, or at TP > 1 one rank's folder below it
-    (`DIR/<name>/<shard>`, core/disk/shard.py): each rank's files are listed, checked and
+    (`DIR/<name>/<shard>`, core/linkformat/shard.py): each rank's files are listed, checked and
     pruned as a folder of their own."""
 
     name: str
@@ -139,7 +139,7 @@ class FolderListing:
 
     def shard_of(self):
         """The rank whose files these are (a `Shard`; one worker's when unsharded)."""
-        from vllm_hybridcache.core.disk.shard import Shard
+        from vllm_hybridcache.core.linkformat.shard import Shard
 
         return Shard.from_folder(self.shard) if self.shard else Shard()
 
@@ -154,7 +154,7 @@ def _link_dir():
 def _lock_fd(root: Path, name: str) -> Iterator[int | None]:
     """A descriptor of `DIR/<name>/.in-use` (None without one), opened without following a
     symlink and without blocking (a FIFO planted there would hang an open)."""
-    from vllm_hybridcache.core.disk.safeio import SymlinkRefused, dir_fd
+    from vllm_hybridcache.core.linkformat.safeio import SymlinkRefused, dir_fd
 
     fd = None
     try:
@@ -198,8 +198,8 @@ def _in_use(root: Path, name: str) -> bool | None:
 
 def _shard_folders(root: Path, name: str) -> list[str]:
     """The rank folders below fingerprint folder `name` (TP > 1), in rank order."""
-    from vllm_hybridcache.core.disk.safeio import dir_fd
-    from vllm_hybridcache.core.disk.shard import Shard
+    from vllm_hybridcache.core.linkformat.safeio import dir_fd
+    from vllm_hybridcache.core.linkformat.shard import Shard
 
     with dir_fd(root, name) as fd, os.scandir(fd) as it:
         found = [e.name for e in it if e.is_dir(follow_symlinks=False)
@@ -208,9 +208,9 @@ def _shard_folders(root: Path, name: str) -> list[str]:
 
 
 def _scan_folder(root: Path, name: str, shard: str = "") -> FolderListing:
-    from vllm_hybridcache.core.disk.linkfile import TMP_PREFIX
-    from vllm_hybridcache.core.disk.safeio import SymlinkRefused, dir_fd
-    from vllm_hybridcache.core.disk.shard import Shard
+    from vllm_hybridcache.core.linkformat.linkfile import TMP_PREFIX
+    from vllm_hybridcache.core.linkformat.safeio import SymlinkRefused, dir_fd
+    from vllm_hybridcache.core.linkformat.shard import Shard
 
     d = _link_dir()
     listing = FolderListing(name, _in_use(root, name), shard=shard)
@@ -267,7 +267,7 @@ def _scan_folder(root: Path, name: str, shard: str = "") -> FolderListing:
 def list_root(root: Path) -> tuple[list[FolderListing], list[str]]:
     """(the fingerprint folders of `root`, the names of symlinks planted at its top); hidden
     entries (the weights memo, the lock files) are not folders of links."""
-    from vllm_hybridcache.core.disk.safeio import SymlinkRefused, dir_fd
+    from vllm_hybridcache.core.linkformat.safeio import SymlinkRefused, dir_fd
 
     with dir_fd(root) as fd, os.scandir(fd) as it:
         top = sorted((e.name, e.is_symlink(), e.is_dir(follow_symlinks=False)) for e in it)
@@ -372,7 +372,7 @@ def _claimed_fingerprint(root: Path, path: Path) -> bytes | None:
     """The fingerprint a header names, read after its MAC verified (the caller's probe)."""
     import msgspec
 
-    from vllm_hybridcache.core.disk import linkfile
+    from vllm_hybridcache.core.linkformat import linkfile
 
     try:
         fd = linkfile.open_link(path, root)
@@ -387,7 +387,11 @@ def _claimed_fingerprint(root: Path, path: Path) -> bytes | None:
 
 def _probe(root: Path, path: Path, key) -> tuple[bytes | None, str | None]:
     """(the fingerprint of an authentic header, None) or (None, its problem)."""
-    from vllm_hybridcache.core.disk.linkfile import LinkFileError, LinkFileProblem, read_header
+    from vllm_hybridcache.core.linkformat.linkfile import (
+        LinkFileError,
+        LinkFileProblem,
+        read_header,
+    )
 
     try:
         header, _ = read_header(path, b"", key, root)
@@ -435,7 +439,7 @@ def _check_file(root: Path, path: Path, fp: bytes | None, key, namer) -> tuple[C
     format, fingerprint), its name against its header, every part's CRC-32 and MAC."""
     import torch
 
-    from vllm_hybridcache.core.disk.linkfile import LinkFileError, read_header, read_parts
+    from vllm_hybridcache.core.linkformat.linkfile import LinkFileError, read_header, read_parts
 
     rel = str(path.relative_to(root))
     if fp is None:
@@ -557,7 +561,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _header_tokens(root: Path, path: Path, fp: bytes | None, key,
                    shard: str = "") -> dict[str, Any]:
     """A file's start and token count from its verified header (ls --tokens)."""
-    from vllm_hybridcache.core.disk.linkfile import LinkFileError, read_header
+    from vllm_hybridcache.core.linkformat.linkfile import LinkFileError, read_header
 
     if fp is None:
         return {"problem": "fingerprint unknown"}

@@ -21,10 +21,10 @@ import numpy as np
 
 from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.core.auth import KeyFileError, key_from_file
-from vllm_hybridcache.core.disk.directory import ANCHOR
-from vllm_hybridcache.core.disk.reader import SourceOrigin
-from vllm_hybridcache.core.disk.writer import WriteJob
 from vllm_hybridcache.core.keys import PromptKeys
+from vllm_hybridcache.core.linkformat.job import ANCHOR, WriteJob
+from vllm_hybridcache.core.linkformat.reader import SourceOrigin
+from vllm_hybridcache.core.linkformat.shard import Shard
 from vllm_hybridcache.core.tiers.cluster import (
     ClusterTarget,
     ClusterTier,
@@ -73,12 +73,12 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
     )
 
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+    if pc.pipeline_parallel_size > 1:
         raise RuntimeError(
-            "hybridcache: the cluster tier (cluster_address) works with one worker per replica "
-            f"for now (tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size="
-            f"{pc.pipeline_parallel_size}). Unset VLLM_HYBRIDCACHE_CLUSTER_ADDRESS to run "
-            "without it.")
+            "hybridcache: the cluster tier (cluster_address) works with one pipeline stage "
+            f"only for now (pipeline_parallel_size={pc.pipeline_parallel_size}). Unset "
+            "VLLM_HYBRIDCACHE_CLUSTER_ADDRESS to run without it.")
+    shards = int(pc.tensor_parallel_size)  # each rank publishes its own shard of a link
     if not settings.cluster_secret_file:
         raise RuntimeError(
             "hybridcache: the cluster tier (cluster_address) needs the cluster secret every "
@@ -124,12 +124,13 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
                        owner=owner,
                        baseline=lambda keys, domain, limit: tree.lookup(keys, domain,
                                                                         limit).tokens,
-                       key=key)
+                       key=key, shards=shards)
     logger.info("hybridcache: cluster tier on %s as replica %s (fingerprint %s, secret %s)",
                 settings.cluster_address, owner, fp.hex[:16], key.key_id)
     return (tier, ClusterTarget(settings.cluster_address, fp.digest, owner, secret_file,
-                                key.key_id),
-            SourceOrigin(fp.digest, secret_file, "cluster", str(stage), key.key_id))
+                                key.key_id, shards),
+            SourceOrigin(fp.digest, secret_file, "cluster", str(stage), key.key_id,
+                         shards=shards))
 
 
 def open_cluster_anchors(tier: ClusterTier, anchors) -> ClusterAnchors:
@@ -142,8 +143,9 @@ def open_cluster_anchors(tier: ClusterTier, anchors) -> ClusterAnchors:
 
 def open_cluster(ctx) -> ClusterBehind | None:
     """The cluster tier's opener (adapter/tier_registry.py): None without cluster_address;
-    with its end anchors unless anchors are off or a draft proposes tokens (a payload does
-    not carry an anchor's draft tag)."""
+    with its end anchors unless anchors are off, a draft proposes tokens (a payload does
+    not carry an anchor's draft tag) or the engine is tensor parallel (an anchor is published
+    as one payload; tree links move per rank)."""
     settings = ctx.settings
     if not settings.cluster_address:
         return None
@@ -153,8 +155,11 @@ def open_cluster(ctx) -> ClusterBehind | None:
     if opened is None:
         return None
     tier, target, origin = opened
+    if ctx.anchors_on and not ctx.speculative and tier.shards > 1:
+        logger.info("hybridcache: cluster end anchors off at tensor parallel size %d (tree "
+                    "links move between replicas, one payload per rank)", tier.shards)
     anchors = (open_cluster_anchors(tier, ctx.ram_anchors)
-               if ctx.anchors_on and not ctx.speculative else None)
+               if ctx.anchors_on and not ctx.speculative and tier.shards == 1 else None)
     return ClusterBehind(tier, target, origin, anchors=anchors)
 
 
@@ -184,8 +189,11 @@ class Publisher:
     A failed publication is logged and counted, never raised: serving goes on.
     """
 
-    def __init__(self, target: ClusterTarget) -> None:
+    def __init__(self, target: ClusterTarget, rank: int = 0) -> None:
+        """rank: this worker's tensor parallel rank, whose shard of every link it publishes
+        (under its own locator, its payloads' headers carrying its shard tag)."""
         self.target = target
+        self.shard = Shard(rank, target.shards).tag
         self.key = key_from_file(target.secret_file, "cluster", expect_id=target.key_id)
         self.transport = RayTransport(target.address, self.key, owner=target.owner)
         self._tmp = _scratch("hybridcache-publish-")
@@ -197,15 +205,15 @@ class Publisher:
     def publish(self, job: WriteJob, parts: dict[str, Any]) -> None:
         try:
             fp = self.target.fingerprint
-            payload = link_payload(job, fp, parts, self._tmp, self.key)
-            loc = locator(self.key, fp, job.domain, job.digest)
+            payload = link_payload(job, fp, parts, self._tmp, self.key, shard=self.shard)
+            loc = locator(self.key, fp, job.domain, job.digest, self.shard)
             if job.kind == ANCHOR:
                 keys = PromptKeys(np.frombuffer(job.tokens, dtype=np.int64))
                 block = block_locator(self.key, fp, job.domain,
                                       keys.digest(anchor_block(job.end)))
                 self.transport.publish_anchor(loc, block, job.end, payload)
             else:
-                parent = (locator(self.key, fp, job.domain, job.parent_digest)
+                parent = (locator(self.key, fp, job.domain, job.parent_digest, self.shard)
                           if job.start else b"")
                 self.transport.publish(loc, parent, job.start, job.end, payload)
             self._published[job.link_id] = (job.kind, loc)

@@ -34,7 +34,7 @@ class ClusterHandler(TierHandler):
         from vllm_hybridcache.cluster.engine import Publisher
 
         try:
-            self.publisher = Publisher(ops.target)
+            self.publisher = Publisher(ops.target, self.rank)  # this rank's shard
         except Exception as e:  # e.g. the secret file is unreadable here: serve on
             logger.warning("hybridcache: cluster publishing off in this worker: %s: %s",
                            type(e).__name__, e)

@@ -4,7 +4,7 @@ Why: a link file (disk tier) or payload (cluster tier) is restored into an engin
 did not compute. A CRC-32 catches corruption but anyone can compute one, so a forged file with
 valid CRCs would be served as cold-exact (a wrong token). Every link file therefore carries
 MACs keyed by a secret the operator controls, over its header and over each part
-(core/disk/linkfile.py; the two constructions are below). A reader without the secret cannot
+(core/linkformat/linkfile.py; the two constructions are below). A reader without the secret cannot
 produce a file the engine accepts, and names derived from the secret (`LinkKey.name`) let
 nobody without it find or enumerate another domain's links.
 

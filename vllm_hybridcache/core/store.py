@@ -10,7 +10,7 @@ view (what restores hand out); section tensors are rebuilt on demand.
 A link read from disk (`allocate(..., page_aligned=True)`) is laid out as its link file lays
 out its payload instead: parts at page-aligned offsets, in a page-aligned buffer from the
 store's PagePool (slabs.py: reused buffers, bounded), so the disk reader fills the whole link
-with one direct read and no copy (core/disk/reader.py). Every other method treats both
+with one direct read and no copy (core/linkformat/reader.py). Every other method treats both
 layouts alike; a dropped staged link's buffer goes back to the pool.
 
 Threading: a LinkStore is not thread-safe; it is called from one thread only (the model-runner
@@ -216,7 +216,7 @@ class LinkStore:
         Why: a disk hit restores the state of its deepest link only, while every link of the
         chain is staged whole so that the promoted links can end later hits; reading the
         other links' states when (and if) one of them is needed takes about a third of a
-        long chain's bytes off the hit's read (core/disk/reader.py)."""
+        long chain's bytes off the hit's read (core/linkformat/reader.py)."""
         e = self._entries.get(link_id)
         if e is None:
             raise MissingLinkError(link_id)

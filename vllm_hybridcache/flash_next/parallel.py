@@ -126,7 +126,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of the ranks' partial results (identity at TP = 1)."""
     if tp_rank_world()[1] == 1:
         return x
-    from vllm.distributed import tensor_model_parallel_all_reduce
+    from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(x)
 

@@ -57,9 +57,10 @@ class EngineReplica:
                              for d in out.outputs[0].logprobs]}
 
     def _sched(self) -> Any:
-        from vllm_hybridcache.serving.python_api import engine_parts
+        """The connector's scheduler side (in this process; the workers may not be: TP > 1)."""
+        from vllm_hybridcache.compat import inproc_scheduler_connector
 
-        return engine_parts(self.llm)[0]
+        return inproc_scheduler_connector(self.llm)._sched
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """This replica's cache stats per `tier/kind`."""
@@ -70,6 +71,17 @@ class EngineReplica:
 
     def clear(self, tier: str | None = None) -> int:
         return self._sched().clear(tier)
+
+    def arm_corruption(self) -> tuple[str, list[dict[str, bool]]]:
+        """Corrupt the next request's restore on every worker (an engine started with the
+        `FaultInjection` worker extension, testing/instrumentation.py): the request's tag and
+        each worker's answer."""
+        tag = str(self.llm.request_counter.counter)  # the next request's id contains it
+        return tag, self.llm.collective_rpc("hybridcache_corrupt_restore", args=(tag,))
+
+    def corruption_result(self, tag: str) -> list[dict[str, Any] | None]:
+        """Each worker's record of the tagged request's restore (`arm_corruption`)."""
+        return self.llm.collective_rpc("hybridcache_corruption_result", args=(tag,))
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

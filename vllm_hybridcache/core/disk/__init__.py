@@ -1,30 +1,12 @@
-"""Storage for the disk tier: the link file format and the directory of link files.
+"""The disk tier's storage: the directory of link files one engine fingerprint owns on a folder
+that several engines may share (naming, chain lookup, eviction, sweeps), its writer thread,
+admission, read cost, session spill and the per-rank sets of a tensor parallel engine.
 
-`linkfile` writes and verifies one link as a self-contained file; `directory` manages the files
-of one engine fingerprint on a directory that several engines may share (naming, chain lookup,
-eviction, sweeps). Both are pure (no vLLM) and single-threaded.
+The file format itself (one self-contained, authenticated file per link, and the reader that
+stages a chain of them into the RAM store) is core/linkformat/, which the cluster tier uses for
+its payloads too. Pure (no vLLM).
 """
 
 from .directory import DirectoryStats, DiskLink, LinkDirectory
-from .linkfile import (
-    FORMAT_VERSION,
-    LinkFileError,
-    LinkFileHeader,
-    LinkFileProblem,
-    read_header,
-    read_parts,
-    write_link_file,
-)
 
-__all__ = [
-    "FORMAT_VERSION",
-    "DirectoryStats",
-    "DiskLink",
-    "LinkDirectory",
-    "LinkFileError",
-    "LinkFileHeader",
-    "LinkFileProblem",
-    "read_header",
-    "read_parts",
-    "write_link_file",
-]
+__all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]

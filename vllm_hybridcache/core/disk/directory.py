@@ -52,8 +52,8 @@ import numpy as np
 
 from ..auth import LinkKey
 from ..keys import PromptKeys, in_tenant, tenant_of
-from .folder import own_folder
-from .linkfile import (
+from ..linkformat.job import ANCHOR, TREE
+from ..linkformat.linkfile import (
     TMP_PREFIX,
     LinkFileError,
     LinkFileHeader,
@@ -61,9 +61,10 @@ from .linkfile import (
     read_header,
     write_link_file,
 )
-from .safeio import SymlinkRefused, dir_fd, relative_parts
-from .shard import Shard
-from .tags import EncodedTag
+from ..linkformat.safeio import SymlinkRefused, dir_fd, relative_parts
+from ..linkformat.shard import Shard
+from ..linkformat.tags import EncodedTag
+from .folder import own_folder
 
 __all__ = ["DirectoryStats", "DiskLink", "LinkDirectory"]
 
@@ -72,8 +73,6 @@ LOCK_NAME = ".in-use"
 # tries to lock our folder while other engines keep sweeping it (each try is microseconds)
 LOCK_ATTEMPTS = 8
 DAY_S = 86400.0
-TREE = "tree"
-ANCHOR = "anchor"
 ANCHOR_PREFIX = "a-"  # folder of a domain's spilled end anchors
 
 

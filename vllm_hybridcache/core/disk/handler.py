@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..cpus import widen_thread_affinity
+from ..linkformat.job import WriteJob
+from ..linkformat.reader import warm_read_buffers
 from ..store import MissingLinkError
 from ..tiers.handler import TierHandler
-from .reader import warm_read_buffers
-from .writer import LinkWriter, WriteJob
+from .writer import LinkWriter
 
 __all__ = ["DiskHandler"]
 

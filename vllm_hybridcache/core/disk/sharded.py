@@ -30,9 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..keys import PromptKeys
+from ..linkformat.linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header
+from ..linkformat.shard import relocate
 from .directory import DirectoryStats, DiskLink, LinkDirectory
-from .linkfile import LinkFileError, LinkFileHeader, LinkFileProblem, read_header
-from .shard import relocate
 
 __all__ = ["ShardedDirectory"]
 

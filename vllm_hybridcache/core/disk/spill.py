@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..keys import PromptKeys
-from .directory import ANCHOR
-from .tags import EncodedTag
-from .writer import WriteJob
+from ..linkformat.job import ANCHOR, WriteJob
+from ..linkformat.tags import EncodedTag
 
 __all__ = ["SpillBook", "anchor_job"]
 

@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from ..auth import key_from_file
+from ..linkformat.job import TREE, WriteJob
+from ..linkformat.shard import Shard, relocate
 from ..stats import SECONDS_BOUNDS, Histogram
-from .directory import TREE, LinkDirectory
-from .shard import Shard, relocate
-from .tags import EncodedTag
+from .directory import LinkDirectory
 
 __all__ = ["QUEUE_MAX", "DiskTarget", "DrainReport", "LinkWriter", "WriteJob"]
 
@@ -66,31 +66,10 @@ class DiskTarget(msgspec.Struct, frozen=True):
     key_id: str = ""  # the key the scheduler side read: the writer refuses another
     spill: bool = False  # session spill: end anchors are written at shutdown and eviction
     drain_s: float = 10.0  # time limit of the shutdown drain
-    direct_reads: bool = True  # a disk hit reads with direct I/O (core/disk/inplace.py)
+    direct_reads: bool = True  # a disk hit reads with direct I/O (core/linkformat/inplace.py)
     # workers that each hold a shard of every link (TP): each writes its own rank's files
-    # (core/disk/shard.py); `budget_bytes` is each rank's share
+    # (core/linkformat/shard.py); `budget_bytes` is each rank's share
     shards: int = 1
-
-
-class WriteJob(msgspec.Struct, frozen=True):
-    """One committed RAM link to copy into a link file (the RAM store holds its bytes under
-    `link_id`). Invariants: 0 <= start < end, len(tokens) == 8 * (end - start), parent_digest
-    is b"" exactly when start == 0."""
-
-    link_id: int
-    domain: bytes
-    digest: bytes
-    parent_digest: bytes
-    start: int
-    end: int
-    tokens: bytes
-    rows: int
-    kind: str = "tree"  # or "anchor": an end anchor, one root file of the whole prefix
-    # "now": write it; "spill": an end anchor the worker keeps in mind and writes only at
-    # shutdown (session spill) unless an explicit "now" job for it comes first (evicted)
-    when: str = "now"
-    # the link's encoded draft tag on a speculative route (tags.py), carried into the header
-    tag: EncodedTag | None = None
 
 
 class DrainReport(msgspec.Struct, frozen=True):

@@ -6,7 +6,7 @@ secret's `LinkKey.name`, core/auth.py) of (engine fingerprint, domain, digest), 
 directory and anyone who reads it learn nothing about whose prefix an entry holds, and nobody
 without the secret can compute where a link would be. Each entry names the owner replica and
 an opaque handle to the payload (on Ray: an object in Ray's object store). The payload is a
-link file's bytes (core/disk/linkfile.py): self-contained, with the fingerprint, domain,
+link file's bytes (core/linkformat/linkfile.py): self-contained, with the fingerprint, domain,
 digests, the link's own token ids, a CRC-32 per part and MACs keyed by the cluster secret over
 the header and every part, so a payload forged by anyone without the secret (valid CRCs and
 all) is refused as `unauthenticated` before it is staged. The transport
@@ -20,7 +20,7 @@ How a remote hit is served (docs/cluster.md):
   folder, its header checked (MAC, format, fingerprint, CRC, domain, digests, rows) and its
   token ids compared with the prompt's. Only then does the lookup answer a hit, whose plan
   names the staged files as `sources`: the worker reads them into its RAM store with every
-  part's CRC and MAC checked (core/disk/reader.stage_chain) and restores them like a RAM hit.
+  part's CRC and MAC checked (core/linkformat/reader.stage_chain) and restores them like a RAM hit.
 - Like the disk tier it is `slow`: served only when strictly deeper than RAM's hit.
 - A lost owner, a lost object, a timeout, a foreign fingerprint, a damaged or unauthenticated
   payload, a token mismatch, a full local budget: the lookup answers a miss (the request
@@ -65,10 +65,11 @@ import msgspec
 import numpy as np
 
 from ..auth import LinkKey
-from ..disk.linkfile import LinkFileError, LinkFileProblem, read_header, write_link_file
-from ..disk.writer import WriteJob
 from ..keys import BLOCK, Hasher, PromptKeys, blake2b_128, in_tenant
 from ..layout import StateLayout
+from ..linkformat.job import WriteJob
+from ..linkformat.linkfile import LinkFileError, LinkFileProblem, read_header, write_link_file
+from ..linkformat.shard import Shard
 from ..stats import SECONDS_BOUNDS, CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
 from .base import (
     CacheTier,
@@ -200,11 +201,15 @@ def anchor_block(end: int) -> int:
     return end // BLOCK * BLOCK
 
 
-def locator(key: LinkKey, fingerprint: bytes, domain: bytes, digest: bytes) -> bytes:
+def locator(key: LinkKey, fingerprint: bytes, domain: bytes, digest: bytes,
+            shard: str = "") -> bytes:
     """Where a link of (fingerprint, domain, digest) is listed in the directory: a keyed
     digest, so the directory holds no fingerprint, domain or prompt digest, and only holders
-    of the cluster secret can compute (or enumerate by guessing) a prefix's entries."""
-    return bytes.fromhex(key.name(b"locator", fingerprint, domain, digest))
+    of the cluster secret can compute (or enumerate by guessing) a prefix's entries. At
+    tensor parallel size N each rank's payload of the link is listed on its own, under its
+    `shard` tag ("r/N", core/linkformat/shard.py)."""
+    fields = (b"locator", fingerprint, domain, digest) + ((shard.encode(),) if shard else ())
+    return bytes.fromhex(key.name(*fields))
 
 
 def block_locator(key: LinkKey, fingerprint: bytes, domain: bytes, block_digest: bytes) -> bytes:
@@ -239,6 +244,8 @@ class ClusterTarget(msgspec.Struct, frozen=True):
     owner: str
     secret_file: str
     key_id: str = ""  # the secret the scheduler side read: a worker refuses another
+    # the engine's tensor parallel size: each rank publishes its own shard of every link
+    shards: int = 1
 
 
 class _Stage(StrEnum):
@@ -261,23 +268,33 @@ class _Op:
     paths: list[Path] = field(default_factory=list)
     nbytes: int = 0
     reason: ClusterMiss | None = None
+    # at tensor parallel size N: for ranks 1..N-1, that rank's entries of the chain's links
+    # (aligned with `chain`, which is rank 0's) and its staged files (aligned with `paths`,
+    # the files the plan names: rank 0's; each worker reads its rank's of the same name)
+    shards: list[list[RemoteEntry]] = field(default_factory=list)
+    shard_paths: list[Path] = field(default_factory=list)
     active: int = 0      # restores begun from its files and not ended
     retired: bool = False  # no longer offered; files deleted when `active` drops to 0
 
+    def locators(self) -> list[bytes]:
+        """Where every rank's entries of the chain are listed."""
+        return [e.locator for rank in (self.chain, *self.shards) for e in rank]
+
 
 def link_payload(job: WriteJob, fingerprint: bytes, parts: dict[str, Any], tmp_dir: Path,
-                 key: LinkKey) -> bytes:
+                 key: LinkKey, shard: str = "") -> bytes:
     """A committed link's payload: exactly a link file's bytes (the disk tier's format),
     authenticated with the cluster secret's `key`, built through a temporary file in `tmp_dir`
     (a RAM-backed folder is best) by the one writer the disk tier uses, so both tiers share one
-    format and one set of checks."""
+    format and one set of checks. `shard`: the tensor parallel rank's tag whose shard of the
+    link `parts` are (its header carries it, authenticated)."""
     path = Path(tmp_dir) / f"pub-{os.getpid()}-{uuid.uuid4().hex}.link"
     try:
         write_link_file(path, key=key, fingerprint=fingerprint, domain=job.domain,
                         digest=job.digest,
                         parent_digest=job.parent_digest, start=job.start, end=job.end,
                         tokens=np.frombuffer(job.tokens, dtype=np.int64), rows=job.rows,
-                        parts=parts, created=time.time(), kind=job.kind)
+                        parts=parts, created=time.time(), kind=job.kind, shard=shard)
         return path.read_bytes()
     finally:
         path.unlink(missing_ok=True)
@@ -294,6 +311,12 @@ class ClusterTier(CacheTier):
     key: the cluster secret's LinkKey (payload MACs, locators)
     owner: this replica's name in the directory (its own entries are never fetched).
     baseline: tokens RAM serves for a prompt here; a remote chain no deeper is not fetched.
+    shards: the engine's tensor parallel size N. Each rank publishes its own shard of a link
+    (`locator` with its shard tag); a link is served only when every rank's payload of it is
+    listed, fetched and verified (its header carrying that rank's tag), each staged in the
+    rank's folder (`Shard.folder`) under one name, so each worker reads its own rank's file
+    (core/linkformat/reader.py `SourceOrigin.for_rank`). A rank's payload missing serves a
+    shallower chain or none; one that fails a check fails the whole lookup.
     """
 
     tier = Tier.CLUSTER
@@ -307,14 +330,17 @@ class ClusterTier(CacheTier):
                  next_id: Callable[[], int] | None = None, hasher: Hasher | None = None,
                  promote: Promote | None = None,
                  clock: Callable[[], float] = time.monotonic, owner: str | None = None,
-                 baseline: Baseline | None = None, *, key: LinkKey) -> None:
+                 baseline: Baseline | None = None, *, key: LinkKey, shards: int = 1) -> None:
         self.layout = layout
+        self.shards = int(shards)
         self.fingerprint = fingerprint
         self.key = key
         self.transport = transport
         self._cuts = cuts
         self.stage_dir = Path(stage_dir)
         self.stage_dir.mkdir(parents=True, exist_ok=True)
+        for r in range(self.shards if self.shards > 1 else 0):
+            (self.stage_dir / Shard(r, self.shards).folder).mkdir(exist_ok=True)
         self.budget_bytes = int(budget_bytes)
         self.timeout_s = float(timeout_s)
         self._next_id = next_id if next_id is not None else IdSource()
@@ -415,11 +441,12 @@ class ClusterTier(CacheTier):
 
     def _locate(self, domain: bytes, keys: PromptKeys, positions: list[int],
                 lim: int) -> Pending:
-        return self.transport.locate([self._locator(domain, keys.digest(c))
-                                      for c in positions])
+        return self.transport.locate([self._locator(domain, keys.digest(c), r)
+                                      for c in positions for r in range(self.shards)])
 
-    def _locator(self, domain: bytes, digest: bytes) -> bytes:
-        return locator(self.key, self.fingerprint, domain, digest)
+    def _locator(self, domain: bytes, digest: bytes, rank: int = 0) -> bytes:
+        return locator(self.key, self.fingerprint, domain, digest,
+                       Shard(rank, self.shards).tag)
 
     def _forget(self, locators: list[bytes]) -> None:
         self.transport.forget(locators)
@@ -455,20 +482,22 @@ class ClusterTier(CacheTier):
                     self._check_timeout(op, now)
                     return
                 self._locate_seconds.observe(max(0.0, now - op.started))
-                chain = self._chain([e for e in op.pending.result()
-                                     if self.owner is None or e.owner != self.owner], keys,
-                                    domain)
+                entries = [e for e in op.pending.result()
+                           if self.owner is None or e.owner != self.owner]
+                chain, shards = self._every_rank(self._chain(entries, keys, domain), entries,
+                                                 keys, domain)
                 if chain and self._baseline is not None \
                         and chain[-1].end <= self._baseline(keys, domain, limit):
                     chain = []
                 if not chain:
                     op.stage, op.pending, op.started = _Stage.NONE, None, now
                     return
-                nbytes = sum(e.nbytes for e in chain)
+                every = chain + [e for rank in shards for e in rank]
+                nbytes = sum(e.nbytes for e in every)
                 if self._budget_used() + nbytes > self.budget_bytes:
                     raise ClusterError(ClusterMiss.BUDGET, f"{nbytes} bytes to stage")
-                op.chain, op.nbytes = chain, nbytes
-                op.pending, op.stage = self.transport.fetch(chain), _Stage.FETCH
+                op.chain, op.shards, op.nbytes = chain, shards, nbytes
+                op.pending, op.stage = self.transport.fetch(every), _Stage.FETCH
                 op.fetch_started = self._clock()
             if op.stage is _Stage.FETCH:
                 if not op.pending.done():
@@ -510,34 +539,67 @@ class ClusterTier(CacheTier):
                 return chain[::-1]
         return []
 
+    def _every_rank(self, chain: list[RemoteEntry], entries: Sequence[RemoteEntry],
+                    keys: PromptKeys, domain: bytes
+                    ) -> tuple[list[RemoteEntry], list[list[RemoteEntry]]]:
+        """`chain` (rank 0's entries) cut before its first link that some rank has not
+        listed, and each other rank's entries of the links kept (at one rank: `chain`)."""
+        if self.shards == 1:
+            return chain, []
+        by_locator = {e.locator: e for e in entries}
+        shards: list[list[RemoteEntry]] = [[] for _ in range(1, self.shards)]
+        for i, e in enumerate(chain):
+            found = [by_locator.get(self._locator(domain, keys.digest(e.end), r))
+                     for r in range(1, self.shards)]
+            if any(f is None or (f.start, f.end) != (e.start, e.end) for f in found):
+                chain = chain[:i]
+                break
+            for rank, f in zip(shards, found, strict=True):
+                rank.append(f)
+        return chain, [rank[:len(chain)] for rank in shards]
+
     def _stage(self, op: _Op, payloads: Sequence[bytes], keys: PromptKeys,
                domain: bytes) -> None:
         """Write each payload as a link file and verify its header and tokens (parts are
-        verified by the worker as it reads them). ClusterError on the first problem."""
-        if len(payloads) != len(op.chain):
+        verified by the worker as it reads them): rank 0's, then each other rank's, every
+        rank's file of a link under one name in its rank's folder. ClusterError on the first
+        problem."""
+        if len(payloads) != len(op.chain) * self.shards:
             raise ClusterError(ClusterMiss.VERIFY_FAILED, "payload count")
+        names = [f"{uuid.uuid4().hex}-{e.end}.link" for e in op.chain]
+        ranks = [op.chain, *op.shards]
+        for rank, entries in enumerate(ranks):
+            shard = Shard(rank, self.shards)
+            done = len(op.chain) * rank
+            for name, e, data in zip(names, entries, payloads[done:done + len(op.chain)],
+                                     strict=True):
+                path = self.stage_dir / shard.folder / name
+                (op.paths if rank == 0 else op.shard_paths).append(path)
+                self._stage_one(path, e, data, keys, domain, shard.tag)
+
+    def _stage_one(self, path: Path, e: RemoteEntry, data: bytes, keys: PromptKeys,
+                   domain: bytes, shard: str) -> None:
+        """One payload as a link file at `path`, its header and tokens verified."""
         toks = keys.tokens
         try:
-            for e, data in zip(op.chain, payloads, strict=True):
-                path = self.stage_dir / f"{uuid.uuid4().hex}-{e.end}.link"
-                op.paths.append(path)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                try:
-                    header, _ = read_header(path, self.fingerprint, self.key, self.stage_dir)
-                except LinkFileError as err:
-                    raise ClusterError(refusal_reason(err.problem), str(err)) from err
-                if (header.kind != self.kind.value or header.tag is not None
-                        or header.domain != domain
-                        or header.digest != keys.digest(e.end)
-                        or header.parent_digest != (keys.digest(e.start) if e.start else b"")
-                        or (header.start, header.end) != (e.start, e.end)
-                        or header.rows != self.layout.view_rows(e.start, e.end)
-                        or not np.array_equal(header.token_ids(), toks[e.start:e.end])):
-                    raise ClusterError(ClusterMiss.VERIFY_FAILED,
-                                       f"payload of [{e.start}, {e.end}) from {e.owner}")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            try:
+                header, _ = read_header(path, self.fingerprint, self.key, self.stage_dir,
+                                        shard=shard)
+            except LinkFileError as err:
+                raise ClusterError(refusal_reason(err.problem), str(err)) from err
+            if (header.kind != self.kind.value or header.tag is not None
+                    or header.domain != domain
+                    or header.digest != keys.digest(e.end)
+                    or header.parent_digest != (keys.digest(e.start) if e.start else b"")
+                    or (header.start, header.end) != (e.start, e.end)
+                    or header.rows != self.layout.view_rows(e.start, e.end)
+                    or not np.array_equal(header.token_ids(), toks[e.start:e.end])):
+                raise ClusterError(ClusterMiss.VERIFY_FAILED,
+                                   f"payload of [{e.start}, {e.end}) from {e.owner}")
         except OSError as err:
             raise ClusterError(ClusterMiss.UNREACHABLE, f"staging: {err}") from err
 
@@ -547,7 +609,7 @@ class ClusterTier(CacheTier):
         self._count_failure(reason)
         if op.chain and reason in _PAYLOAD_FAULTS:
             try:
-                self._forget([e.locator for e in op.chain])
+                self._forget(op.locators())
             except ClusterError:
                 pass  # the directory is unreachable: it learns at the next failure
 
@@ -577,9 +639,9 @@ class ClusterTier(CacheTier):
             self._delete_files(op)
 
     def _delete_files(self, op: _Op) -> None:
-        for p in op.paths:
+        for p in op.paths + op.shard_paths:
             p.unlink(missing_ok=True)
-        op.paths = []
+        op.paths, op.shard_paths = [], []
 
     def _budget_used(self) -> int:
         """Staged bytes of this tier and of the tiers sharing its budget (tree and anchors:
@@ -606,7 +668,7 @@ class ClusterTier(CacheTier):
         op = offered[0][0] if offered[0] is not None else None
         if (op is None or op.retired or op.stage is not _Stage.READY
                 or any(o is None or o[0] is not op for o in offered)
-                or not op.paths or not all(p.exists() for p in op.paths)):
+                or not op.paths or not all(p.exists() for p in op.paths + op.shard_paths)):
             self.record_lookup(msgspec.structs.replace(
                 res, hit=False, tokens=0, plan=None, miss_reason=MissReason.EVICTED.value))
             return False
@@ -629,7 +691,7 @@ class ClusterTier(CacheTier):
             s.restore_seconds.observe(seconds)
         else:
             s.restores_failed += 1
-            self._failed[plan.link_ids] = [e.locator for e in op.chain]
+            self._failed[plan.link_ids] = op.locators()
             while len(self._failed) > OFFERED_MAX:
                 self._failed.popitem(last=False)
         kept = set(self._promote(keys, domain, plan.chain)) if ok and self._promote else set()
@@ -674,10 +736,11 @@ class ClusterTier(CacheTier):
         step's report, after the step, so a job made then rides the *next* step's plan, and
         the links committed by a request's last step were published only after its response
         (or, in an engine that stops stepping when idle, at its next request). The worker
-        publishes only links it captured and sealed; with one worker per replica (the only
-        shape the cluster tier runs in) that capture is the confirmation the commit waits for.
-        A link the scheduler aborts after all is dropped from the worker's store, which
-        withdraws it. A link starting past 0 has a parent link ending at its start (the tree
+        publishes only links it captured and sealed: that capture is the confirmation the
+        commit waits for. At TP > 1 every rank's worker publishes its own shard, and a link
+        one rank failed to capture lacks that rank's entry, so no replica serves it (every
+        rank's payload is needed). A link the scheduler aborts after all is dropped from the
+        workers' stores, which withdraws it. A link starting past 0 has a parent link ending at its start (the tree
         reserves from the deepest link it holds), whose digest is the prompt's at `start`."""
         if tag is not None:
             return None
@@ -719,7 +782,7 @@ class ClusterTier(CacheTier):
         restore first)."""
         n = 0
         for lid in link_ids:
-            locators = next(([e.locator for e in op.chain]
+            locators = next((op.locators()
                              for ids, (op, _, _) in self._active.items() if lid in ids), None)
             if locators is None:
                 ids = next((ids for ids in self._failed if lid in ids), None)

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from ..disk.writer import WriteJob
 from ..keys import BLOCK, PromptKeys, in_tenant
+from ..linkformat.job import WriteJob
 from .base import (
     LinkKind,
 )
@@ -62,6 +62,8 @@ class ClusterAnchors(ClusterTier):
     cold_exact = False
 
     def __init__(self, tree: ClusterTier, local: LocalAnchor | None = None) -> None:
+        if tree.shards > 1:  # an anchor's payload is one rank's; no rank sets for anchors yet
+            raise ValueError("cluster end anchors work with one tensor parallel rank only")
         super().__init__(tree.layout, tree.fingerprint, tree.transport, tree._cuts,
                          tree.stage_dir, tree.budget_bytes, tree.timeout_s,
                          next_id=tree._next_id, hasher=tree._hasher, promote=None,

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from ..disk.reader import SourceOrigin
-from ..disk.writer import WriteJob
 from ..keys import PromptKeys
+from ..linkformat.job import WriteJob
+from ..linkformat.reader import SourceOrigin
 from .base import LinkAddr, LinkKind, Tier
 from .cluster import ClusterTarget, ClusterTier
 from .cluster_anchors import ClusterAnchors

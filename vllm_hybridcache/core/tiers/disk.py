@@ -1,7 +1,7 @@
 """DiskTier: cold-exact links kept as files on a local disk (tier `disk`, kind `tree`).
 
 Scheduler side, metadata and decisions only, like the RAM tiers. The bytes live in link files
-(core/disk/linkfile.py) under a directory several engines may share (core/disk/directory.py);
+(core/linkformat/linkfile.py) under a directory several engines may share (core/disk/directory.py);
 the scheduler runs on the same host as the workers, so it finds a prompt's chain by statting
 the names of its cuts and verifying headers and tokens, without reading a payload byte.
 
@@ -28,7 +28,7 @@ come back through `absorb_worker` and are part of `stats()`.
 
 On a speculative (MTP) route a RAM tree link carries a draft tag (which prompts its draft rows
 fit) and a lookup brings the adapter's `fits(p, tag)` predicate. A link file carries the tag
-in its header (core/disk/tags.py), and a lookup applies the same predicate to every file of a
+in its header (core/linkformat/tags.py), and a lookup applies the same predicate to every file of a
 chain, ending it before the first that does not fit, as the RAM tree does; a promoted link
 keeps its tag. A file with a tag never serves a lookup without one, nor the other way round.
 On Flash-Next's MTP route the target's hidden row at each link's boundary is one more section
@@ -50,11 +50,11 @@ import numpy as np
 
 from ..disk.admission import WriteAdmission
 from ..disk.cost import ReadCost, ReadRefusal
-from ..disk.directory import TREE, LinkDirectory
-from ..disk.tags import TagCodec, TagProblem, UnencodableTag
-from ..disk.writer import WriteJob
+from ..disk.directory import LinkDirectory
 from ..keys import Hasher, PromptKeys, blake2b_128, in_tenant
 from ..layout import StateLayout
+from ..linkformat.job import TREE, WriteJob
+from ..linkformat.tags import TagCodec, TagProblem, UnencodableTag
 from ..stats import CacheStats, Histogram, MissReason, SkipReason, StatsRecorder
 from .base import (
     CacheTier,

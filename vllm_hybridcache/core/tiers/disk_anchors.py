@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..disk.cost import ReadRefusal
-from ..disk.directory import ANCHOR
 from ..disk.spill import anchor_job
-from ..disk.tags import TagCodec, TagProblem, UnencodableTag
-from ..disk.writer import WriteJob
 from ..keys import PromptKeys, in_tenant
+from ..linkformat.job import ANCHOR, WriteJob
+from ..linkformat.tags import TagCodec, TagProblem, UnencodableTag
 from ..stats import CacheStats, MissReason
 from .base import (
     Fits,

@@ -14,10 +14,11 @@ from typing import Any
 
 import msgspec
 
-from ..disk.reader import SourceOrigin
 from ..disk.spill import SpillBook
-from ..disk.writer import DiskTarget, WriteJob
+from ..disk.writer import DiskTarget
 from ..keys import PromptKeys, in_tenant
+from ..linkformat.job import WriteJob
+from ..linkformat.reader import SourceOrigin
 from .base import LinkAddr, LinkKind, LookupResult, Tier
 from .disk import DiskTier
 from .disk_anchors import DiskAnchors

@@ -29,7 +29,7 @@ class LowerTier(ABC):
 
     `name` is the key of its operations in each step's plan and of its worker handler; it is
     the tier's `Tier` value (so a load of this tier's hit finds its handler and `origin`).
-    `origin`: where this tier's hits' files come from (core/disk/reader.py SourceOrigin), sent
+    `origin`: where this tier's hits' files come from (core/linkformat/reader.py SourceOrigin), sent
     with each load job; None for a tier whose hits need no files.
     """
 

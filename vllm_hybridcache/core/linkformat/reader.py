@@ -69,7 +69,7 @@ class SourceOrigin(msgspec.Struct, frozen=True):
     purpose: str
     root: str
     key_id: str = ""  # the key the scheduler side read (core/auth.py `key_from_file`)
-    # workers that each hold a shard of every link (TP, core/disk/shard.py): the sources
+    # workers that each hold a shard of every link (TP, core/linkformat/shard.py): the sources
     # name rank 0's files, each worker reads its own rank's, whose headers carry its rank's
     # shard tag
     shards: int = 1
