@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         local = {t.family: [len(tokenizer.prompt_ids(t.messages(r), t.tools(r)))
                             for r in t.requests] for t in traces}
         settings = ServerSettings(
-            model_path=model_path, served_name=served,
+            model_path=model_path, served_name=served, model_name=args.model,
             max_model_len=args.max_model_len or SIZES[size].max_model_len,
             port=args.port, seed=args.seed, extra_args=list(args.server_arg),
             startup_timeout_s=args.startup_timeout, vllm=args.vllm)

@@ -44,7 +44,8 @@ class SystemSpec(msgspec.Struct, frozen=True):
     """Extra environment for the server (the plugin's feature switches for ablations)."""
     model: str = ""
     """An embedded model this system serves instead of the run's `--model` (under the same
-    served name): a quantized twin of it, compared side by side in one run."""
+    served name): a quantized twin of it, compared side by side in one run. `{model}` stands
+    for the run's model (`ServerSettings.model_name`)."""
 
 
 # The plugin's features one at a time (issue "conversations"): grid links only, then message-end
@@ -92,9 +93,10 @@ SYSTEMS: dict[str, SystemSpec] = {
                    f"process per rank, VLLM_CPU_OMP_THREADS_BIND={_TP2_CORES})",
                    env={"VLLM_CPU_OMP_THREADS_BIND": _TP2_CORES}),
         SystemSpec("ours-w8a8", ["--plugin", "hybridcache"],
-                   "vllm-hybridcache on qwen3-next-tiny-w8a8: the same weights as "
-                   "compressed-tensors W8A8 int8 (dense linears int8, routed experts bf16)",
-                   model="qwen3-next-tiny-w8a8"),
+                   "vllm-hybridcache on the run's model's W8A8 twin (`<model>-w8a8`): the same "
+                   "weights as compressed-tensors W8A8 int8 (dense linears int8, routed "
+                   "experts bf16)",
+                   model="{model}-w8a8"),
         SystemSpec("ours-copy", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with attention K/V copied, not shared in place "
                    "(VLLM_HYBRIDCACHE_ATTENTION_IN_PLACE=0: a hit's attention rows are copied "
@@ -111,6 +113,9 @@ class ServerSettings(msgspec.Struct, frozen=True):
     model_path: str
     served_name: str
     max_model_len: int
+    model_name: str = ""
+    """The embedded model's catalog name, when the run serves one (a system's `model`
+    template names its twin from it)."""
     host: str = "127.0.0.1"
     port: int = 8100
     seed: int = 0
@@ -144,7 +149,8 @@ def server_argv(spec: SystemSpec, settings: ServerSettings, port: int) -> list[s
     if spec.model:
         from vllm_hybridcache.models import ensure_model
 
-        model_path = str(ensure_model(spec.model))
+        base = settings.model_name or settings.served_name
+        model_path = str(ensure_model(spec.model.format(model=base)))
     return [
         vllm_command(settings), "serve", model_path,
         *spec.flags,

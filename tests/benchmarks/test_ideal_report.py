@@ -179,3 +179,20 @@ def test_feature_ablation_systems_switch_features_through_the_environment():
     assert server_argv(SYSTEMS["ours-pinned"], settings, 8000)[1:] == argvs["ours"]
     assert pinned["VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT"] == "1"
     assert load_settings(environ=pinned) == full
+
+
+def test_the_quantized_system_serves_the_run_models_twin(monkeypatch):
+    """`ours-w8a8` serves `<model>-w8a8` of whichever model the run is on (the embedded twin,
+    written on first use: resolved here without writing it)."""
+    import vllm_hybridcache.models as models
+    from benchmarks.servers import SYSTEMS, ServerSettings, server_argv
+
+    asked = []
+    monkeypatch.setattr(models, "ensure_model", lambda name: asked.append(name) or f"/x/{name}")
+    for model in ("qwen3-next-tiny", "flash-next-tiny"):
+        settings = ServerSettings(model_path=f"/m/{model}", served_name="served",
+                                  max_model_len=4096, model_name=model)
+        argv = server_argv(SYSTEMS["ours-w8a8"], settings, 8000)
+        assert argv[2] == f"/x/{model}-w8a8"
+        assert server_argv(SYSTEMS["ours"], settings, 8000)[2] == f"/m/{model}"  # control
+    assert asked == ["qwen3-next-tiny-w8a8", "flash-next-tiny-w8a8"]
