@@ -93,13 +93,18 @@ def test_mode_is_fine_only_where_the_model_says_its_forward_is_split_invariant(
 
     registration.register()
 
-    def config(name: str, speculative=None):
+    def config(name: str, speculative=None, quant=None, tp: int = 1):
         mc = ModelConfig(model=str(embedded_model(name)), max_model_len=512)
-        return SimpleNamespace(model_config=mc, speculative_config=speculative)
+        return SimpleNamespace(model_config=mc, speculative_config=speculative,
+                               quant_config=quant,
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
     monkeypatch.setenv(ENV_VAR, "1")
     assert segmentation_mode(config("flash-next-tiny"))[0] == "fine"
     assert segmentation_mode(config("flash-next-tiny", speculative=object()))[0] == "step"
+    # vLLM's linear layers (a quantized checkpoint, TP > 1) are not tiled by the switch
+    assert segmentation_mode(config("flash-next-tiny", quant=object()))[0] == "step"
+    assert segmentation_mode(config("flash-next-tiny", tp=2))[0] == "step"
     monkeypatch.setenv(ENV_VAR, "0")
     assert segmentation_mode(config("flash-next-tiny"))[0] == "step"
 

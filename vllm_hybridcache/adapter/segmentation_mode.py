@@ -39,7 +39,7 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
         return _cpu_gdn_mode(cls.__name__)
     if align is None:
         return STEP, f"{cls.__name__} is not known to be split-invariant"
-    if align() != 64:
+    if align(vllm_config) != 64:
         return STEP, f"{cls.__name__} runs a forward that is not split-invariant"
     return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions"
 

@@ -283,14 +283,21 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
             tie(self.lm_head, self.model.embed_tokens)
 
     @classmethod
-    def inner_capture_align(cls) -> int:
+    def inner_capture_align(cls, vllm_config: Any = None) -> int:
         """64 when this process's kernel backend is split-invariant at 64-aligned positions
         (VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT), so states at those positions inside a
-        step can be handed to an injected capture hook (gdn.py); 0 otherwise. The adapter
-        reads this to pick the segmentation mode; the model never talks to the cache."""
+        step can be handed to an injected capture hook (gdn.py); 0 otherwise. Also 0 for an
+        engine (`vllm_config`) whose projections are vLLM's layers, a quantized checkpoint or
+        TP > 1 (parallel.py): the split-invariant forward tiles `nn.Linear` rows only, so
+        states inside a step are not known to equal a step ending there. The adapter reads
+        this to pick the segmentation mode; the model never talks to the cache."""
         from vllm_hybridcache.flash_next.ops import split_invariant
         from vllm_hybridcache.inner_capture import INNER_ALIGN
 
+        if vllm_config is not None and (
+                getattr(vllm_config, "quant_config", None) is not None
+                or (hasattr(vllm_config, "parallel_config") and config_world(vllm_config) > 1)):
+            return 0
         return INNER_ALIGN if split_invariant.enabled() else 0
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
