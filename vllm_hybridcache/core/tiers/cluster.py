@@ -740,8 +740,9 @@ class ClusterTier(CacheTier):
         commit waits for. At TP > 1 every rank's worker publishes its own shard, and a link
         one rank failed to capture lacks that rank's entry, so no replica serves it (every
         rank's payload is needed). A link the scheduler aborts after all is dropped from the
-        workers' stores, which withdraws it. A link starting past 0 has a parent link ending at its start (the tree
-        reserves from the deepest link it holds), whose digest is the prompt's at `start`."""
+        workers' stores, which withdraws it. A link starting past 0 has a parent link ending
+        at its start (the tree reserves from the deepest link it holds), whose digest is the
+        prompt's at `start`."""
         if tag is not None:
             return None
         return self._job(link_id, domain, keys.digest(end),
@@ -871,7 +872,10 @@ class ClusterTier(CacheTier):
         for op, _, _ in self._active.values():
             assert op.active == counts[id(op)], "an op's active count is off"
         for op in self._ops.values():
-            assert op.stage is _Stage.READY or not op.paths, "files kept by an op not ready"
+            assert op.stage is _Stage.READY or not (op.paths or op.shard_paths), (
+                "files kept by an op not ready")
+            assert not op.paths or len(op.shard_paths) == len(op.paths) * (self.shards - 1), (
+                "a link staged for some ranks only")
 
     def link_ids(self) -> list[int]:
         return [i for ids in self._active for i in ids]
