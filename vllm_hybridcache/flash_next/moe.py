@@ -52,6 +52,7 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         _, world = tp_rank_world()
+        self.reduce = world > 1  # the ranks' partial outputs are summed once (docstring)
         inter = split_even(config.moe_intermediate_size, world, "moe_intermediate_size")
         hidden = config.hidden_size
         self.gate = Router(config)
@@ -68,8 +69,10 @@ class SparseMoE(nn.Module):
         if self.fixed_rows:
             from vllm_hybridcache.flash_next.ops.split_invariant import row_tiles
 
-            return all_reduce(row_tiles(self._forward, x, tile=self.fixed_rows))
-        return all_reduce(self._forward(x))
+            out = row_tiles(self._forward, x, tile=self.fixed_rows)
+        else:
+            out = self._forward(x)
+        return all_reduce(out) if self.reduce else out
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
