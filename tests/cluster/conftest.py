@@ -1,4 +1,5 @@
-"""Fixtures of the cluster tests: the cache core's small layout, and a wait on Ray."""
+"""Fixtures of the cluster tests: the cache core's small layout, a wait on Ray, and the
+replica tests' conversations."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def wait_owner_dead(probe: object, what: str = "owner") -> None:
             return
         time.sleep(0.05)
     pytest.fail(f"Ray never reported the {what} dead")
+
+
+def conversation(seed: int, turns: int) -> list[list[int]]:
+    """Prompts of turns 1..turns: 600 tokens, then 300 more per turn (the replica tests)."""
+    out = [[(seed * 997 + 100 + i * 7) % 3000 + 10 for i in range(600)]]
+    for t in range(1, turns):
+        out.append(out[-1] + [(seed * 131 + t * 31 + i * 13) % 3000 + 10 for i in range(300)])
+    return out
+
+
+def cluster_restores(replica) -> int:
+    """Restores a replica actor served from the cluster tier's tree links."""
+    import ray
+
+    return ray.get(replica.stats.remote())["cluster/tree"]["restores"]

@@ -20,6 +20,7 @@ import uuid
 import pytest
 import ray
 
+from tests.cluster.conftest import cluster_restores, conversation
 from tests.cluster.directory_view import ask
 from tests.keys import CLUSTER_SECRET_FILE
 from vllm_hybridcache.cluster.directory import NAMESPACE
@@ -62,17 +63,6 @@ def replicas(embedded_model, tmp_path_factory):
                 pass
         ray.shutdown()
         mp.undo()
-
-
-def conversation(seed: int, turns: int) -> list[list[int]]:
-    out = [[(seed * 997 + 100 + i * 7) % 3000 + 10 for i in range(600)]]
-    for t in range(1, turns):
-        out.append(out[-1] + [(seed * 131 + t * 31 + i * 13) % 3000 + 10 for i in range(300)])
-    return out
-
-
-def cluster_restores(replica) -> int:
-    return ray.get(replica.stats.remote())["cluster/tree"]["restores"]
 
 
 def test_a_turn_on_the_other_replica_resumes_from_both_ranks_links_and_equals_cold(replicas):
