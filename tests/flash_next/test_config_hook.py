@@ -57,3 +57,39 @@ def test_without_the_extension_vllm_asks_for_align_mode(flash_next_dir, monkeypa
     cfg = _engine_config(flash_next_dir)
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.cache_config.mamba_cache_mode == "align"
+
+
+def test_expert_parallel_is_refused_on_the_cpu_platform_at_config_time(flash_next_dir):
+    """vLLM's CPU fused-MoE kernels ignore the expert map (a TP = 2 engine with expert
+    parallelism crashed its worker at the first request): the config is refused, saying why."""
+    with pytest.raises(ValueError, match="--enable-expert-parallel is not supported on the CPU"):
+        _engine_config(flash_next_dir, enable_expert_parallel=True)
+
+
+def test_expert_parallel_passes_the_check_off_the_cpu_platform():
+    """Negative control: the same request on another platform (the rule, without an engine)
+    passes, and so does the CPU platform without expert parallelism."""
+    from types import SimpleNamespace
+
+    from vllm_hybridcache.flash_next.parallel import refuse_cpu_expert_parallel
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=True))
+    refuse_cpu_expert_parallel(config, is_cpu=False)
+    with pytest.raises(ValueError):
+        refuse_cpu_expert_parallel(config, is_cpu=True)
+    config.parallel_config.enable_expert_parallel = False
+    refuse_cpu_expert_parallel(config, is_cpu=True)
+
+
+def test_both_extensions_share_one_class_and_are_added_once(flash_next_dir):
+    """The registration adds two extensions per architecture, in one class right above
+    vLLM's; registering again adds neither."""
+    from vllm.model_executor.models import config as model_configs
+
+    before = model_configs.MODELS_CONFIG_MAP["Qwen4ExpForCausalLM"]
+    assert before._hybridcache_after == (registration.no_cpu_expert_parallel,
+                                         registration.block_prefix_caching_off)
+    registration.register()
+    assert model_configs.MODELS_CONFIG_MAP["Qwen4ExpForCausalLM"] is before
+    for after in (registration.no_cpu_expert_parallel, registration.block_prefix_caching_off):
+        assert compat.extend_config_hook("Qwen4ExpForCausalLM", after) is False

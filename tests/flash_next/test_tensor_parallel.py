@@ -6,11 +6,14 @@ vLLM's Column/RowParallel and MergedColumnParallel projections, `VocabParallelEm
 its own heads' only. vLLM's CPU backend runs the two ranks with its multiprocessing executor
 (one worker process per rank, one core each).
 
+The routed experts are vLLM's fused MoE there (flash_next/moe.py), split by intermediate size
+(vLLM's expert parallelism is refused on the CPU platform: test_config_hook.py).
+
 Checked: the prompt logprobs and greedy tokens of the TP = 2 engine agree with transformers'
 float32 model within the TP = 1 tolerance (test_correctness.py), across the indexer budget and
 several prefill steps; each rank holds its half (the shapes, and different values on the two
-ranks). Negative control: rank 1's half of every routed expert zeroed (a lost shard) exceeds
-the tolerance.
+ranks). Negative control: rank 1's part of every routed expert layer zeroed (a lost shard)
+exceeds the tolerance.
 """
 
 from __future__ import annotations
@@ -70,13 +73,21 @@ def _shards(worker) -> dict:
             "state": [tuple(s) for s in gdn.get_state_shape()[:2]],
             "v_heads": gdn.num_v_heads, "q_heads": attn.num_heads,
             "kv_heads": attn.num_kv_heads, "row": attn.width,
-            "w13": tuple(model.model.layers[0].mlp.w13.shape),
+            "w13": tuple(routed_weights(model.model.layers[0].mlp)[0].shape),
             "A_log": gdn.A_log.detach().tolist()}
 
 
+def routed_weights(mlp) -> tuple:
+    """(w13, w2) of a layer's routed experts: at TP > 1 vLLM's fused MoE (flash_next/moe.py),
+    whose parameters keep their [E, 2I, H] / [E, H, I] shapes (the CPU kernel repacks the
+    values in place)."""
+    experts = mlp.experts.routed_experts
+    return experts.w13_weight, experts.w2_weight
+
+
 def _zero_expert_half(worker, rank: int, restore: bool = False) -> int:
-    """Zero (or put back) rank `rank`'s half of every routed expert (`w2`, a plain parameter
-    the layer reads as is); layers touched."""
+    """Zero (or put back) rank `rank`'s half of every routed expert (`w2`: zeros in any
+    packing); layers touched."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     if get_tensor_model_parallel_rank() != rank:
@@ -84,7 +95,7 @@ def _zero_expert_half(worker, rank: int, restore: bool = False) -> int:
     model = worker.model_runner.model
     saved = worker.__dict__.setdefault("_saved_w2", {})
     for i, layer in enumerate(model.model.layers):
-        w = layer.mlp.w2
+        w = routed_weights(layer.mlp)[1]
         if restore:
             w.data.copy_(saved[i])
         else:
@@ -101,7 +112,7 @@ def test_each_rank_holds_its_half(llm, oracle):
         assert r["v_heads"] == config.linear_num_value_heads // 2
         assert r["q_heads"] == config.num_attention_heads // 2
         assert r["state"][1][0] == config.linear_num_value_heads // 2
-        assert r["w13"][1] == config.moe_intermediate_size  # 2 * I / 2
+        assert r["w13"][:2] == (config.num_experts, config.moe_intermediate_size)  # 2 * I / 2
         # one kv head, replicated: fewer kv heads than ranks
         assert r["kv_heads"] == max(1, config.num_key_value_heads // 2)
     assert ranks[0]["qkv_rows"] == ranks[1]["qkv_rows"]

@@ -223,21 +223,27 @@ def extend_config_hook(architecture: str, after: Callable[[Any], None]) -> bool:
     classes of `vllm.model_executor.models.config.MODELS_CONFIG_MAP` (before the hybrid-model
     hook that picks `mamba_cache_mode`), and offers no public way to add to that. We replace
     the entry with a subclass that calls the original hook (when vLLM has one) and then
-    `after`. Idempotent per (architecture, after): False when already extended.
+    `after`; a second extension of the same architecture joins the first one's subclass
+    (still one class above vLLM's, the extensions run in the order they were added).
+    Idempotent per (architecture, after): False when already extended.
     """
     from vllm.model_executor.models import config as model_configs
 
     table = model_configs.MODELS_CONFIG_MAP
-    base = table.get(architecture, model_configs.VerifyAndUpdateConfig)
-    if getattr(base, "_hybridcache_after", None) is after:
+    current = table.get(architecture, model_configs.VerifyAndUpdateConfig)
+    afters: tuple[Callable[[Any], None], ...] = current.__dict__.get("_hybridcache_after", ())
+    if after in afters:
         return False
+    base = current.__mro__[1] if afters else current
+    afters = (*afters, after)
 
     def verify_and_update_config(vllm_config: Any) -> None:
         base.verify_and_update_config(vllm_config)
-        after(vllm_config)
+        for extension in afters:
+            extension(vllm_config)
 
     table[architecture] = type(f"{base.__name__}WithHybridcache", (base,), {
         "verify_and_update_config": staticmethod(verify_and_update_config),
-        "_hybridcache_after": after,
+        "_hybridcache_after": afters,
     })
     return True

@@ -220,6 +220,10 @@ def load_flash_next_weights(module: nn.Module, weights: Iterable[tuple[str, torc
         if m := _EXPERT_RE.match(name):
             # this rank's share of the expert's intermediate size (moe.py)
             base, e, which = m.group(1), int(m.group(2)), m.group(3)
+            if f"{base}.w13" not in params:  # vLLM's fused experts: its own mapping
+                loaded.update(f"{base}.{n}" for n in
+                              module.get_submodule(base).load_experts(e, which, tensor))
+                continue
             if which == "down_proj":
                 target, rows = params[f"{base}.w2"], None
                 tensor = rank_slice(tensor, (tensor.shape[1],), dim=1)

@@ -74,6 +74,24 @@ def uses_vllm_layers(quant_config: Any) -> bool:
     return quant_config is not None or tp_rank_world()[1] > 1
 
 
+def refuse_cpu_expert_parallel(vllm_config: Any, is_cpu: bool | None = None) -> None:
+    """Expert parallelism is refused on vLLM's CPU platform, at config time: vLLM 0.32's CPU
+    fused-MoE kernels take global expert ids and ignore the expert map, so a rank holding
+    half of the experts reads past its weights (the worker crashes). Tensor parallelism
+    without it splits every expert's intermediate size instead (moe.py)."""
+    if not getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+        return
+    if is_cpu is None:
+        from vllm.platforms import current_platform
+
+        is_cpu = current_platform.is_cpu()
+    if is_cpu:
+        raise ValueError(
+            "Flash-Next (vllm-hybridcache): --enable-expert-parallel is not supported on the "
+            "CPU platform (vLLM's CPU fused-MoE kernels ignore the expert map); without it "
+            "tensor parallelism splits each expert's intermediate size over the ranks")
+
+
 def column(in_features: int, out_features: int, *, bias: bool = False,
            quant_config: Any = None, prefix: str = "",
            parts: Sequence[int] | None = None, shard: tuple[int, int] | None = None,

@@ -112,6 +112,14 @@ def block_prefix_caching_off(vllm_config: Any) -> None:
         cache_config.enable_prefix_caching = False
 
 
+def no_cpu_expert_parallel(vllm_config: Any) -> None:
+    """No expert parallelism on the CPU platform (flash_next/parallel.py says why): an error
+    at config time, in the front process, instead of a crashed worker at the first request."""
+    from vllm_hybridcache.flash_next.parallel import refuse_cpu_expert_parallel
+
+    refuse_cpu_expert_parallel(vllm_config)
+
+
 def register() -> list[str]:
     """Register the architectures; returns what was registered (for the plugin's log)."""
     if not use_ours():
@@ -123,5 +131,6 @@ def register() -> list[str]:
     for arch, target in ARCHITECTURES.items():
         ModelRegistry.register_model(arch, target)
     for arch in SERVING_ARCHITECTURES:
+        extend_config_hook(arch, no_cpu_expert_parallel)
         extend_config_hook(arch, block_prefix_caching_off)
     return list(ARCHITECTURES)
