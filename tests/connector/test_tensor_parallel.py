@@ -1,8 +1,9 @@
 """The RAM tree at tensor parallel size 2: warm equals cold, bit for bit, on every rank, for
 qwen3-next-tiny in bf16 and as W8A8 int8 (`qwen3-next-tiny-w8a8`, tests/connector/
-test_quantized.py), this package's Flash-Next as W8A8 int8 (`flash-next-tiny-w8a8`,
-flash_next/parallel.py) and Flash-Next in bf16 with MTP speculative decoding (2 draft tokens:
-the MTP route, the draft head's rows in every link).
+test_quantized.py), this package's Flash-Next as W8A8 int8 and as FP8 dynamic, the RDNA4
+format (`flash-next-tiny-w8a8`, `flash-next-tiny-fp8`, flash_next/parallel.py; its routed
+experts are vLLM's fused MoE, split over the ranks) and Flash-Next in bf16 with MTP
+speculative decoding (2 draft tokens: the MTP route, the draft head's rows in every link).
 
 (Tree links, with attention K/V in place below them, the default; and the disk tier, one file
 per rank of every link, served back with the RAM tier cleared. End anchors are
@@ -51,6 +52,7 @@ BRANCH = HEAD[: 3 * GRID + 10] + [9 + (i * 17) % 3000 for i in range(90)]
 ENGINES = {"qwen3-next-tiny": ("qwen3-next-tiny", 0, None),
            "qwen3-next-tiny-w8a8": ("qwen3-next-tiny-w8a8", 0, None),
            "flash-next-tiny-w8a8": ("flash-next-tiny-w8a8", 0, None),
+           "flash-next-tiny-fp8": ("flash-next-tiny-fp8", 0, None),
            "flash-next-tiny-mtp2": ("flash-next-tiny", 2, None),
            "flash-next-tiny-f32": ("flash-next-tiny", 0, "float32")}  # the end-anchor gate
 
@@ -116,9 +118,12 @@ def _quant_schemes(worker) -> set[str]:
 def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
     assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     assert _sched(llm).cache.tier_names()[0] == "ram"
-    quantized = llm.llm_engine.vllm_config.model_config.quantization is not None
-    # the quantized checkpoint runs vLLM's int8 kernels on both ranks (its own shards)
-    expect = {"CompressedTensorsW8A8Int8"} if quantized else {"NoneType"}
+    model_config = llm.llm_engine.vllm_config.model_config
+    quantized = model_config.quantization is not None
+    fp8 = quantized and model_config.hf_config.quantization_config["format"] == "float-quantized"
+    # a quantized checkpoint runs vLLM's kernels of its format on both ranks (its own shards)
+    expect = ({"CompressedTensorsW8A8Fp8" if fp8 else "CompressedTensorsW8A8Int8"}
+              if quantized else {"NoneType"})
     assert llm.collective_rpc(_quant_schemes) == [expect, expect]
     # with MTP drafts the links are the MTP route's and carry the draft head's rows
     mtp = llm.llm_engine.vllm_config.speculative_config is not None

@@ -337,6 +337,15 @@ CATALOG: dict[str, ModelSpec] = {
                   "(its float reference)", _flash_next_tiny, seed=3,
                   extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
                   revision=1, quantize="w8a8-dequant"),
+        ModelSpec("flash-next-tiny-fp8", "flash-next-tiny quantized: compressed-tensors FP8 "
+                  "dynamic (float8 e4m3 per channel, the RDNA4 format; the w8a8 entry's "
+                  "projections)", _flash_next_tiny, seed=3,
+                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
+                  revision=1, quantize="fp8"),
+        ModelSpec("flash-next-tiny-fp8-dequant", "flash-next-tiny-fp8's weights dequantized "
+                  "(its float reference)", _flash_next_tiny, seed=3,
+                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
+                  revision=1, quantize="fp8-dequant"),
         ModelSpec("flash-next-vl-tiny", "Flash-Next with its vision tower "
                   "(Qwen4ExpForConditionalGeneration), flash-next-tiny's text model",
                   _flash_next_vl_tiny, seed=5, adjust_weights=_flash_next_adjust,

@@ -10,18 +10,26 @@ and its quantized fused-MoE kernel are missing from the AVX2 build (`_C_AVX2` ha
 dtype (`ignore`), as the small projections do (the router, the shared-expert gate, the GDN
 `in_proj_ba` with its one column per value head).
 
+The second format is the one RDNA4 owners run (the R9700 has FP8 units): compressed-tensors
+FP8 "dynamic" (weights float8 e4m3 per output channel, activations float8 per token, on the
+fly), the format llm-compressor's FP8_DYNAMIC preset writes. vLLM's CPU backend runs its dense
+linears through torch's `_scaled_mm` on every x86 machine; its FP8 fused-MoE kernel needs AMX,
+so here too the routed experts stay in the float dtype.
+
 Schemes exist for Qwen3-Next (vLLM's model) and Flash-Next's text model (this package's,
-flash_next/parallel.py), by the config's `model_type`. Two checkpoints come from one float
-model: the int8 one (`w8a8`) and its dequantized twin
-(`w8a8-dequant`: every quantized weight replaced by `int8 * scale` in the float dtype, the
-config without `quantization_config`), so a test can compare the quantized kernel against the
-same weights in float and see only the activation quantization's error.
+flash_next/parallel.py), by the config's `model_type`; they name the same linears for both
+formats. Two checkpoints come from one float model per format: the quantized one (`w8a8`,
+`fp8`) and its dequantized twin (`w8a8-dequant`, `fp8-dequant`: every quantized weight
+replaced by `q * scale` in the float dtype, the config without `quantization_config`), so a
+test can compare the quantized kernel against the same weights in float and see only the
+activation quantization's error.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -56,28 +64,8 @@ SCHEMES: dict[str, Scheme] = {
         ("lm_head", "re:.*\\.mlp\\.experts.*")),
 }
 
-MODES = ("w8a8", "w8a8-dequant")
-
-
-def quantization_config(ignore: tuple[str, ...] = SCHEMES["qwen3_next"].ignore) -> dict:
-    """compressed-tensors' description of W8A8 int8: symmetric int8 weights per output
-    channel (static), symmetric int8 activations per token (dynamic); `ignore`: the layers
-    vLLM leaves in the float dtype."""
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                        "strategy": "channel", "dynamic": False, "observer": "minmax"},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
-                                  "strategy": "token", "dynamic": True, "observer": None},
-            "output_activations": None,
-        }},
-        "ignore": list(ignore),
-        "kv_cache_scheme": None,
-    }
+FP8_MAX = 448.0
+"""The largest finite float8 e4m3 value."""
 
 
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +76,57 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
     return q, scale
+
+
+def fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 per output channel: (float8 [out, in], float32 scale [out, 1]), each row
+    scaled so its largest magnitude is e4m3's largest finite value, then rounded to the
+    nearest e4m3 value (a zero row keeps scale 1)."""
+    w = weight.float()
+    absmax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    q = torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Format(NamedTuple):
+    """A compressed-tensors format: its numbers (`type`: int or float, 8 bits), its name in
+    the config, and the per-channel quantizer of its weights."""
+
+    type: str
+    config_format: str
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+FORMATS: dict[str, Format] = {
+    "w8a8": Format("int", "int-quantized", int8_per_channel),
+    "fp8": Format("float", "float-quantized", fp8_per_channel),
+}
+
+MODES = tuple(m for f in FORMATS for m in (f, f"{f}-dequant"))
+
+
+def quantization_config(ignore: tuple[str, ...] = SCHEMES["qwen3_next"].ignore,
+                        fmt: str = "w8a8") -> dict:
+    """compressed-tensors' description of a W8A8 format (`fmt`, FORMATS): symmetric 8-bit
+    weights per output channel (static), symmetric 8-bit activations per token (dynamic), as
+    int8 or float8 e4m3; `ignore`: the layers vLLM leaves in the float dtype."""
+    kind = FORMATS[fmt].type
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMATS[fmt].config_format,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": kind, "symmetric": True,
+                        "strategy": "channel", "dynamic": False, "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": kind, "symmetric": True,
+                                  "strategy": "token", "dynamic": True, "observer": None},
+            "output_activations": None,
+        }},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+    }
 
 
 def quantize_checkpoint(folder: Path, mode: str) -> int:
@@ -105,6 +144,8 @@ def quantize_checkpoint(folder: Path, mode: str) -> int:
         raise ValueError(f"no W8A8 scheme for model type {model_type!r}; known: "
                          f"{', '.join(SCHEMES)}")
     scheme = SCHEMES[model_type]
+    fmt = mode.removesuffix("-dequant")
+    quantized = mode == fmt  # else the dequantized twin
     count = 0
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
@@ -115,9 +156,9 @@ def quantize_checkpoint(folder: Path, mode: str) -> int:
             if t.dim() != 2 or not scheme.targets.search(name):
                 out[name] = t
                 continue
-            q, scale = int8_per_channel(t)
+            q, scale = FORMATS[fmt].quantize(t)
             count += 1
-            if mode == "w8a8":
+            if quantized:
                 out[name] = q
                 out[name.removesuffix("weight") + "weight_scale"] = scale
                 if index is not None:
@@ -130,7 +171,7 @@ def quantize_checkpoint(folder: Path, mode: str) -> int:
         index_path.write_text(json.dumps(index, indent=2) + "\n")
     if count == 0:
         raise ValueError(f"no weight of {folder} matches the W8A8 targets")
-    if mode == "w8a8":
-        config["quantization_config"] = quantization_config(scheme.ignore)
+    if quantized:
+        config["quantization_config"] = quantization_config(scheme.ignore, fmt)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return count
