@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from vllm_hybridcache.adapter.overhead import Phase  # noqa: E402
 from vllm_hybridcache.adapter.plans import StepPlan, StepReport  # noqa: E402
 from vllm_hybridcache.adapter.stats import (  # noqa: E402
     HybridCacheProm,
@@ -147,24 +148,34 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
     # ====================== scheduler side =====================
+    # each hook's seconds are counted by phase (adapter/overhead.py)
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._sched.overhead.timed(Phase.LOOKUP):
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._sched.overhead.timed(Phase.ALLOC):
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._sched.build_plan(scheduler_output)
+        with self._sched.overhead.timed(Phase.PLAN):
+            plan = self._sched.build_plan(scheduler_output)
+        self._sched.overhead.step_planned()
+        return plan
 
     def update_connector_output(self, connector_output) -> None:
-        self._sched.apply_report(connector_output.kv_connector_worker_meta)
+        self._sched.overhead.step_reported()
+        with self._sched.overhead.timed(Phase.REPORT):
+            self._sched.apply_report(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request, block_ids):
-        self._sched.request_finished(request)
+        with self._sched.overhead.timed(Phase.FINISH):
+            self._sched.request_finished(request)
         return False, None
 
     def request_finished_all_groups(self, request, block_ids):
-        return self._sched.request_finished(request, block_ids), None
+        with self._sched.overhead.timed(Phase.FINISH):
+            return self._sched.request_finished(request, block_ids), None
 
     def reset_cache(self) -> bool:
         if self._sched is not None:
@@ -180,6 +191,7 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
                       self._sched.segmentation_mode)
         if self._sched.in_place_block:
             data["in_place"] = self._sched.in_place_payload()
+        data["overhead"] = self._sched.overhead.payload()
         return HybridCacheStats(data=data)
 
     # =================== segmentation (for the scheduler hook) ===================

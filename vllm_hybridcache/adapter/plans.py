@@ -126,6 +126,9 @@ class StepReport(KVConnectorWorkerMetadata):
     # LinkFileProblem value: checksum, unauthenticated, ...), for tiers that count them
     # themselves (the disk tier's writer counts its own)
     refused: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    # the worker's connector seconds by phase (adapter/overhead.py WorkerPhase) since its
+    # previous report; the slowest worker's (ranks copy their shards side by side)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
         assert isinstance(other, StepReport)
@@ -142,6 +145,8 @@ class StepReport(KVConnectorWorkerMetadata):
             out.tier_reports.update(src.tier_reports)
             for name, by_rank in src.shard_reports.items():
                 out.shard_reports.setdefault(name, {}).update(by_rank)
+            for k, v in src.seconds.items():
+                out.seconds[k] = max(out.seconds.get(k, 0.0), v)
             for k, probs in src.refused.items():
                 acc = out.refused.setdefault(k, {})
                 for problem, n in probs.items():

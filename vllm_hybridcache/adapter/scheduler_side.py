@@ -42,6 +42,7 @@ from vllm_hybridcache.adapter.mm_keys import (
     request_items,
     request_key_ids,
 )
+from vllm_hybridcache.adapter.overhead import Overhead
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.adapter.request_state import RequestState
@@ -97,6 +98,7 @@ class SchedulerSide:
 
     def __init__(self, vllm_config, kv_cache_config, settings: CacheSettings) -> None:
         self.settings = settings
+        self.overhead = Overhead()  # the plugin's own seconds in the engine's steps
         self.reason_inactive: str | None = None
         self.parts: PartMap | None = None
         rebuild = rebuild_input(vllm_config)  # MTP: boundary draft rows rebuilt on restore
@@ -661,6 +663,7 @@ class SchedulerSide:
     def apply_report(self, report: StepReport | None) -> None:
         if report is None or not self.active:
             return
+        self.overhead.add_worker(report.seconds)
         self._inflight.reported(report.saved)
         self._inflight.reported(report.failed_saves)
         for addr in report.failed_saves:

@@ -203,6 +203,14 @@ IN_PLACE: dict[str, tuple[str, str]] = {
                                               "because the blocks were shared in place.",
                                               "bytes_saved"),
 }
+# the plugin's own seconds (adapter/overhead.py), from the payload's `overhead`
+OVERHEAD = ("vllm:hybridcache_overhead_seconds", "Seconds the plugin spent inside the "
+            "engine's steps, by side (scheduler: the connector's hooks; worker: its copies in "
+            "the model runner, the slowest rank's) and phase (lookup, alloc, plan, report, "
+            "finish; restore, save).")
+BUSY = ("vllm:hybridcache_busy_seconds", "Wall seconds the engine was busy with steps, from a "
+        "step's plan to its report, overlapping steps once: the plugin's share of the step "
+        "time is its overhead seconds over these plus its scheduler-side seconds.")
 # the (tier, kind) series exported as zeros before any snapshot arrives
 SERIES: tuple[tuple[str, str], ...] = tuple(
     (t.value, k.value) for t in Tier for k in LinkKind)
@@ -232,6 +240,10 @@ class HybridCacheProm(KVConnectorPromMetrics):
                        for n, (h, _) in HISTOGRAMS.items()}
         self._in_place = {n: self._counter_cls(name=n, documentation=h + _BY, labelnames=tl)
                           for n, (h, _) in IN_PLACE.items()}
+        self._overhead = self._counter_cls(name=OVERHEAD[0], documentation=OVERHEAD[1],
+                                           labelnames=[*labelnames, "side", "phase"])
+        self._busy = self._counter_cls(name=BUSY[0], documentation=BUSY[1],
+                                       labelnames=list(labelnames))
         for values in per_engine_labelvalues.values():  # export zeros from the start
             for tier, kind in SERIES:
                 for c in self._counters.values():
@@ -284,8 +296,21 @@ class HybridCacheProm(KVConnectorPromMetrics):
                     delta = cur.get(key, 0) - prev.get(key, 0)
                     if delta > 0:
                         self._in_place[name].labels(*values, tier, kind).inc(delta)
+        self._observe_overhead(values, data.get("overhead") or {},
+                               prev_all.get("overhead") or {})
         self._prev[engine_idx] = data
         _remember(engine_idx, data)
+
+    def _observe_overhead(self, values, cur: dict[str, Any], prev: dict[str, Any]) -> None:
+        for side in ("scheduler", "worker"):
+            old = prev.get(f"{side}_s", {})
+            for phase, seconds in cur.get(f"{side}_s", {}).items():
+                delta = seconds - old.get(phase, 0.0)
+                if delta > 0:
+                    self._overhead.labels(*values, side, phase).inc(delta)
+        delta = cur.get("busy_s", 0.0) - prev.get("busy_s", 0.0)
+        if delta > 0:
+            self._busy.labels(*values).inc(delta)
 
     @staticmethod
     def _observe_hist(metric, cur: dict | None, prev: dict | None) -> None:

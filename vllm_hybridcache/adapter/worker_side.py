@@ -27,6 +27,7 @@ from vllm_hybridcache.adapter.draft_rows import (
     with_draft_input,
 )
 from vllm_hybridcache.adapter.inner_states import InnerStates
+from vllm_hybridcache.adapter.overhead import WorkerPhase
 from vllm_hybridcache.adapter.parts import PartMap, UnsupportedModel, part_map
 from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob, StepPlan, StepReport
 from vllm_hybridcache.adapter.tier_registry import handler_class
@@ -60,6 +61,9 @@ class WorkerSide:
         # fine segmentation: states inside a step, from the layers that take a capture hook
         self._inner: InnerStates | None = None
         self._report = StepReport(workers=1)
+        # connector seconds by phase not yet reported (a step without results sends no
+        # report: its seconds ride with the next one)
+        self._seconds: dict[str, float] = {}
         self._recving: set[str] = set()
         self._sending: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -199,7 +203,18 @@ class WorkerSide:
                 handler.rank = self.rank
             handler.start(ops)
 
+    def _count(self, phase: WorkerPhase, t0: float) -> None:
+        self._seconds[phase.value] = (self._seconds.get(phase.value, 0.0)
+                                      + time.perf_counter() - t0)
+
     def start_load(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._start_load(plan)
+        finally:
+            self._count(WorkerPhase.RESTORE, t0)
+
+    def _start_load(self, plan: StepPlan) -> None:
         self._start_handlers(plan)
         for job in plan.loads:
             t0 = time.perf_counter()
@@ -257,9 +272,11 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """After the step's forward: captures, the lower tiers' hand-offs, drops; the step
         ends here (`begin_step`)."""
+        t0 = time.perf_counter()
         try:
             self._save(plan)
         finally:
+            self._count(WorkerPhase.SAVE, t0)
             self._between_steps.set()
 
     def _save(self, plan: StepPlan) -> None:
@@ -318,6 +335,7 @@ class WorkerSide:
         if not (r.saved or r.failed_saves or r.loaded or r.failed_loads or r.lost_links
                 or r.tier_reports or r.shard_reports):
             return None
+        r.seconds, self._seconds = self._seconds, {}
         self._report = StepReport(workers=1)
         return r
 

@@ -54,12 +54,18 @@ def aggregate(snapshots: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Sum every engine's stats (counters and gauges alike add across engines).
 
     Shape: {"tiers": {tier: {<totals over kinds>, "kinds": {kind: {...}}}}, "engines": n,
-    "segmentation": {engine index: mode}}. `tier` is where the bytes live (ram), `kind` what
-    kind of link (tree, anchor); a tier's totals are what it holds and serves whatever the
-    kind. The mode is `step` (links where a prefill step ends) or `fine` (also at 64-aligned
-    positions inside steps, on a split-invariant forward; docs/split-invariance.md).
+    "segmentation": {engine index: mode}, "overhead": {...}}. `tier` is where the bytes live
+    (ram), `kind` what kind of link (tree, anchor); a tier's totals are what it holds and
+    serves whatever the kind. The mode is `step` (links where a prefill step ends) or `fine`
+    (also at 64-aligned positions inside steps, on a split-invariant forward;
+    docs/split-invariance.md). `overhead`: the plugin's own seconds by side and phase beside
+    the engines' busy seconds, summed over engines, with the plugin's `share` of the step time
+    (adapter/overhead.py).
     """
+    from vllm_hybridcache.adapter.overhead import share
+
     tiers: dict[str, dict[str, Any]] = {}
+    overhead: dict[str, Any] = {}
     modes = {str(k): d["segmentation"] for k, d in snapshots.items() if "segmentation" in d}
     for data in snapshots.values():
         for tier, kinds in data.get("tiers", {}).items():
@@ -67,7 +73,11 @@ def aggregate(snapshots: dict[int, dict[str, Any]]) -> dict[str, Any]:
             for kind, stats in kinds.items():
                 _add(acc["kinds"].setdefault(kind, {}), stats)
                 _add(acc, stats)
-    return {"tiers": tiers, "engines": len(snapshots), "segmentation": modes}
+        _add(overhead, data.get("overhead", {}))
+    out = {"tiers": tiers, "engines": len(snapshots), "segmentation": modes}
+    if overhead:
+        out["overhead"] = {**overhead, "share": share(overhead)}
+    return out
 
 
 ADMIN_ONLY_STATS = ("domains",)  # how many domains (tenants x adapters x routes) hold links
