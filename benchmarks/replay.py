@@ -84,6 +84,27 @@ class ReplayResult(msgspec.Struct):
     peak_snapshot_bytes_by_tier: dict[str, int]
     cache_stats_route: bool
     """True if the server answered GET /v1/cache/stats (the plugin's route)."""
+    overhead: dict[str, Any] | None = None
+    """The plugin's own seconds in the engine's steps during the replay (the route's
+    `overhead` at the end less at the start), with its `share` of the step time."""
+
+
+def overhead_delta(first: dict[str, Any] | None, last: dict[str, Any] | None
+                   ) -> dict[str, Any] | None:
+    """The growth of the route's cumulative `overhead` between two polls, with the plugin's
+    share of the step time over that span (adapter/overhead.py); None without both polls."""
+    from vllm_hybridcache.adapter.overhead import share
+
+    if not first or not last:
+        return None
+    out: dict[str, Any] = {}
+    for side in ("scheduler_s", "worker_s"):
+        old = first.get(side, {})
+        out[side] = {k: round(v - old.get(k, 0.0), 6) for k, v in last.get(side, {}).items()}
+    out["busy_s"] = round(last.get("busy_s", 0.0) - first.get("busy_s", 0.0), 6)
+    out["steps"] = last.get("steps", 0) - first.get("steps", 0)
+    out["share"] = share(out)
+    return out
 
 
 def server_root(base_url: str) -> str:
@@ -127,6 +148,7 @@ class _StatsPoller:
         self.headers = headers
         self.peak: dict[str, int] = {}
         self.route = False
+        self.overhead: list[dict[str, Any]] = []  # the first and the latest `overhead` seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -138,10 +160,13 @@ class _StatsPoller:
         if r.status_code != 200:
             return
         try:
-            value = snapshot_bytes(r.json())
+            stats = r.json()
         except ValueError:
             return
+        value = snapshot_bytes(stats)
         self.route = True
+        if isinstance(stats, dict) and isinstance(stats.get("overhead"), dict):
+            self.overhead = [*self.overhead[:1], stats["overhead"]]
         for tier, n in value.items():
             self.peak[tier] = max(self.peak.get(tier, 0), n)
 
@@ -336,4 +361,6 @@ def replay(trace: Trace, cfg: ReplayConfig, tokenizer: PromptTokenizer,
     return ReplayResult(requests=results, wall_s=wall,
                         peak_snapshot_bytes=headline_bytes(poller.peak),
                         peak_snapshot_bytes_by_tier=dict(poller.peak),
-                        cache_stats_route=poller.route)
+                        cache_stats_route=poller.route,
+                        overhead=overhead_delta(poller.overhead[0], poller.overhead[-1])
+                        if len(poller.overhead) == 2 else None)

@@ -204,12 +204,15 @@ def _measure(run: rep.SystemRun, trace: Trace, cfg: ReplayConfig,
     run.requests = result.requests
     run.cache_stats_route = result.cache_stats_route
     run.peak_snapshot_bytes_by_tier = result.peak_snapshot_bytes_by_tier
+    run.overhead = result.overhead
     run.summary = rep.summarize(result.requests, result.wall_s, result.peak_snapshot_bytes)
     m = run.summary
     print(f"   {run.name} {trace.family}: {m.errors} errors, cached "
           f"{rep._fmt(m.cached_fraction, 'pct')} of {m.prompt_tokens:,} prompt tokens (ideal "
           f"{rep._fmt(m.ideal_fraction, 'pct')}), TTFT p50 {rep._fmt(m.ttft_p50_ms, 'ms')} ms, "
           f"replay {rep._fmt(m.e2e_s, 's')} s, server CPU {rep._fmt(run.server_cpu_s, 's')} s"
+          + (f", plugin {rep._fmt(rep.overhead_share(run), 'pct')} of step time"
+             if rep.overhead_share(run) is not None else "")
           + (f", LOADED (load up to {rep.peak_load(run):.1f})" if rep.loaded(run) else ""),
           flush=True)
 

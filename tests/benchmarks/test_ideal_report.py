@@ -196,3 +196,34 @@ def test_the_quantized_system_serves_the_run_models_twin(monkeypatch):
         assert argv[2] == f"/x/{model}-w8a8"
         assert server_argv(SYSTEMS["ours"], settings, 8000)[2] == f"/m/{model}"  # control
     assert asked == ["qwen3-next-tiny-w8a8", "flash-next-tiny-w8a8"]
+
+
+def test_the_plugin_s_overhead_over_a_replay_and_in_the_report(tmp_path) -> None:
+    """The route's cumulative `overhead` at the end less at the start (another trace ran on
+    the same server before), its share, and where the report shows it."""
+    from benchmarks.replay import overhead_delta
+
+    first = {"scheduler_s": {"lookup": 1.0, "plan": 2.0}, "worker_s": {"save": 1.0},
+             "busy_s": 10.0, "steps": 5}
+    last = {"scheduler_s": {"lookup": 1.5, "plan": 2.5}, "worker_s": {"save": 2.0},
+            "busy_s": 29.0, "steps": 15}
+    d = overhead_delta(first, last)
+    assert d["scheduler_s"] == {"lookup": 0.5, "plan": 0.5} and d["worker_s"] == {"save": 1.0}
+    assert (d["busy_s"], d["steps"]) == (19.0, 10)
+    assert d["share"] == pytest.approx(2.0 / 20.0)
+    # negative control: the cumulative totals would give another share
+    assert overhead_delta({}, last) is None and d["share"] != pytest.approx(5.0 / 34.0)
+
+    results = [_result(0, 100, 0, 0, 0.2), _result(1, 300, 200, 250, 0.1)]
+    ours = rep.SystemRun(name="ours", description="d", requests=results, overhead=d,
+                         summary=rep.summarize(results, 1.0, None))
+    native = rep.SystemRun(name="native", description="d", requests=results,
+                           summary=rep.summarize(results, 1.0, None))
+    paths = rep.write(_report([ours, native]), tmp_path)
+    md = paths["markdown"].read_text()
+    ours_row = next(line for line in md.splitlines() if line.startswith("| ours |"))
+    native_row = next(line for line in md.splitlines() if line.startswith("| native |"))
+    assert ours_row.endswith("| 10.0% |") and native_row.endswith("| n/a |")
+    assert "worker save 1.000 s" in md
+    index = rep.write_index(tmp_path).read_text()
+    assert "| plugin share |" in index and "| 10.0% |" in index
