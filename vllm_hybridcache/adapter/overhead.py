@@ -88,12 +88,11 @@ class Overhead:
             self.busy_s += self._clock() - self._busy_from
 
     def add_worker(self, seconds: dict[str, float]) -> None:
-        """The workers' seconds of one report (`StepReport.seconds`); unknown phases are
-        refused so a renamed phase cannot vanish from the totals."""
+        """The workers' seconds of one report (`StepReport.seconds`). A phase this side does
+        not know is kept under its own name (counted, never dropped; and a metrics mismatch
+        must not fail the engine's step)."""
         for phase, s in seconds.items():
-            if phase not in self.worker:
-                raise ValueError(f"unknown worker phase {phase!r}")
-            self.worker[phase] += s
+            self.worker[phase] = self.worker.get(phase, 0.0) + s
 
     def payload(self) -> dict[str, Any]:
         """The stats payload's `overhead` entry."""
