@@ -66,18 +66,6 @@ def test_fp8_writes_float8_weights_and_the_float_format(tmp_path):
     assert "re:.*\\.mlp\\.experts.*" in config["ignore"]
 
 
-def test_the_fp8_dequantized_twin_holds_the_e4m3_grid_in_the_float_dtype(tmp_path):
-    before = _folder(tmp_path)
-    quantize_checkpoint(tmp_path, "fp8-dequant")
-    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
-    after = load_file(str(tmp_path / "model.safetensors"))[name]
-    q, scale = fp8_per_channel(before[name])
-    assert after.dtype == torch.bfloat16
-    assert torch.equal(after, (q.float() * scale).bfloat16())
-    assert not torch.equal(after, before[name])
-    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
-
-
 def _folder(tmp_path):
     tensors = {
         "model.layers.0.linear_attn.in_proj_qkvz.weight": torch.randn(16, 8).bfloat16(),
@@ -104,12 +92,13 @@ def test_w8a8_rewrites_only_the_targets_and_names_the_format(tmp_path):
     assert "re:.*\\.mlp\\.experts.*" in config["quantization_config"]["ignore"]
 
 
-def test_the_dequantized_twin_holds_the_int8_grid_in_the_float_dtype(tmp_path):
+@pytest.mark.parametrize("fmt, grid", [("w8a8", int8_per_channel), ("fp8", fp8_per_channel)])
+def test_the_dequantized_twin_holds_the_grid_in_the_float_dtype(tmp_path, fmt, grid):
     before = _folder(tmp_path)
-    quantize_checkpoint(tmp_path, "w8a8-dequant")
+    quantize_checkpoint(tmp_path, f"{fmt}-dequant")
     name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
     after = load_file(str(tmp_path / "model.safetensors"))[name]
-    q, scale = int8_per_channel(before[name])
+    q, scale = grid(before[name])
     assert after.dtype == torch.bfloat16
     assert torch.equal(after, (q.float() * scale).bfloat16())
     assert not torch.equal(after, before[name])                    # it did move the weights

@@ -312,6 +312,19 @@ def _flash_next_small(special: dict[str, int]) -> PreTrainedConfig:
                        idx_dim=128, budget=2048, ratio=4, hc_lowrank=128)
 
 
+def _flash_next_twins(fmt: str, what: str) -> tuple[ModelSpec, ModelSpec]:
+    """flash-next-tiny (the same seed, config and extra weights, so the same float weights)
+    rewritten in the quantization format `fmt` of `models.quantize`, and its dequantized
+    float reference."""
+    same = {"seed": 3, "extra_weights": _flash_next_mtp_weights,
+            "adjust_weights": _flash_next_adjust, "revision": 1}
+    return (ModelSpec(f"flash-next-tiny-{fmt}", f"flash-next-tiny quantized: {what}",
+                      _flash_next_tiny, quantize=fmt, **same),
+            ModelSpec(f"flash-next-tiny-{fmt}-dequant", f"flash-next-tiny-{fmt}'s weights "
+                      "dequantized (its float reference)", _flash_next_tiny,
+                      quantize=f"{fmt}-dequant", **same))
+
+
 CATALOG: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -328,24 +341,11 @@ CATALOG: dict[str, ModelSpec] = {
         ModelSpec("flash-next-tiny", "Flash-Next (qwen4_exp), 4 layers, GDN + QSA + PLE + HC + MoE",
                   _flash_next_tiny, seed=3, extra_weights=_flash_next_mtp_weights,
                   adjust_weights=_flash_next_adjust, revision=1),
-        ModelSpec("flash-next-tiny-w8a8", "flash-next-tiny quantized: compressed-tensors W8A8 "
-                  "int8 (GDN, attention and shared-expert projections; routed experts, gates, "
-                  "MTP layer in the float dtype)", _flash_next_tiny, seed=3,
-                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
-                  revision=1, quantize="w8a8"),
-        ModelSpec("flash-next-tiny-w8a8-dequant", "flash-next-tiny-w8a8's weights dequantized "
-                  "(its float reference)", _flash_next_tiny, seed=3,
-                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
-                  revision=1, quantize="w8a8-dequant"),
-        ModelSpec("flash-next-tiny-fp8", "flash-next-tiny quantized: compressed-tensors FP8 "
-                  "dynamic (float8 e4m3 per channel, the RDNA4 format; the w8a8 entry's "
-                  "projections)", _flash_next_tiny, seed=3,
-                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
-                  revision=1, quantize="fp8"),
-        ModelSpec("flash-next-tiny-fp8-dequant", "flash-next-tiny-fp8's weights dequantized "
-                  "(its float reference)", _flash_next_tiny, seed=3,
-                  extra_weights=_flash_next_mtp_weights, adjust_weights=_flash_next_adjust,
-                  revision=1, quantize="fp8-dequant"),
+        *_flash_next_twins("w8a8", "compressed-tensors W8A8 int8 (GDN, attention and "
+                           "shared-expert projections; routed experts, gates, MTP layer in the "
+                           "float dtype)"),
+        *_flash_next_twins("fp8", "compressed-tensors FP8 dynamic (float8 e4m3 per channel, "
+                           "the RDNA4 format; the w8a8 entry's projections)"),
         ModelSpec("flash-next-vl-tiny", "Flash-Next with its vision tower "
                   "(Qwen4ExpForConditionalGeneration), flash-next-tiny's text model",
                   _flash_next_vl_tiny, seed=5, adjust_weights=_flash_next_adjust,
