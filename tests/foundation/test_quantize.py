@@ -17,10 +17,15 @@ from vllm_hybridcache.models.quantize import (
 )
 
 
-def test_int8_per_channel_is_the_nearest_grid_point_of_each_row():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(6, 32, generator=g)
+def _rows_with_a_zero_row() -> torch.Tensor:
+    """Six seeded rows of 32 weights, row 3 all zeros (its scale must stay 1)."""
+    w = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
     w[3] = 0.0
+    return w
+
+
+def test_int8_per_channel_is_the_nearest_grid_point_of_each_row():
+    w = _rows_with_a_zero_row()
     q, scale = int8_per_channel(w)
     assert q.dtype == torch.int8 and scale.shape == (6, 1)
     err = (q.float() * scale - w).abs()
@@ -31,9 +36,7 @@ def test_int8_per_channel_is_the_nearest_grid_point_of_each_row():
 
 
 def test_fp8_per_channel_rounds_each_row_to_the_nearest_e4m3_value():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(6, 32, generator=g)
-    w[3] = 0.0
+    w = _rows_with_a_zero_row()
     q, scale = fp8_per_channel(w)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
     live = [0, 1, 2, 4, 5]
