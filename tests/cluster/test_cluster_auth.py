@@ -154,10 +154,15 @@ class NoTransport:
         raise AssertionError("open_cluster_tier reached the transport")
 
 
+def _fingerprint():
+    """The engine's fingerprint as the composition root hands it to the opener."""
+    return SimpleNamespace(digest=FP, hex=FP.hex())
+
+
 def _open(settings):
     tree = SnapshotTree(SMALL_LAYOUT, TreeConfig(budget_bytes=1 << 20, memory_floor_bytes=0))
     return engine.open_cluster_tier(VLLM_CONFIG, SMALL_LAYOUT, {"grid": 256}, settings,
-                                    IdSource(), tree)
+                                    IdSource(), tree, _fingerprint)
 
 
 def test_open_cluster_tier_refuses_to_start_without_a_secret(monkeypatch):
@@ -191,8 +196,6 @@ def test_open_cluster_tier_refuses_a_directory_that_refuses_its_secret(monkeypat
     """The cluster's directory was created under another secret (or this node's clock is
     far off): the replica does not start, and the message names both causes (a replica that
     could neither publish nor find anything would serve on silently)."""
-    import vllm_hybridcache.adapter.fingerprint as fingerprint
-
     made = []
 
     class Refused:
@@ -203,9 +206,6 @@ def test_open_cluster_tier_refuses_a_directory_that_refuses_its_secret(monkeypat
             raise DirectoryRefused("directory call refused: its MAC does not match")
 
     monkeypatch.setattr(engine, "RayTransport", Refused)
-    monkeypatch.setattr(fingerprint, "engine_fingerprint",
-                        lambda *args: SimpleNamespace(digest=FP, hex=FP.hex()))
-    monkeypatch.setattr(fingerprint, "kernel_backend", lambda cfg: "test")
     settings = load_settings({"cluster_address": "127.0.0.1:6379",
                               "cluster_secret_file": str(CLUSTER_SECRET_FILE)}, environ={})
     with pytest.raises(RuntimeError, match="refuses this replica's calls") as ei:

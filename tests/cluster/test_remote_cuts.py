@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from vllm_hybridcache.adapter.segmentation_mode import segmentation_mode
 from vllm_hybridcache.cluster.engine import remote_cuts
 from vllm_hybridcache.segmentation import Segmentation
 
@@ -25,6 +26,6 @@ def test_fine_engines_ask_for_every_64_aligned_position(monkeypatch, embedded_mo
     seg = Segmentation(grid=256)
     toks = np.arange(10, 610, dtype=np.int64)
     monkeypatch.setenv(ENV_VAR, "1")
-    assert remote_cuts(cfg, seg)(toks) == list(range(64, 577, 64))
+    assert remote_cuts(segmentation_mode(cfg)[0], seg)(toks) == list(range(64, 577, 64))
     monkeypatch.setenv(ENV_VAR, "0")
-    assert remote_cuts(cfg, seg)(toks) == [256, 512]
+    assert remote_cuts(segmentation_mode(cfg)[0], seg)(toks) == [256, 512]

@@ -6,11 +6,11 @@ test needs no vLLM and sees imports a run would not execute.
 
 The layers, low to high (docs/architecture.md): the pure base (the cache core and the small
 shared pieces below everything), settings, the bends of vLLM and the copy ops, the model, the
-adapter (the request lifecycle), the cluster tier, the serving surface, the fleet of replicas,
-and the entry points with the test tooling. A module may import its own layer and the ones
-below. `STILL_UPWARD` lists the arrows that still point up, which issue 31 moves (the cluster
-tier's transport below the adapter); the test fails when a new one appears and when a listed
-one is gone, so the list only shrinks.
+cluster tier's transport (Ray), the adapter (the request lifecycle), the serving surface, the
+fleet of replicas, and the entry points with the test tooling. A module may import its own
+layer and the ones below. `STILL_UPWARD` lists arrows allowed to point up while a move is under
+way (none now); the test fails when a new one appears and when a listed one is gone, so the
+list only shrinks.
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "progress"),
     ("compat", "compat_check", "ops", "models"),
     ("flash_next",),
-    ("adapter",),
     ("cluster",),
+    ("adapter",),
     ("serving",),
     ("fleet",),
     ("registrations", "plugin", "cli", "tools", "testing"),
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
-# The adapter reaches the lower tiers (the cluster tier's opener and handler live above it)
-# only by name through adapter/tier_registry.py, as vLLM's OffloadingSpecFactory does:
-# tests/adapter/test_tier_registry.py checks that every registered path resolves.
+# The adapter reaches the lower tiers only by name through adapter/tier_registry.py, as vLLM's
+# OffloadingSpecFactory does (so Ray loads only with a cluster): the cluster package sits below
+# it all the same and imports nothing of it (its opener gets the fingerprint and segmentation
+# mode in its context). tests/adapter/test_tier_registry.py checks every registered path.
 STILL_UPWARD: set[tuple[str, str]] = set()
 
 

@@ -29,7 +29,7 @@ from vllm_hybridcache.core import (
     Tier,
 )
 from vllm_hybridcache.core.layout import StateLayout
-from vllm_hybridcache.segmentation import Segmentation
+from vllm_hybridcache.segmentation import STEP, Segmentation
 
 __all__ = ["OpenContext", "build_cache"]
 
@@ -49,6 +49,7 @@ class OpenContext:
     anchors_on: bool           # end anchors kept at all (session_anchors > 0)
     speculative: bool          # a draft model or MTP head proposes tokens
     tiers_off: dict[str, str]
+    mode: str = STEP           # the engine's segmentation mode (adapter/segmentation_mode.py)
     cache: SnapshotCache | None = None  # set once built (for ram_depth)
     _fingerprint: Any = field(default=None, repr=False)
 
@@ -93,14 +94,16 @@ class OpenContext:
 
 def build_cache(vllm_config, settings: CacheSettings, layout: StateLayout,
                 segmentation: Segmentation, anchors: int, speculative: bool,
-                lower_tiers: bool, tiers_off: dict[str, str]) -> SnapshotCache:
+                lower_tiers: bool, tiers_off: dict[str, str], mode: str = STEP
+                ) -> SnapshotCache:
     """The facade over every tier; `lower_tiers`: whether tiers below RAM may open at all
-    (not while the cache is inactive)."""
+    (not while the cache is inactive); `mode`: the engine's segmentation mode, decided once
+    by the scheduler side (where a remote link may end depends on it)."""
     ids = IdSource()  # one worker store holds every tier's payloads: ids unique
     tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
     ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
     ctx = OpenContext(vllm_config, settings, layout, segmentation, ids, tree, ram_anchors,
-                      bool(anchors), speculative, tiers_off)
+                      bool(anchors), speculative, tiers_off, mode)
     lower = []
     if lower_tiers:
         for entry in registered():

@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 from vllm_hybridcache.adapter.draft_tags import DraftStep, NextToken, RebuiltAnchor
-from vllm_hybridcache.adapter.fingerprint import FingerprintUnavailable
 from vllm_hybridcache.core import DiskTier
 from vllm_hybridcache.core.auth import KeyFileError, key_from_file
 from vllm_hybridcache.core.disk import LinkDirectory
@@ -23,6 +22,7 @@ from vllm_hybridcache.core.disk.cost import ReadCost
 from vllm_hybridcache.core.disk.folder import own_folder
 from vllm_hybridcache.core.disk.sharded import ShardedDirectory
 from vllm_hybridcache.core.disk.writer import DiskTarget
+from vllm_hybridcache.core.identity import FingerprintUnavailable
 from vllm_hybridcache.core.linkformat.reader import SourceOrigin
 from vllm_hybridcache.core.linkformat.shard import Shard
 from vllm_hybridcache.core.linkformat.tags import TagCodec

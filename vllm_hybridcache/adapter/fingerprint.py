@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_hybridcache.core.auth import PREFERRED_MAC, LinkKey, MacAlgorithm
+from vllm_hybridcache.core.identity import FingerprintUnavailable  # raised here, caught by tiers
 
 logger = logging.getLogger("vllm_hybridcache")
 
@@ -85,21 +86,6 @@ first start: a bar on a terminal, else a line in the server log this often (prog
 work shorter than that says nothing."""
 LARGE_HASH_BYTES = 1 << 30
 """Bytes to read from which the start of the hashing is announced in the log."""
-
-
-class FingerprintUnavailable(RuntimeError):
-    """This engine's arithmetic cannot be named: its weights could not be found and hashed,
-    or a setting that changes the arithmetic could not be put into canonical form.
-
-    The callers (the disk tier in `adapter.disk_setup.open_disk`, the cluster tier in
-    `cluster.engine.open_cluster_tier`) log one warning with `reason` and run without that
-    tier: links that outlive the engine are only safe between engines known to compute the
-    same bytes, and a guess (the model's name) is not knowing.
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class SchedulerSide:
             # every tier, the lower ones opened by name (adapter/composition.py)
             self.cache = build_cache(vllm_config, settings, layout, self.segmentation, anchors,
                                      self._speculative, self.reason_inactive is None,
-                                     self.tiers_off)
+                                     self.tiers_off, self.segmentation_mode)
         self.base_domain = engine_fields(vllm_config, layout) if layout is not None else {}
         # With MTP the draft head's K/V row at a step's last position p - 1 is computed from the
         # target's hidden state there and one more token, which vLLM takes from past the cut

@@ -2,12 +2,14 @@
 
 Kept here, beside the Ray transport: the adapter reaches `open_cluster` only through the tier
 registry (adapter/tier_registry.py), so Ray is imported only when `cluster_address` is set.
+This package sits below the adapter (it imports the core and the settings only): what it needs
+to know about the engine, its fingerprint and its segmentation mode, comes in the opener's
+context, computed once by the composition root (adapter/composition.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import shutil
@@ -16,11 +18,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from vllm_hybridcache.config import setting_env
 from vllm_hybridcache.core.auth import KeyFileError, key_from_file
+from vllm_hybridcache.core.identity import FingerprintUnavailable
 from vllm_hybridcache.core.keys import PromptKeys
 from vllm_hybridcache.core.linkformat.job import ANCHOR, WriteJob
 from vllm_hybridcache.core.linkformat.reader import SourceOrigin
@@ -35,6 +37,7 @@ from vllm_hybridcache.core.tiers.cluster import (
 )
 from vllm_hybridcache.core.tiers.cluster_anchors import ClusterAnchors
 from vllm_hybridcache.core.tiers.cluster_behind import ClusterBehind
+from vllm_hybridcache.segmentation import FINE, FINE_ALIGN, STEP
 
 from .directory import SKEW_S, DirectoryRefused
 from .transport import RayTransport
@@ -53,8 +56,8 @@ def _scratch(prefix: str) -> Path:
     return path
 
 
-def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
-                      tiers_off: dict[str, str] | None = None, fingerprint=None
+def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree, fingerprint,
+                      tiers_off: dict[str, str] | None = None, mode: str = STEP
                       ) -> tuple[ClusterTier, ClusterTarget, SourceOrigin] | None:
     """The scheduler's cluster tier, the target its workers publish to and where its hits'
     files come from, or a start-up error naming why the cluster cannot be used (a tier asked
@@ -65,13 +68,9 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
     be named by content, `FingerprintUnavailable`): other replicas' links are only safe between
     engines known to compute the same bytes, so the replica serves on without the cluster
     (the reason is also put in `tiers_off["cluster"]` when given). `fingerprint()`: the
-    engine's, computed once for every tier (adapter/composition.py); computed here without."""
-    from vllm_hybridcache.adapter.fingerprint import (
-        FingerprintUnavailable,
-        engine_fingerprint,
-        kernel_backend,
-    )
-
+    engine's, computed once for every tier (adapter/composition.py `OpenContext.fingerprint`),
+    raising FingerprintUnavailable when there is none; `mode`: the engine's segmentation mode
+    (where a remote link may end, `remote_cuts`)."""
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         raise RuntimeError(
@@ -92,9 +91,7 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
         raise RuntimeError(f"hybridcache: cluster_secret_file {secret_file!r} is not usable "
                            f"({type(e).__name__}: {e})") from e
     try:
-        fp = fingerprint() if fingerprint is not None else engine_fingerprint(
-            vllm_config, hashlib.sha256(msgspec.json.encode(layout)).hexdigest(),
-            msgspec.json.encode(segmentation).decode(), kernel_backend(vllm_config))
+        fp = fingerprint()
     except FingerprintUnavailable as e:
         logger.warning("hybridcache: cluster tier off: this engine has no fingerprint (%s); "
                        "links are only shared between replicas known to compute the same "
@@ -118,7 +115,7 @@ def open_cluster_tier(vllm_config, layout, segmentation, settings, ids, tree,
             f"{setting_env('cluster_address')}") from e
     owner = settings.cluster_replica or f"{socket.gethostname()}:{os.getpid()}"
     stage = _scratch("hybridcache-cluster-")
-    tier = ClusterTier(layout, fp.digest, transport, remote_cuts(vllm_config, segmentation),
+    tier = ClusterTier(layout, fp.digest, transport, remote_cuts(mode, segmentation),
                        stage, settings.cluster_budget_bytes,
                        float(settings.cluster_timeout_s), next_id=ids, promote=tree.adopt,
                        owner=owner,
@@ -150,8 +147,8 @@ def open_cluster(ctx) -> ClusterBehind | None:
     if not settings.cluster_address:
         return None
     opened = open_cluster_tier(ctx.vllm_config, ctx.layout, ctx.segmentation, settings,
-                               ctx.ids, ctx.tree, tiers_off=ctx.tiers_off,
-                               fingerprint=ctx.fingerprint)
+                               ctx.ids, ctx.tree, ctx.fingerprint, tiers_off=ctx.tiers_off,
+                               mode=ctx.mode)
     if opened is None:
         return None
     tier, target, origin = opened
@@ -163,15 +160,12 @@ def open_cluster(ctx) -> ClusterBehind | None:
     return ClusterBehind(tier, target, origin, anchors=anchors)
 
 
-def remote_cuts(vllm_config, segmentation):
+def remote_cuts(mode: str, segmentation):
     """Where a remote link may end on a prompt (the positions a lookup asks the directory
-    about): the segmentation's cuts, and in fine mode every 64-aligned position too, since
-    links are captured there inside a step (the prompt's last one, junctions) and are exact
-    (docs/split-invariance.md)."""
-    from vllm_hybridcache.adapter.segmentation_mode import segmentation_mode
-    from vllm_hybridcache.segmentation import FINE, FINE_ALIGN
-
-    if segmentation_mode(vllm_config)[0] != FINE:
+    about): the segmentation's cuts, and in fine mode (`mode`, the engine's segmentation mode)
+    every 64-aligned position too, since links are captured there inside a step (the prompt's
+    last one, junctions) and are exact (docs/split-invariance.md)."""
+    if mode != FINE:
         return lambda toks: segmentation.cuts(toks.tolist())
 
     def cuts(toks) -> list[int]:
