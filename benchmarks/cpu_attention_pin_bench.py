@@ -25,11 +25,10 @@ import gc
 import os
 import platform
 import shlex
-import statistics
 import sys
 
+from benchmarks.ab import alternate
 from benchmarks.engine_cpu import descendants, emit, timed_generate
-from benchmarks.machine_load import LoadSampler
 from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 
 ARMS = ("off", "on")
@@ -76,42 +75,27 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
     for llm in engines.values():  # warm-up: the first calls of each shape, allocator growth
         for k in range(2):  # (with a context: its first prefill puts it in the prefix cache)
             _generate(llm, ctx + _prompt(tokens, 900 + k))
-    times: dict[str, list[float]] = {a: [] for a in ARMS}
-    cpu: dict[str, list[float]] = {a: [] for a in ARMS}
-    first: dict[str, list[int]] = {a: [] for a in ARMS}
-    # the load at each round's end, and the peak sampled once a second in between
-    loads = [os.getloadavg()[0]]
-    with LoadSampler() as sampler:
-        for r in range(repeat):
-            ids = ctx + _prompt(tokens, r)
-            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-                t, c, tok = _generate(engines[arm], ids)
-                times[arm].append(t)
-                cpu[arm].append(c)
-                first[arm].append(tok)
-            loads.append(os.getloadavg()[0])
-    loads.append(sampler.peak)
+
+    def one(arm: str, r: int) -> dict[str, float]:
+        t, c, tok = _generate(engines[arm], ctx + _prompt(tokens, r))
+        return {"wall": t, "cpu": c, "first": tok}
+
+    ab = alternate(ARMS, repeat, one)
     for llm in engines.values():
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # already down
             pass
-    del engines
+    engines.clear()  # the rounds' closure holds the dict: empty it to free the engines
     gc.collect()
-    med = {a: statistics.median(ts) for a, ts in times.items()}
-    cmed = {a: statistics.median(cs) for a, cs in cpu.items()}
-    same = sum(a == b for a, b in zip(first["off"], first["on"], strict=True))
-    # each round's two requests ran back to back on the same prompt: their ratio cancels the
-    # load that moves between rounds
-    paired = statistics.median(on / off for off, on in zip(cpu["off"], cpu["on"], strict=True))
+    same = sum(a == b for a, b in zip(ab.values("first", "off"), ab.values("first", "on"),
+                                      strict=True))
     return [f"| {model} | {dtype} | {context} | {tokens} | {step} "
-            f"| {med['off']:.3f} | {med['on']:.3f} "
-            f"| {med['on'] / med['off']:.3f} | {cmed['off']:.2f} | {cmed['on']:.2f} "
-            f"| {cmed['on'] / cmed['off']:.3f} | {paired:.3f} | {same}/{repeat} "
-            f"| {min(loads):.1f}-{max(loads):.1f} |",
-            f"<!-- {model} {dtype}: wall off {[round(t, 3) for t in times['off']]} "
-            f"on {[round(t, 3) for t in times['on']]}; CPU off "
-            f"{[round(c, 2) for c in cpu['off']]} on {[round(c, 2) for c in cpu['on']]} -->"]
+            f"| {ab.median('wall', 'off'):.3f} | {ab.median('wall', 'on'):.3f} "
+            f"| {ab.ratio('wall', 'on', 'off'):.3f} | {ab.median('cpu', 'off'):.2f} "
+            f"| {ab.median('cpu', 'on'):.2f} | {ab.ratio('cpu', 'on', 'off'):.3f} "
+            f"| {ab.paired('cpu', 'on', 'off'):.3f} | {same}/{repeat} | {ab.load_range()} |",
+            ab.rounds_comment(f"{model} {dtype}", {"wall": 3, "cpu": 2})]
 
 
 def main(argv: list[str] | None = None) -> int:

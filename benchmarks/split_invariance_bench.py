@@ -30,10 +30,10 @@ import argparse
 import contextlib
 import platform
 import shlex
-import statistics
 import sys
 import time
 
+from benchmarks.ab import alternate
 from benchmarks.engine_cpu import emit
 
 
@@ -68,14 +68,16 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
     if before:
         arms["before"] = (modes["on"], baseline_forms)
     ids = _prompt(tokens)
-    times: dict[str, list[float]] = {a: [] for a in arms}
     results = {}
-    for _ in range(repeat):
-        for arm, (stepper, forms) in arms.items():
-            with forms():
-                t0 = time.perf_counter()
-                results[arm] = stepper.prefill(ids, steps_of(tokens, step))
-                times[arm].append(time.perf_counter() - t0)
+
+    def one(arm: str, r: int) -> dict[str, float]:
+        stepper, forms = arms[arm]
+        with forms():
+            t0 = time.perf_counter()
+            results[arm] = stepper.prefill(ids, steps_of(tokens, step))
+            return {"wall": time.perf_counter() - t0}
+
+    ab = alternate(tuple(arms), repeat, one, read_load=None)
     invariant = {}
     for arm, (stepper, forms) in arms.items():
         with forms():
@@ -83,10 +85,11 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
                                       *([tokens % 64] if tokens % 64 else [])])
         invariant[arm] = _equal(results[arm], b)
     same = "n/a" if not before else ("yes" if _equal(results["on"], results["before"]) else "no")
-    del modes, arms, results
-    med = {arm: statistics.median(ts) for arm, ts in times.items()}
-    off, on = med["off"], med["on"]
-    old = med.get("before")
+    modes.clear()  # the rounds' closure holds these: empty them to free the models
+    arms.clear()
+    results.clear()
+    off, on = ab.median("wall", "off"), ab.median("wall", "on")
+    old = ab.median("wall", "before") if before else None
     yes = {True: "yes", False: "no"}
     return [f"| {model} | {dtype} | {tokens} | {step} | {off:.3f} "
             f"| {'' if old is None else f'{old:.3f}'} | {on:.3f} "
@@ -134,24 +137,25 @@ def measure_captures(model: str, dtype: str, tokens: int, junction: int,
                 layer.inner_capture = None
 
     arms = {"plain": contextlib.nullcontext, "captures": armed}
-    times: dict[str, list[float]] = {a: [] for a in arms}
     results, handed = {}, 0
     stepper.prefill(ids, [tokens])  # warm-up
-    for r in range(repeat):
-        for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            with arms[arm]() as hook:
-                t0 = time.perf_counter()
-                results[arm] = stepper.prefill(ids, [tokens])
-                times[arm].append(time.perf_counter() - t0)
-                if hook is not None:
-                    handed = len(hook.got)
+
+    def one(arm: str, r: int) -> dict[str, float]:
+        nonlocal handed
+        with arms[arm]() as hook:
+            t0 = time.perf_counter()
+            results[arm] = stepper.prefill(ids, [tokens])
+            seconds = time.perf_counter() - t0
+            if hook is not None:
+                handed = len(hook.got)
+        return {"wall": seconds}
+
+    ab = alternate(tuple(arms), repeat, one, read_load=None)
     same = "yes" if _equal(results["plain"], results["captures"]) else "no"
-    med = {a: statistics.median(ts) for a, ts in times.items()}
-    paired = statistics.median(c / p for p, c in zip(times["plain"], times["captures"],
-                                                       strict=True))
     return [f"| {model} | {dtype} | {tokens} | {', '.join(map(str, offsets))} | {handed} "
-            f"| {med['plain']:.3f} | {med['captures']:.3f} "
-            f"| {med['captures'] / med['plain']:.3f} | {paired:.3f} | {same} |"]
+            f"| {ab.median('wall', 'plain'):.3f} | {ab.median('wall', 'captures'):.3f} "
+            f"| {ab.ratio('wall', 'captures', 'plain'):.3f} "
+            f"| {ab.paired('wall', 'captures', 'plain'):.3f} | {same} |"]
 
 
 def main(argv: list[str] | None = None) -> int:

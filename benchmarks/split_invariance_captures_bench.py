@@ -28,11 +28,10 @@ import gc
 import os
 import platform
 import shlex
-import statistics
 import sys
 
+from benchmarks.ab import alternate
 from benchmarks.engine_cpu import descendants, emit, timed_generate
-from benchmarks.machine_load import LoadSampler
 
 ARMS = ("off", "on")
 
@@ -98,39 +97,27 @@ def measure(model: str, dtype: str, tokens: int, junction: int, step: int,
         for k in range(warmup):
             _one(llm, _prompt(tokens, 900 + k), _prompt(junction, 900 + k)
                  + _prompt(tokens - junction, 950 + k))
-    times: dict[str, list[float]] = {a: [] for a in ARMS}
-    cpu: dict[str, list[float]] = {a: [] for a in ARMS}
-    # the load at each round's end, and the peak sampled once a second in between
-    loads = [os.getloadavg()[0]]
-    with LoadSampler() as sampler:
-        for r in range(repeat):
-            # both arms get the same prompts; which goes first alternates with the round
-            primer = _prompt(tokens, 2 * r)
-            prompt = primer[:junction] + _prompt(tokens - junction, 2 * r + 1)
-            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-                t, c = _one(engines[arm], primer, prompt)
-                times[arm].append(t)
-                cpu[arm].append(c)
-            loads.append(os.getloadavg()[0])
-    loads.append(sampler.peak)
+
+    def one(arm: str, r: int) -> dict[str, float]:
+        # both arms get the same prompts; which goes first alternates with the round
+        primer = _prompt(tokens, 2 * r)
+        t, c = _one(engines[arm], primer,
+                    primer[:junction] + _prompt(tokens - junction, 2 * r + 1))
+        return {"wall": t, "cpu": c}
+
+    ab = alternate(ARMS, repeat, one)
     served = {arm: _served(llm, tokens, junction) for arm, llm in engines.items()}
     for llm in engines.values():
         _shutdown(llm)
-    del engines
+    engines.clear()  # the rounds' closure holds the dict: empty it to free the engines
     gc.collect()
-    med = {a: statistics.median(ts) for a, ts in times.items()}
-    cmed = {a: statistics.median(cs) for a, cs in cpu.items()}
-    # each round's two requests ran back to back on the same prompt: their ratio cancels the
-    # load that moves between rounds
-    paired = statistics.median(on / off for off, on in zip(cpu["off"], cpu["on"], strict=True))
     label = f"{model} (A/A control: both on)" if control else model
     return [f"| {label} | {dtype} | {tokens} | {junction} | {step} | {served['off']} "
-            f"| {served['on']} | {med['off']:.3f} | {med['on']:.3f} | {med['on'] / med['off']:.3f} "
-            f"| {cmed['off']:.2f} | {cmed['on']:.2f} | {cmed['on'] / cmed['off']:.3f} "
-            f"| {paired:.3f} | {min(loads):.1f}-{max(loads):.1f} |",
-            f"<!-- {model} {dtype}: wall off {[round(t, 3) for t in times['off']]} "
-            f"on {[round(t, 3) for t in times['on']]}; CPU off "
-            f"{[round(c, 2) for c in cpu['off']]} on {[round(c, 2) for c in cpu['on']]} -->"]
+            f"| {served['on']} | {ab.median('wall', 'off'):.3f} | {ab.median('wall', 'on'):.3f} "
+            f"| {ab.ratio('wall', 'on', 'off'):.3f} | {ab.median('cpu', 'off'):.2f} "
+            f"| {ab.median('cpu', 'on'):.2f} | {ab.ratio('cpu', 'on', 'off'):.3f} "
+            f"| {ab.paired('cpu', 'on', 'off'):.3f} | {ab.load_range()} |",
+            ab.rounds_comment(f"{model} {dtype}", {"wall": 3, "cpu": 2})]
 
 
 def _shutdown(llm) -> None:
