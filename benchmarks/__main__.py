@@ -8,10 +8,11 @@
     python -m benchmarks run default                 what `make bench` runs
     python -m benchmarks results [SUITE]             the latest run record of each suite
     python -m benchmarks report [--model M] [--size S]
-                                                     rebuild docs/benchmarks/README.md and print
-                                                     the headline table of M's replays at size
-                                                     S (default: the README's, qwen3-next-tiny
-                                                     at ci) from the results
+                                                     rebuild the indexes under
+                                                     docs/benchmarks/results/ (the run records;
+                                                     the replays) and print the headline table
+                                                     of M's replays at size S (default: the
+                                                     README's, qwen3-next-tiny at ci)
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def latest(docs: Path = OUT, suite: str | None = None) -> str:
 
 
 def report(out: Path = OUT, args: list[str] | None = None) -> int:
-    """The index of the trace-replay results; the headline table of one model and size from
-    them when both systems of one run are there."""
+    """The index of the run records and of the trace-replay results (under `out`/results/);
+    the headline table of one model and size from them when both systems of one run are
+    there."""
     import argparse
 
     from benchmarks import headline
@@ -79,9 +81,11 @@ def report(out: Path = OUT, args: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen3-next-tiny")
     p.add_argument("--size", default="ci")
     opts = p.parse_args(args or [])
-    index = rep.write_index(out)
-    print(f"index: {index}")
-    rows, commands = headline.load(opts.model, opts.size, ("ours", "native"), out)
+    replay = out / res.RESULTS / "replay"
+    replay.mkdir(parents=True, exist_ok=True)
+    print(f"index: {rep.write_index(replay)}")
+    print(f"run records: {res.records_index(out)}")
+    rows, commands = headline.load(opts.model, opts.size, ("ours", "native"), replay)
     if rows and len(commands) == 1:
         print(headline.table(rows, ("ours", "native")))
     return 0

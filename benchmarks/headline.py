@@ -3,8 +3,9 @@
     python -m benchmarks.headline [--model qwen3-next-tiny] [--size ci] [--against native]
 
 Reads the trace-replay results `python -m benchmarks.run --trace all --systems native,ours`
-wrote (docs/benchmarks/<model>-<family>-<size>.json), checks that both systems come from the
-same run (the same command and start), and writes one figure side by side per family: cached
+wrote (docs/benchmarks/results/replay/<model>-<family>-<size>.json), checks that both systems
+come from the same run (the same command and start), and writes one figure side by side per
+family (beside them): cached
 share of the prompt tokens, TTFT p50, end-to-end time and server CPU seconds, ours next to the
 other system; prints the table the README quotes. Nothing is measured here: the figures are
 the run's own.
@@ -17,7 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+from benchmarks.results import REPLAY
+
+OUT = REPLAY
 FAMILIES = ("coding-agent", "chat-ui", "sub-agents", "interleaved", "concurrent")
 METRICS = (("cached_fraction", "cached share of prompt tokens", 100.0, "%"),
            ("ttft_p50_ms", "TTFT p50", 1.0, "ms"),

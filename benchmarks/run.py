@@ -34,7 +34,7 @@ from benchmarks import report as rep
 from benchmarks.ideal import PromptTokenizer
 from benchmarks.machine_load import LoadSampler, wait_for_quiet
 from benchmarks.replay import ReplayConfig, replay
-from benchmarks.results import git_commit, vllm_version
+from benchmarks.results import REPLAY, git_commit, vllm_version
 from benchmarks.servers import (
     SYSTEMS,
     ServerError,
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds each replay waits for the load average to fall to "
                         f"{rep.LOAD_LIMIT} before it runs anyway, flagged as loaded "
                         f"(default {LOAD_WAIT_S:.0f})")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=REPLAY)
     p.add_argument("--log-dir", type=Path, default=None,
                    help="server logs (default bench-out/logs/<time>)")
     p.add_argument("--micro", help="run microbenchmark(s) instead: "

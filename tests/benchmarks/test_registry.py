@@ -67,7 +67,8 @@ def test_list_and_report(tmp_path, capsys) -> None:
     listed = capsys.readouterr().out
     assert all(s.name in listed for s in registry.SUITES)
     assert entry.report(tmp_path) == 0
-    assert (tmp_path / "README.md").exists()
+    assert (tmp_path / "results" / "replay" / "README.md").exists()
+    assert (tmp_path / "results" / "README.md").exists()
 
 
 def test_report_prints_the_headline_of_the_model_and_size_asked(tmp_path, capsys) -> None:
@@ -75,9 +76,12 @@ def test_report_prints_the_headline_of_the_model_and_size_asked(tmp_path, capsys
     finds none of them here, so it prints no table."""
     import json
 
-    doc = json.loads((entry.OUT / "qwen3-next-tiny-chat-ui-ci.json").read_text())
+    from benchmarks.results import REPLAY
+
+    doc = json.loads((REPLAY / "qwen3-next-tiny-chat-ui-ci.json").read_text())
     doc["model"]["name"] = "other-tiny"
-    (tmp_path / "other-tiny-chat-ui-ci.json").write_text(json.dumps(doc))
+    (tmp_path / "results" / "replay").mkdir(parents=True)
+    (tmp_path / "results" / "replay" / "other-tiny-chat-ui-ci.json").write_text(json.dumps(doc))
     assert entry.report(tmp_path) == 0
     assert "| chat-ui |" not in capsys.readouterr().out
     assert entry.report(tmp_path, ["--model", "other-tiny", "--size", "ci"]) == 0

@@ -14,7 +14,7 @@ import pytest
 from benchmarks import __main__ as entry
 from benchmarks import registry
 from benchmarks import results as res
-from benchmarks.report import LOAD_LIMIT, write_index
+from benchmarks.report import LOAD_LIMIT
 
 WHEN = datetime(2026, 12, 6, 18, 0, 0, tzinfo=UTC)
 
@@ -52,7 +52,7 @@ def test_a_run_is_recorded_with_what_it_printed_and_wrote(tmp_path):
     (tmp_path / "narrative.md").write_text("untouched\n")
     (tmp_path / "fake-table.md").write_text("old\n")
     code, path = _record(tmp_path, _suite_that_writes(tmp_path))
-    assert code == 0 and path == tmp_path / "results" / "fake" / "20261206T180000Z.json"
+    assert code == 0 and path == tmp_path / "results" / "fake" / "run-20261206T180000Z.json"
     ((got_path, rec),) = res.load_records(tmp_path)
     assert got_path == path and rec.schema == res.SCHEMA and rec.suite == "fake"
     assert rec.argv == ["--x"] and rec.exit_code == 0
@@ -65,7 +65,10 @@ def test_a_run_is_recorded_with_what_it_printed_and_wrote(tmp_path):
     assert rec.host.usable_cpus >= 1 and rec.host.cpus >= rec.host.usable_cpus
     # a second run in the same second gets its own file, the first is kept
     _, second = _record(tmp_path, _suite_that_writes(tmp_path))
-    assert second.name == "20261206T180000Z-2.json" and path.exists()
+    assert second.name == "run-20261206T180000Z-2.json" and path.exists()
+    # a record is not a file the next run wrote
+    _, third = _record(tmp_path, lambda argv: 0)
+    assert msgspec.json.decode(third.read_bytes(), type=res.RunRecord).files == []
 
 
 def test_a_loaded_machine_is_flagged_by_the_one_limit():
@@ -103,11 +106,13 @@ def test_files_that_are_not_records_of_this_schema_are_skipped_not_half_read(tmp
     folder = tmp_path / "results" / "fake"
     (good,) = folder.glob("*.json")
     doc = json.loads(good.read_text())
-    (folder / "b-truncated.json").write_text(good.read_text()[:40])
-    (folder / "c-other-schema.json").write_text(json.dumps({**doc, "schema": res.SCHEMA + 1}))
-    (folder / "d-extra-field.json").write_text(json.dumps({**doc, "guess": 1}))
+    (folder / "run-b-truncated.json").write_text(good.read_text()[:40])
+    (folder / "run-c-other-schema.json").write_text(json.dumps({**doc,
+                                                                "schema": res.SCHEMA + 1}))
+    (folder / "run-d-extra-field.json").write_text(json.dumps({**doc, "guess": 1}))
+    (folder / "a-report.json").write_text("{}")  # a suite's own file: not a record, not read
     (tmp_path / "results" / "other").mkdir()
-    (tmp_path / "results" / "other" / "moved.json").write_text(good.read_text())  # suite "fake"
+    (tmp_path / "results" / "other" / "run-moved.json").write_text(good.read_text())
     assert [p for p, _ in res.load_records(tmp_path)] == [good]
     err = capsys.readouterr().err
     assert all(name in err for name in ("b-truncated", "c-other-schema", "d-extra-field",
@@ -126,13 +131,13 @@ def test_the_registry_records_every_run_and_the_index_lists_the_latest(tmp_path,
     ((_, rec),) = res.load_records(tmp_path, "fake")
     assert rec.argv == ["--n", "3"] and rec.records == [{"argv": ["--n", "3"]}]
     assert "fake:" in entry.latest(tmp_path) and "1 records" in entry.latest(tmp_path)
-    text = write_index(tmp_path).read_text()
-    assert "## Run records" in text and "| fake |" in text
-    # negative control: a folder without records has neither
+    text = res.records_index(tmp_path).read_text()
+    assert "| fake |" in text and "(fake/run-" in text
+    # negative control: a folder without records lists none
     empty = tmp_path / "empty"
     empty.mkdir()
     assert entry.latest(empty) == "no run records yet"
-    assert "## Run records" not in write_index(empty).read_text()
+    assert "| fake |" not in res.records_index(empty).read_text()
 
 
 def test_the_printed_text_is_kept_up_to_its_limit():
