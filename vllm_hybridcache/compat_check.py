@@ -556,6 +556,17 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
         body("vllm.distributed.kv_transfer.kv_transfer_state", "get_kv_transfer_group",
              {V32: "b5bb39cd212291ff"}),
     ),
+    "reserve_cpus_as_without_connector": (
+        # one config read for the connector, the reservation it adds; the rest of the binding
+        # is vLLM's own (0.33 also reads `parallel_config.assigned_physical_gpu_ids`, which the
+        # config stand-in passes through)
+        body("vllm.utils.ompmultiprocessing", "OMPProcessManager.__init__",
+             {V32: "0ca10d457b87f4ae", V33: "d617998b5bea88fb"}),
+        contains("vllm.utils.ompmultiprocessing", "OMPProcessManager.__init__",
+                 "if config.kv_transfer_config: self.reserve_cpu_num += self.local_world_size"),
+        contains("vllm.v1.executor.multiproc_executor", "MultiprocExecutor._init_executor",
+                 "cpu_omp_manager = OMPProcessManager(self.vllm_config)"),
+    ),
     "expose_connector_utility": (
         contains("vllm.v1.engine.core", "EngineCoreProc._handle_client_request",
                  "(method := getattr(self, method_name)) and method(*self._convert_msgspec_args("

@@ -43,6 +43,8 @@ def register_all() -> None:
     surfaces."""
     _register_connector()
     _note(f"connector:{CONNECTOR_NAME}")
+    if _reserve_cpus_as_without_connector():
+        _note("cpu-binding-without-connector-core")
     from vllm_hybridcache.config import cpu_attention_pinned
     from vllm_hybridcache.flash_next.registration import register as register_flash_next
 
@@ -75,6 +77,21 @@ def _install_cpu_gdn_inner_states() -> bool:
 
     install_cpu_gdn_inner_states()
     return cpu_gdn_inner_states_installed()
+
+
+def _reserve_cpus_as_without_connector() -> bool:
+    """On the CPU platform: a worker running our connector is bound to cores as vLLM binds one
+    without a KV connector (compat.reserve_cpus_as_without_connector: vLLM reserves a core
+    more for any connector, which costs a small host its decode speed). Runs in every process
+    the plugin loads in, the engine core among them, before its executor binds the workers."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm_hybridcache.compat import reserve_cpus_as_without_connector
+
+    reserve_cpus_as_without_connector(frozenset({CONNECTOR_NAME}))
+    return True
 
 
 def _note(what: str) -> None:

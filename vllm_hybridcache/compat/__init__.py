@@ -20,10 +20,11 @@ One module per vLLM area, each bend `@checked` with the versions it was verified
 `registration` (what the plugin registers: metadata alias, endpoint plugin, logs, connector,
 config hook), `serve_cli` (`vllm serve --plugin`), `scheduler` (the prefill-chunk hook),
 `kv_cache_manager` (attention K/V in place), `cpu_kernels` (vLLM's CPU ops, the attention pin,
-the GDN inner states), `engine` (forward context, connectors, engine utilities) and
-`vision_imports` (the PIL image processor where vLLM's Qwen-VL files need torchvision); `checked`
-and `BENDS` are in `registry`, below them all. The version guard lives here, and every bend is
-re-exported here: callers write `compat.NAME` or `from vllm_hybridcache.compat import NAME`.
+the GDN inner states), `engine` (forward context, connectors, engine utilities, the CPU
+workers' core binding) and `vision_imports` (the PIL image processor where vLLM's Qwen-VL files
+need torchvision); `checked` and `BENDS` are in `registry`, below them all. The version guard
+lives here, and every bend is re-exported here: callers write `compat.NAME` or
+`from vllm_hybridcache.compat import NAME`.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ from vllm_hybridcache.compat.engine import (  # noqa: E402
     inproc_scheduler_connector,
     layer_attn_metadata,
     register_forward_layer,
+    reserve_cpus_as_without_connector,
     worker_connector,
 )
 from vllm_hybridcache.compat.kv_cache_manager import (  # noqa: E402
@@ -239,6 +241,7 @@ __all__ = [
     "register_kv_connector",
     "rehash_request",
     "require_supported_vllm",
+    "reserve_cpus_as_without_connector",
     "rocm_gcn_arch",
     "route_logs_through_vllm",
     "run_vllm_cli",

@@ -1,6 +1,6 @@
 """The engine's insides: the forward context a model layer reads its attention metadata from,
-the connector objects of an in-process engine and of a worker, and utility calls to every
-engine core (the cache routes use them).
+the connector objects of an in-process engine and of a worker, utility calls to every engine
+core (the cache routes use them), and how the multiprocess executor binds CPU workers to cores.
 """
 
 from __future__ import annotations
@@ -119,3 +119,58 @@ async def call_connector_utility(engine_client: Any, name: str, request: dict) -
     if call_all is None:
         raise NotImplementedError(f"{type(engine_client).__name__} cannot call engine utilities")
     return list(await call_all(name, request))
+
+
+# --------------------------------------------------------------------- CPU worker binding
+
+
+class _WithoutConnector:
+    """A VllmConfig as `OMPProcessManager` should read it for our connector: every attribute
+    the config's own, but no `kv_transfer_config`."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "kv_transfer_config":
+            return None
+        return getattr(self._config, name)
+
+
+@checked("0.32.0", "0.33.0")
+def reserve_cpus_as_without_connector(connectors: frozenset[str]) -> bool:
+    """On vLLM's CPU platform, bind a worker running one of `connectors` (our KV connector)
+    as vLLM binds a worker without a KV connector.
+
+    Why: vLLM's `OMPProcessManager` (vllm/utils/ompmultiprocessing.py, built by the
+    multiprocess executor before it starts each CPU worker) reserves `local_world_size` cores
+    for the engine-core process, which busy-polls its workers' replies, and gives the rest to
+    the workers' OpenMP threads; whenever `kv_transfer_config` is set it reserves as many
+    again, "for nixl_connector under p/d case" (a transfer thread). Our connector has no such
+    thread: its work runs on the scheduler's and the workers' own threads. The extra
+    reservation then costs a large host a core of OpenMP threads, and on a small one it cannot
+    be met at all: vLLM gives up reserving and binds the worker's OpenMP threads to every
+    core, the polling engine-core process among them. On the 2-core test host a decode step
+    of qwen3-next-tiny then took 1.5-3x as long as native vLLM's (256 greedy tokens: 1.1-2.1 s
+    against 0.68-0.98 s), the same as native with the reservation vLLM makes without a
+    connector (0.73 vs 0.72 s); docs/benchmarks.md. The wrapped constructor computes the
+    binding from the config as if no connector were set when the connector is one of ours;
+    `VLLM_CPU_NUM_OF_RESERVED_CPU`, read inside, still overrides both. Returns False when
+    already installed.
+    """
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    original = OMPProcessManager.__init__
+    if getattr(original, "_hybridcache_reserve", False):
+        return False
+
+    def __init__(self: Any, config: Any) -> None:
+        kv = getattr(config, "kv_transfer_config", None)
+        if kv is not None and getattr(kv, "kv_connector", None) in connectors:
+            config = _WithoutConnector(config)
+        original(self, config)
+
+    __init__._hybridcache_reserve = True  # type: ignore[attr-defined]
+    __init__._hybridcache_original = original  # type: ignore[attr-defined]
+    OMPProcessManager.__init__ = __init__
+    return True
