@@ -59,6 +59,8 @@ SUITES: tuple[Suite, ...] = (
           "dimensions: correctness and throughput", "gpu"),
     Suite("kernels-compile", "benchmarks.kernels_compile", "ahead-of-time compile of every "
           "Triton kernel for the real GPU targets", "none"),
+    Suite("decode", "benchmarks.decode_bench", "decode speed of a CPU engine: native vs ours "
+          "vs ours with vLLM's extra core for a connector", "engine"),
     Suite("cpu-attention-pin", "benchmarks.cpu_attention_pin_bench", "cold prefill cost of "
           "the CPU attention pin", "engine"),
     Suite("split-invariance", "benchmarks.split_invariance_bench", "cold prefill cost of "
