@@ -6,7 +6,8 @@ machine produced a figure, nor find every result of one suite in one place. The 
 (`python -m benchmarks run NAME`, benchmarks/__main__.py) now wraps every suite the same way
 and writes a `RunRecord`:
 
-- what ran: the suite, its arguments, the commit (``+dirty`` when tracked files differ), the
+- what ran: the suite, its arguments, the commit (``+dirty`` when tracked files differed from
+  it as the run started; a suite's own outputs rewritten during the run do not count), the
   vLLM build, when it started and how long it took, its exit status;
 - where: the host (CPUs usable, the ISA extensions that change which kernels run) and the
   machine's 1-minute load, sampled once a second while the suite ran (`LoadSampler`);
@@ -240,6 +241,7 @@ def record_run(suite: str, argv: list[str], run: Callable[[list[str]], int | Non
     from benchmarks.report import LOAD_LIMIT
 
     before = snapshot(docs)
+    commit = git_commit()  # before the suite rewrites tracked files of its own
     started = now()
     load_before = float(read_load())
     t0 = clock()
@@ -255,7 +257,7 @@ def record_run(suite: str, argv: list[str], run: Callable[[list[str]], int | Non
     records, output = split_output(tee.kept.getvalue())
     peak = load.peak
     record = RunRecord(
-        schema=SCHEMA, suite=suite, argv=list(argv), commit=git_commit(), vllm=vllm_version(),
+        schema=SCHEMA, suite=suite, argv=list(argv), commit=commit, vllm=vllm_version(),
         started_utc=started.isoformat(timespec="seconds"), seconds=round(seconds, 3),
         exit_code=code, host=host(), load_before=round(load_before, 2),
         load_peak=None if peak is None else round(peak, 2),
