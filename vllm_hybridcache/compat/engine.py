@@ -150,10 +150,10 @@ def reserve_cpus_as_without_connector(connectors: frozenset[str]) -> bool:
     thread: its work runs on the scheduler's and the workers' own threads. The extra
     reservation then costs a large host a core of OpenMP threads, and on a small one it cannot
     be met at all: vLLM gives up reserving and binds the worker's OpenMP threads to every
-    core, the polling engine-core process among them. On the 2-core test host a decode step
-    of qwen3-next-tiny then took 1.5-3x as long as native vLLM's (256 greedy tokens: 1.1-2.1 s
-    against 0.68-0.98 s), the same as native with the reservation vLLM makes without a
-    connector (0.73 vs 0.72 s); docs/benchmarks.md. The wrapped constructor computes the
+    core, the polling engine-core process among them. On the 2-core test host a request of
+    256 greedy tokens on qwen3-next-tiny then took 2.76x native vLLM's time, and 0.98x with the
+    reservation vLLM makes without a connector (docs/benchmarks/decode.md). The wrapped
+    constructor computes the
     binding from the config as if no connector were set when the connector is one of ours;
     `VLLM_CPU_NUM_OF_RESERVED_CPU`, read inside, still overrides both. Returns False when
     already installed.
