@@ -132,6 +132,29 @@ def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
     assert any(v.startswith("mtp.") for v in views) == mtp, views
 
 
+def test_the_sizing_tool_counts_what_each_rank_holds(llm):
+    """tools/sizing.py (docs/deploy-rocm.md, "Sizing") computes one rank's state of a request
+    from the config alone: its recurrent sections and its K/V bytes a token, the draft head's
+    rows on the MTP route. They are what this engine's layout holds on a rank (the boundary
+    rows' sections of the MTP route aside: a link's, not a request's), given the SSM state
+    dtype the engine runs (vLLM's CPU platform sets float32 where its GDN kernel is
+    accelerated)."""
+    from vllm_hybridcache.tools.sizing import load_config, state_bytes
+
+    cfg = llm.llm_engine.vllm_config
+    layout = _sched(llm).parts.layout
+    st = state_bytes(load_config(cfg.model_config.model), 2, dtype=cfg.model_config.dtype,
+                     mtp=cfg.speculative_config is not None,
+                     ssm_dtype=cfg.cache_config.mamba_ssm_cache_dtype)
+    sections = sum(s.nbytes for s in layout.sections if not s.name.startswith("draft#"))
+    assert sections == st.sections
+    assert sum(v.bytes_per_row for v in layout.views) == st.row * layout.view_block_tokens
+    # negative control: one rank of TP = 1 (the whole heads) is another state
+    whole = state_bytes(load_config(cfg.model_config.model), 1, dtype=cfg.model_config.dtype,
+                        ssm_dtype=cfg.cache_config.mamba_ssm_cache_dtype)
+    assert whole.sections != sections
+
+
 def test_a_warm_prompt_and_a_branch_equal_their_cold_runs_on_every_rank(llm):
     ext_cold = cold(llm, EXT)
     branch_cold = cold(llm, BRANCH)

@@ -1,5 +1,6 @@
 """`vllm-hybridcache`: make embedded models, print their paths, serve one with the plugin, or
-N replicas of a model under Ray behind one port (`cluster`, docs/cluster.md); a running
+N replicas of a model under Ray behind one port (`cluster`, docs/cluster.md); what fits on a
+box (`sizing`, docs/deploy-rocm.md); a running
 server's cache (`cache stats|clear URL`) and a disk tier's folder offline (`disk
 ls|stats|verify|prune|clear DIR`): docs/operations.md."""
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         return cluster_main(argv[1:])
+    if argv[:1] == ["sizing"]:  # its own parser (tools/sizing.py)
+        from vllm_hybridcache.tools.sizing import main as sizing_main
+
+        return sizing_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vllm-hybridcache", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("make-model", help="write embedded model(s) and print their folders")
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     disk.add_parser(sub)
     sub.add_parser("cluster", help="N replicas with the cluster tier under Ray, one OpenAI "
                    "port (vllm-hybridcache cluster --help)")
+    sub.add_parser("sizing", help="what fits where: weights, K/V space, link size and cache "
+                   "budget of a checkpoint on the R9700 and Strix Halo boxes "
+                   "(vllm-hybridcache sizing --help)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return args.func(args)
