@@ -60,9 +60,24 @@ def counters(base_url: str) -> tuple[float, float]:
     return total("vllm:prompt_tokens_total"), total("vllm:prompt_tokens_cached_total")
 
 
+def restores(base_url: str) -> tuple[float, float] | None:
+    """(restores, their seconds) so far from the plugin's /v1/cache/stats; None without the
+    plugin."""
+    try:
+        r = requests.get(base_url + "/v1/cache/stats", timeout=10)
+    except requests.RequestException:
+        return None
+    if r.status_code != 200:
+        return None
+    seconds = r.json().get("restore_seconds") or {}
+    return float(seconds.get("count", 0)), float(seconds.get("sum", 0.0))
+
+
 def bench(settings: ServerSettings, base_url: str, args, suffix: int, tmp: Path,
           tag: str) -> dict:
-    """One `vllm bench serve` run; its figures and the cache counters' difference."""
+    """One `vllm bench serve` run; its figures and the cache counters' difference: the share
+    of prompt tokens served from a cache, the tokens each request still prefilled (what the
+    hit's depth leaves), and with the plugin the mean time of a restore's copies."""
     argv = [vllm_command(settings), "bench", "serve", "--backend", "vllm",
             "--base-url", base_url, "--model", settings.served_name,
             "--tokenizer", settings.model_path, "--dataset-name", "prefix_repetition",
@@ -73,15 +88,22 @@ def bench(settings: ServerSettings, base_url: str, args, suffix: int, tmp: Path,
             "--num-prompts", str(args.num_prompts), "--max-concurrency", "1",
             "--seed", "0", "--save-result", "--result-dir", str(tmp),
             "--result-filename", f"{tag}.json"]
-    before = counters(base_url)
+    before, restored = counters(base_url), restores(base_url)
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-    after = counters(base_url)
+    after, restored_after = counters(base_url), restores(base_url)
     result = json.loads((tmp / f"{tag}.json").read_text())
     prompt, cached = after[0] - before[0], after[1] - before[1]
+    done = result["completed"]
+    restore_ms = None
+    if restored is not None and restored_after is not None:
+        n = restored_after[0] - restored[0]
+        restore_ms = 1000 * (restored_after[1] - restored[1]) / n if n else None
     return {"cmd": " ".join(shlex.quote(a) for a in argv),
             "cached_frac": cached / prompt if prompt else 0.0,
+            "prefilled_per_request": (prompt - cached) / done if done else 0.0,
+            "restore_ms": restore_ms,
             "ttft_median_ms": result["median_ttft_ms"],
-            "completed": result["completed"]}
+            "completed": done}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +134,20 @@ def main(argv: list[str] | None = None) -> int:
                     r = bench(settings, srv.base_url, args, suffix, tmp, f"{name}-{kind}")
                     rows.append((name, kind, r))
                     print(f"{args.model} {name:10s} {kind:7s} cached {r['cached_frac']:.3f} "
+                          f"prefilled {r['prefilled_per_request']:.0f} a request "
                           f"TTFT median {r['ttft_median_ms']:.0f} ms "
                           f"({r['completed']} requests)", flush=True)
     lines = [f"### {args.model}: prefix_repetition (prefix {args.prefix_len}, suffix "
              f"{args.suffix_len}, {args.num_prefixes} prefixes, {args.num_prompts} prompts, "
              f"output {args.output_len}, concurrency 1) and resend (suffix 0)", "",
-             "| system | run | prompt tokens cached | TTFT median ms |",
-             "|---|---|---|---|"]
+             "| system | run | prompt tokens cached | tokens prefilled a request (mean) | "
+             "restore ms (mean) | TTFT median ms |",
+             "|---|---|---|---|---|---|"]
     for name, kind, r in rows:
-        lines.append(f"| {name} | {kind} | {r['cached_frac']:.3f} | {r['ttft_median_ms']:.0f} |")
+        restore = "" if r["restore_ms"] is None else f"{r['restore_ms']:.2f}"
+        lines.append(f"| {name} | {kind} | {r['cached_frac']:.3f} | "
+                     f"{r['prefilled_per_request']:.0f} | {restore} | "
+                     f"{r['ttft_median_ms']:.0f} |")
     lines += ["", "```", "python -m benchmarks.bench_serve_prefix " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])), "```", ""]
     report = "\n".join(lines)
