@@ -69,8 +69,12 @@ def restores(base_url: str) -> tuple[float, float] | None:
         return None
     if r.status_code != 200:
         return None
-    seconds = r.json().get("restore_seconds") or {}
-    return float(seconds.get("count", 0)), float(seconds.get("sum", 0.0))
+    count = total = 0.0
+    for tier in r.json().get("tiers", {}).values():   # a tier's totals over its kinds
+        seconds = tier.get("restore_seconds") or {}
+        count += float(seconds.get("count", 0))
+        total += float(seconds.get("sum", 0.0))
+    return count, total
 
 
 def bench(settings: ServerSettings, base_url: str, args, suffix: int, tmp: Path,
