@@ -341,9 +341,12 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
         return Path(base) / "vllm-hybridcache" / "disk.key"
 
-    def tree_config(self) -> TreeConfig:
+    def tree_config(self, shards: int = 1) -> TreeConfig:
+        """The RAM tree's settings; `shards`: the ranks that each hold a shard of every link
+        (the budget and the cap count all of them: host memory, whatever the TP size)."""
         return TreeConfig(budget_bytes=self.budget_bytes, max_link_bytes=self.max_link_bytes,
-                          memory_floor_bytes=self.memory_floor_bytes, policy=self.policy)
+                          memory_floor_bytes=self.memory_floor_bytes, policy=self.policy,
+                          shards=shards)
 
 
 FIELDS: tuple[str, ...] = CacheSettings.__struct_fields__

@@ -118,6 +118,12 @@ def _quant_schemes(worker) -> set[str]:
 def test_the_engine_runs_two_ranks_with_the_cache_on(llm):
     assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     assert _sched(llm).cache.tier_names()[0] == "ram"
+    # both ranks hold a shard of every link: the budgets count both (host memory)
+    from vllm_hybridcache.core import LinkKind, Tier
+
+    cache = _sched(llm).cache
+    assert cache.tier(Tier.RAM, LinkKind.TREE).config.shards == 2
+    assert cache.tier(Tier.RAM, LinkKind.ANCHOR).shards == 2
     model_config = llm.llm_engine.vllm_config.model_config
     quantized = model_config.quantization is not None
     fp8 = quantized and model_config.hf_config.quantization_config["format"] == "float-quantized"

@@ -137,6 +137,23 @@ def test_sanity_check_catches_two_tiers_handing_out_one_id(layout, host, clock):
         cache.sanity_check()
 
 
+def test_an_anchor_counts_every_shard_against_its_budget(layout):
+    """As in the tree (TreeConfig.shards): at TP = N each rank holds its own shard of an
+    anchor, so the anchor budget bounds N times the layout's bytes."""
+    one = layout.link_bytes(layout.view_rows(0, 100))
+    sharded = EndAnchors(layout, 4, 2 * one, shards=2)
+    r = sharded.reserve(PROMPT, 100, D)
+    assert r.nbytes == 2 * one and sharded.bytes_held == 2 * one
+    assert sharded.reserve([9] * 120, 100, D).link_id is not None   # the first one goes
+    assert sharded.bytes_held == 2 * one
+    flat = EndAnchors(layout, 4, 2 * one)          # negative control: both fit unsharded
+    flat.reserve(PROMPT, 100, D)
+    flat.reserve([9] * 120, 100, D)
+    assert flat.bytes_held == 2 * one and len(flat) == 2
+    with pytest.raises(ValueError, match="shards"):
+        EndAnchors(layout, 4, one, shards=0)
+
+
 def test_one_tier_per_route(layout):
     with pytest.raises(ValueError):
         SnapshotCache([EndAnchors(layout, 1, 1 << 20), EndAnchors(layout, 1, 1 << 20)])

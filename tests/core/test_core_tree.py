@@ -287,6 +287,30 @@ def test_memory_guard(make_tree, host, layout):
     assert tree.stats().skips == {"memory_guard": 1}
 
 
+def test_a_link_counts_every_shard_against_the_budget(make_tree, host, layout):
+    """At tensor parallel size N every rank's worker holds its own shard of a link (the
+    layout's bytes), so the budget, the cap, the memory guard and the stats count N times
+    that: `budget_bytes` bounds the host memory for links whatever N is."""
+    one = layout.link_bytes(64)
+    tree = make_tree(budget_bytes=2 * one, shards=2)
+    (r,) = chain(tree, PROMPT, [64])
+    assert r.nbytes == 2 * one and tree.bytes_held == 2 * one
+    # a second link does not fit two shards' worth beside the first: the first goes
+    chain(tree, [7] * 100, [64])
+    assert not tree.has(r.link_id) and tree.bytes_held == 2 * one
+    # negative control: one shard a link holds both
+    flat = make_tree(budget_bytes=2 * one)
+    (a,) = chain(flat, PROMPT, [64])
+    (b,) = chain(flat, [7] * 100, [64])
+    assert flat.has(a.link_id) and flat.has(b.link_id) and flat.bytes_held == 2 * one
+    # the memory guard asks for every shard's bytes
+    guarded = make_tree(memory_floor_bytes=1000, shards=2)
+    host.available = 1000 + 2 * one - 1
+    assert guarded.reserve(PROMPT, 64, D).skip_reason == SkipReason.MEMORY_GUARD
+    with pytest.raises(ValueError, match="shards"):
+        make_tree(shards=0)
+
+
 def test_cost_policy_keeps_valuable_links(make_tree, layout, clock):
     # two leaves of equal age: one saves 256 rows, the other 16; the cheap one goes first
     tree = make_tree(policy="cost", budget_bytes=10**6)

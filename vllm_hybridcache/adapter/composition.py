@@ -100,8 +100,12 @@ def build_cache(vllm_config, settings: CacheSettings, layout: StateLayout,
     (not while the cache is inactive); `mode`: the engine's segmentation mode, decided once
     by the scheduler side (where a remote link may end depends on it)."""
     ids = IdSource()  # one worker store holds every tier's payloads: ids unique
-    tree = SnapshotTree(layout, settings.tree_config(), next_id=ids)
-    ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids)
+    # each tensor parallel rank's worker holds its own shard of every link and anchor: the
+    # budgets bound the host bytes of all of them (as the disk tier's does)
+    shards = int(vllm_config.parallel_config.tensor_parallel_size)
+    tree = SnapshotTree(layout, settings.tree_config(shards), next_id=ids)
+    ram_anchors = EndAnchors(layout, anchors, settings.session_budget_bytes, next_id=ids,
+                             shards=shards)
     ctx = OpenContext(vllm_config, settings, layout, segmentation, ids, tree, ram_anchors,
                       bool(anchors), speculative, tiers_off, mode)
     lower = []

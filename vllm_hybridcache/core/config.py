@@ -28,6 +28,10 @@ class TreeConfig(msgspec.Struct):
     ghost_capacity: recently evicted keys remembered to classify misses as `evicted`.
     tombstone_capacity: recently refused/aborted keys remembered so that a child of a refused
         or aborted link is refused too (`parent_refused`).
+    shards: processes that each hold their own shard of every link (the engine's tensor
+        parallel ranks). A link's bytes, which the budget, the cap, the memory guard and the
+        stats count, are the host bytes of all its shards: this times one shard's (the
+        layout's), so `budget_bytes` bounds the host memory for links whatever the TP size.
     """
 
     budget_bytes: int = 8 * GiB
@@ -37,6 +41,7 @@ class TreeConfig(msgspec.Struct):
     cost_half_life_s: float = 600.0
     ghost_capacity: int = 4096
     tombstone_capacity: int = 4096
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0 or self.max_link_bytes < 0 or self.memory_floor_bytes < 0:
@@ -47,6 +52,8 @@ class TreeConfig(msgspec.Struct):
             raise ValueError("cost_half_life_s must be > 0")
         if self.ghost_capacity < 0 or self.tombstone_capacity < 0:
             raise ValueError("capacities must be >= 0")
+        if self.shards < 1:
+            raise ValueError("shards must be >= 1")
 
     @property
     def enabled(self) -> bool:

@@ -6,10 +6,12 @@ parallel rank) follow from the checkpoint's config, and the project's users run 
 this repository never sees (docs/deploy-rocm.md, "Sizing"). Everything here is computed from
 the config alone, with the same rules the engine applies:
 
-- parameters: transformers builds the model on the meta device (no memory, no weights), and
-  each parameter is counted in its group: routed experts, other projection weights (what a
-  quantized checkpoint quantizes), embeddings and the LM head (kept in bf16 by the usual FP8
-  and 4-bit recipes), the rest (norms, convolutions, routers: bf16, replicated on every rank);
+- parameters: transformers builds the model on the meta device (no memory, no weights; with
+  its vision tower when the config has one), and each parameter is counted in its group:
+  routed experts, other projection weights (what a quantized checkpoint quantizes; the router,
+  one-output gates and the GDN `in_proj_ba` stay bf16, `SMALL_PROJECTIONS`), embeddings and the
+  LM head (kept in bf16 by the usual FP8 and 4-bit recipes), the rest (norms, convolutions,
+  routers, a vision tower: bf16, on every rank) and persistent buffers (in their own dtypes);
 - the recurrent state of a request (what every link copies whole): vLLM's own
   `MambaStateShapeCalculator` for Gated DeltaNet layers, Flash-Next's own section shapes
   (flash_next/gdn.py) for `qwen4_exp`;

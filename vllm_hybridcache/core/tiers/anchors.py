@@ -69,8 +69,13 @@ class EndAnchors(CacheTier):
     cold_exact = False
 
     def __init__(self, layout: StateLayout, max_count: int, budget_bytes: int,
-                 next_id: Callable[[], int] | None = None) -> None:
+                 next_id: Callable[[], int] | None = None, shards: int = 1) -> None:
+        if shards < 1:
+            raise ValueError("shards must be >= 1")
         self.layout = layout
+        # processes holding their own shard of every anchor (TP ranks): an anchor's bytes
+        # against the budget are the host bytes of all of them (core/config.py TreeConfig)
+        self.shards = shards
         self.max_count = max_count
         self.budget_bytes = budget_bytes
         # live anchors in LRU order (oldest first); doomed ones are only in _doomed
@@ -89,7 +94,7 @@ class EndAnchors(CacheTier):
         return PromptKeys(tokens, blake2b_128)
 
     def nbytes(self, tokens: int) -> int:
-        return self.layout.link_bytes(self.layout.view_rows(0, tokens))
+        return self.shards * self.layout.link_bytes(self.layout.view_rows(0, tokens))
 
     def _plan(self, a: _Anchor) -> RestorePlan:
         n = int(a.tokens.shape[0])

@@ -495,7 +495,7 @@ class SnapshotTree(CacheTier):
             pid = parent.parent.id if isinstance(parent.parent, _Link) else None
             return Reservation(None, pid, parent.start, p, None, parent.id, parent.nbytes)
         key: Key = (domain, p, keys.digest(p))
-        nbytes = self.layout.link_bytes(self.layout.view_rows(start, p))
+        nbytes = self.config.shards * self.layout.link_bytes(self.layout.view_rows(start, p))
         cfg = self.config
         if self._tombs.match(keys, domain, start, p - 1):
             return self._refuse(key, parent_id, start, p, SkipReason.PARENT_REFUSED, nbytes)
@@ -599,7 +599,8 @@ class SnapshotTree(CacheTier):
                 continue  # held already: the next link's rows start at it
             if (parent.p if parent is not None else 0) != ref.start:
                 break
-            nbytes = self.layout.link_bytes(self.layout.view_rows(ref.start, ref.end))
+            nbytes = self.config.shards * self.layout.link_bytes(
+                self.layout.view_rows(ref.start, ref.end))
             if (nbytes > cfg.budget_bytes
                     or (cfg.max_link_bytes and nbytes > cfg.max_link_bytes)
                     or self._available() - nbytes < cfg.memory_floor_bytes
