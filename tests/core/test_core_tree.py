@@ -295,6 +295,11 @@ def test_a_link_counts_every_shard_against_the_budget(make_tree, host, layout):
     tree = make_tree(budget_bytes=2 * one, shards=2)
     (r,) = chain(tree, PROMPT, [64])
     assert r.nbytes == 2 * one and tree.bytes_held == 2 * one
+    assert tree.stats().capture_bytes == 2 * one
+    res = tree.lookup(tree.keys([*PROMPT, 1]), D, 64)
+    assert res.hit and tree.begin_restore(res)
+    tree.end_restore(res.plan, ok=True)
+    assert tree.stats().restore_bytes == 2 * res.plan.total_bytes   # both ranks' copies
     # a second link does not fit two shards' worth beside the first: the first goes
     chain(tree, [7] * 100, [64])
     assert not tree.has(r.link_id) and tree.bytes_held == 2 * one

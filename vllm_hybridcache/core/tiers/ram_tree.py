@@ -440,7 +440,7 @@ class SnapshotTree(CacheTier):
         if ok:
             s.restores += 1
             s.tokens_served += plan.tokens
-            s.restore_bytes += plan.total_bytes
+            s.restore_bytes += plan.total_bytes * self.config.shards  # every rank's copy
             s.restore_seconds.observe(seconds)
         else:
             s.restores_failed += 1
