@@ -126,6 +126,9 @@ def test_a_model_without_gdn_layers_is_refused():
 
 def test_cli_reports_errors_and_the_table(capsys, tmp_path):
     assert sizing.main([str(tmp_path / "missing")]) == 2
+    assert "no checkpoint folder or config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert sizing.main([str(tmp_path / "config.json")]) == 2
     assert "error" in capsys.readouterr().err
     assert sizing.main(["preset:qwen3-next-80b-a3b", "--box", "strix-halo-128",
                         "--quant", "fp8"]) == 0

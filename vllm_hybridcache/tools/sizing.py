@@ -345,7 +345,9 @@ def load_config(source: str) -> Any:
 
         data = json.loads(path.read_text())
         return AutoConfig.for_model(data.pop("model_type"), **data)
-    return AutoConfig.from_pretrained(str(path))
+    if not path.is_dir():  # never a hub id: nothing is downloaded
+        raise ValueError(f"{source}: no checkpoint folder or config.json there")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
                      ssm_dtype=args.mamba_ssm_cache_dtype)
     except (OSError, ValueError, KeyError) as e:
         print(f"vllm-hybridcache sizing: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a config transformers cannot build: say so, no traceback
+        print(f"vllm-hybridcache sizing: error: cannot size {args.model}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(render(rows, f"{args.model}: max_model_len {args.max_model_len}, "
                        f"max_num_seqs {args.max_num_seqs}, grid {args.grid}"))
