@@ -99,6 +99,13 @@ def test_qwen3_next_80b_preset_is_the_published_shape():
     assert tp2.sections == tp1.sections // 2
 
 
+def test_qwen3_5_35b_preset_and_unknown_presets():
+    config = sizing.load_config("preset:qwen3.5-35b-a3b")
+    assert 34.5e9 < sizing.parameter_groups(config).total < 35.5e9   # Qwen3.5-35B-A3B
+    with pytest.raises(ValueError, match="unknown preset"):
+        sizing.load_config("preset:nope")
+
+
 def test_the_table_says_what_fits():
     config = sizing.load_config("preset:qwen3-next-80b-a3b")
     rows = sizing.table(config, [sizing.BOXES["r9700x2"]], [sizing.QUANTS["bf16"],

@@ -328,17 +328,27 @@ def render(rows: list[tuple[Box, Fit]], title: str) -> str:
     return "\n".join(out)
 
 
+PRESETS: dict[str, str] = {
+    # transformers' default config of the class, which is the published shape of the model
+    # its docstring names (79.7 B and 35.1 B parameters as built here)
+    "qwen3-next-80b-a3b": "Qwen3NextConfig",
+    "qwen3.5-35b-a3b": "Qwen3_5MoeConfig",
+}
+
+
 def load_config(source: str) -> Any:
-    """A checkpoint folder, a config.json, or `preset:qwen3-next-80b-a3b` (transformers'
-    default Qwen3-Next config: the published Qwen3-Next-80B-A3B shape)."""
+    """A checkpoint folder, a config.json, or `preset:NAME` (`PRESETS`: Qwen3-Next-80B-A3B,
+    Qwen3.5-35B-A3B)."""
     from pathlib import Path
 
+    import transformers
     from transformers import AutoConfig
 
-    if source == "preset:qwen3-next-80b-a3b":
-        from transformers import Qwen3NextConfig
-
-        return Qwen3NextConfig()
+    if source.startswith("preset:"):
+        name = source.removeprefix("preset:")
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return getattr(transformers, PRESETS[name])()
     path = Path(source)
     if path.is_file():
         import json
@@ -358,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="vllm-hybridcache sizing",
         description="What fits where: weights per GPU, K/V space, link size and cache budget "
                     "for a hybrid checkpoint on the project's boxes (docs/deploy-rocm.md).")
-    p.add_argument("model", help="checkpoint folder, config.json, or "
-                   "preset:qwen3-next-80b-a3b")
+    p.add_argument("model", help="checkpoint folder, config.json, or preset:NAME ("
+                   + ", ".join(sorted(PRESETS)) + ")")
     p.add_argument("--box", nargs="+", choices=sorted(BOXES), default=sorted(BOXES))
     p.add_argument("--quant", nargs="+", choices=sorted(QUANTS),
                    default=["bf16", "fp8", "w4a16"])
