@@ -28,7 +28,7 @@ import shlex
 import sys
 
 from benchmarks.ab import alternate
-from benchmarks.engine_cpu import descendants, emit, timed_generate
+from benchmarks.engine_cpu import descendants, report, timed_generate
 from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
 
 ARMS = ("off", "on")
@@ -124,13 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         "| load average (1 min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model in args.models:
-        for dtype in args.dtypes:
-            rows = measure(model, dtype, args.tokens, args.step, args.repeat, args.context)
-            lines += rows
-            print("\n".join(rows), flush=True)
-    emit(lines, args.out)
-    return 0
+    return report(lines, (measure(model, dtype, args.tokens, args.step, args.repeat,
+                                  args.context)
+                          for model in args.models for dtype in args.dtypes), args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 import time
 
 from benchmarks.ab import alternate
-from benchmarks.engine_cpu import cpu_seconds, descendants, emit
+from benchmarks.engine_cpu import cpu_seconds, descendants, report
 
 ARMS = ("native", "ours", "ours-extra-core")
 RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -132,12 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         "| CPU / native (paired) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for model in args.models:
-        rows = measure(model, args.tokens, args.prompt, args.repeat)
-        lines += rows
-        print("\n".join(rows), flush=True)
-    emit(lines, args.out)
-    return 0
+    return report(lines, (measure(model, args.tokens, args.prompt, args.repeat)
+                          for model in args.models), args.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -61,6 +62,17 @@ def timed_generate(llm: Any, ids: list[int]) -> tuple[float, float, Any]:
     out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
     t1, c1 = time.perf_counter(), cpu_seconds(llm.hybridcache_pids)
     return t1 - t0, c1 - c0, out[0]
+
+
+def report(header: list[str], groups: Iterable[list[str]], out: str | None) -> int:
+    """A benchmark's table: `header`, then each group of rows as it is measured (printed at
+    once, so a long run shows progress), the whole written by `emit`; the exit status 0."""
+    lines = list(header)
+    for rows in groups:
+        lines += rows
+        print("\n".join(rows), flush=True)
+    emit(lines, out)
+    return 0
 
 
 def emit(lines: list[str], out: str | None) -> None:

@@ -31,7 +31,7 @@ import shlex
 import sys
 
 from benchmarks.ab import alternate
-from benchmarks.engine_cpu import descendants, emit, timed_generate
+from benchmarks.engine_cpu import descendants, report, timed_generate
 
 ARMS = ("off", "on")
 
@@ -159,14 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         "the rounds' ratios | load average (1 min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model in args.models:
-        for dtype in args.dtypes:
-            rows = measure(model, dtype, args.tokens, args.junction, args.step, args.repeat,
-                           args.warmup, args.control)
-            lines += rows
-            print("\n".join(rows), flush=True)
-    emit(lines, args.out)
-    return 0
+    return report(lines, (measure(model, dtype, args.tokens, args.junction, args.step,
+                                  args.repeat, args.warmup, args.control)
+                          for model in args.models for dtype in args.dtypes), args.out)
 
 
 if __name__ == "__main__":
