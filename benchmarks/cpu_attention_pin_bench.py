@@ -1,12 +1,14 @@
-"""Cold prefill cost of the CPU attention pin (`VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1`).
+"""Cold prefill cost of a split-invariant CPU attention: the pin of vLLM's kernel
+(`VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1`) or our kernel (`=kernel`, `--on kernel`).
 
 Two vLLM engines of the same model live in this process at once (each with its engine core in
 a child process, which reads the switch when the plugin registers there): `off` (vLLM's CPU
-attention as shipped) and `on` (pinned: every request's queries cut into pieces of one
-register iteration, `compat.pin_cpu_attention_split`). vLLM's own prefix caching is off and
-the plugin's connector is not installed, so the arms differ only in the pin. The arms alternate
-request by request (the order flips every round); each request is a fresh prompt prefilled
-cold for one token. Prints medians, the ratio and the machine's load average.
+attention as shipped, `=0`) and `on` (`--on pin`: every request's queries cut into pieces of
+one register iteration, `compat.pin_cpu_attention_split`; `--on kernel`: our split-invariant
+kernel, csrc/split_attention_cpu.cpp, in place of vLLM's op). vLLM's own prefix caching is off
+and the plugin's connector is not installed, so the arms differ only in the attention. The arms
+alternate request by request (the order flips every round); each request is a fresh prompt
+prefilled cold for one token. Prints medians, the ratio and the machine's load average.
 
 With `--context C` each request is instead a fresh `--tokens`-token turn after one fixed
 C-token context that vLLM's own prefix caching holds in both arms (sent once per engine before
@@ -41,11 +43,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-def _engine(model_path, dtype: str, pinned: bool, max_len: int, step: int,
+def _engine(model_path, dtype: str, setting: str, max_len: int, step: int,
             prefix_caching: bool = False):
     from vllm import LLM
 
-    os.environ[CPU_ATTN_SPLIT_INVARIANT_ENV] = "1" if pinned else "0"
+    os.environ[CPU_ATTN_SPLIT_INVARIANT_ENV] = setting
     before = descendants()
     try:
         # compiled like `vllm serve` (no enforce_eager): step costs as a server pays them
@@ -64,14 +66,18 @@ def _generate(llm, ids: list[int]) -> tuple[float, float, int]:
     return wall, cpu, out.outputs[0].token_ids[0]
 
 
+ON = {"pin": "1", "kernel": "kernel"}
+
+
 def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
-            context: int = 0) -> list[str]:
+            context: int = 0, on: str = "pin") -> list[str]:
     from vllm_hybridcache.models import ensure_model
 
     path = ensure_model(model)
     ctx = _prompt(context, 7) if context else []
-    engines = {arm: _engine(path, dtype, arm == "on", context + tokens + 64, step,
-                            prefix_caching=bool(context)) for arm in ARMS}
+    engines = {arm: _engine(path, dtype, ON[on] if arm == "on" else "0",
+                            context + tokens + 64, step, prefix_caching=bool(context))
+               for arm in ARMS}
     for llm in engines.values():  # warm-up: the first calls of each shape, allocator growth
         for k in range(2):  # (with a context: its first prefill puts it in the prefix cache)
             _generate(llm, ctx + _prompt(tokens, 900 + k))
@@ -90,7 +96,7 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
     gc.collect()
     same = sum(a == b for a, b in zip(ab.values("first", "off"), ab.values("first", "on"),
                                       strict=True))
-    return [f"| {model} | {dtype} | {context} | {tokens} | {step} "
+    return [f"| {model} | {dtype} | {on} | {context} | {tokens} | {step} "
             f"| {ab.median('wall', 'off'):.3f} | {ab.median('wall', 'on'):.3f} "
             f"| {ab.ratio('wall', 'on', 'off'):.3f} | {ab.median('cpu', 'off'):.2f} "
             f"| {ab.median('cpu', 'on'):.2f} | {ab.ratio('cpu', 'on', 'off'):.3f} "
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a cached context of this many tokens before each request's tokens")
     ap.add_argument("--step", type=int, default=2048, help="vLLM's max_num_batched_tokens")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--on", choices=sorted(ON), default="pin",
+                    help="what the `on` arm runs: the pin of vLLM's kernel or our kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -118,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         "cold request (prompt + 1 token): wall time, and CPU time of the engine's processes "
         "(`benchmarks/engine_cpu.py`); first token: rounds where both arms chose the same",
         "",
-        "| model | dtype | cached context | tokens | step | off s | on s | on/off | off CPU s "
+        "| model | dtype | on | cached context | tokens | step | off s | on s | on/off "
+        "| off CPU s "
         "| on CPU s "
         "| CPU on/off | CPU on/off, median of the rounds' ratios | same first token "
         "| load average (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return report(lines, (measure(model, dtype, args.tokens, args.step, args.repeat,
-                                  args.context)
+                                  args.context, args.on)
                           for model in args.models for dtype in args.dtypes), args.out)
 
 

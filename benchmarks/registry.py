@@ -62,7 +62,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("decode", "benchmarks.decode_bench", "decode speed of a CPU engine: native vs ours "
           "vs ours with vLLM's extra core for a connector", "engine"),
     Suite("cpu-attention-pin", "benchmarks.cpu_attention_pin_bench", "cold prefill cost of "
-          "the CPU attention pin", "engine"),
+          "a split-invariant CPU attention: the pin or our kernel (--on kernel)", "engine"),
     Suite("split-invariance", "benchmarks.split_invariance_bench", "cold prefill cost of "
           "Flash-Next's split-invariant forward", "engine"),
     Suite("split-invariance-captures", "benchmarks.split_invariance_captures_bench", "cold "

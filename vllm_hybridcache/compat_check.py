@@ -537,6 +537,17 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
         body(_CPU_ATTN, "CPUAttentionMetadata", {V32: "54c9e5a4dfa25812"}),
         body("vllm._custom_ops", "cpu_attn_get_scheduler_metadata", {V32: "6d700d146ce0a026"}),
     ),
+    "split_attention_plan": (
+        body(_CPU_ATTN, "_get_attn_isa", {V32: "8f1cbc670bcdbbfb"}),
+        exists("vllm.model_executor.models", "ModelRegistry"),
+    ),
+    "install_split_invariant_cpu_attention": (
+        body(_CPU_ATTN, "CPUAttentionBackendImpl.forward", {V32: "955f1782841ec4ce"}),
+        body(_CPU_ATTN, "CPUAttentionBackendImpl.__init__", {V32: "e0f3b215e9c38945"}),
+        body(_CPU_ATTN, "CPUAttentionMetadataBuilder.__init__", {V32: "9efdaafbe5bdd140"}),
+        exists(_CPU_ATTN, "get_layers_from_vllm_config"),
+        exists("vllm.v1.attention.backend", "AttentionType"),
+    ),
     "install_cpu_gdn_inner_states": (
         body(_CPU_GDN, "_cpu_gdn_attention_nonspec", {V32: "63ebe8e5ebb29340"}),
         contains(_CPU_GDN, "cpu_gdn_attention_core", "_cpu_gdn_attention_nonspec(", count=1),

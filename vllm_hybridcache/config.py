@@ -47,6 +47,8 @@ from vllm_hybridcache.core import TreeConfig
 GiB = 1 << 30
 _TREE = TreeConfig()
 ENV_PREFIX = "VLLM_HYBRIDCACHE_"
+CONNECTOR_NAME = "HybridSnapshotConnector"
+"""The name the plugin registers its KV connector under (`--kv-transfer-config`)."""
 logger = logging.getLogger("vllm_hybridcache")
 
 ALLOW_UNSUPPORTED_VLLM_ENV = ENV_PREFIX + "ALLOW_UNSUPPORTED_VLLM"
@@ -701,22 +703,36 @@ def admin_key(settings: CacheSettings, environ: Mapping[str, str] | None = None)
     return key
 
 
+CPU_ATTN_AUTO = "auto"
+CPU_ATTN_OFF = "0"
+CPU_ATTN_PIN = "1"
+CPU_ATTN_KERNEL = "kernel"
+CPU_ATTN_SETTINGS = (CPU_ATTN_AUTO, CPU_ATTN_OFF, CPU_ATTN_PIN, CPU_ATTN_KERNEL)
+
+
+def cpu_attention_setting() -> str:
+    """How vLLM's CPU attention is made split-invariant for fine segmentation of vLLM's
+    Qwen3-Next on CPU (docs/split-invariance.md), from
+    `VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT`:
+
+    - `auto` (or unset, the default): our split-invariant kernel (ops/cpu_attention.py) where
+      it applies (compat.split_attention_plan: the CPU platform, vLLM's `vec` KV layout, a
+      head size it takes, the kernel built on the host), else vLLM's attention and step mode;
+    - `kernel`: the same, and an engine where it does not apply refuses to start;
+    - `1`: the pin of vLLM's own kernel (compat.pin_cpu_attention_split; each query piece
+      reads the keys again: 1.42x a turn after a 16K context, docs/split-invariance.md);
+    - `0`: vLLM's attention as shipped, step mode.
+
+    Any other value raises `SettingsError`, so a typo never silently picks a mode."""
+    value = os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "").strip().lower() or CPU_ATTN_AUTO
+    if value not in CPU_ATTN_SETTINGS:
+        raise SettingsError(f"{CPU_ATTN_SPLIT_INVARIANT_ENV} must be one of "
+                            f"{', '.join(CPU_ATTN_SETTINGS)} (unset = auto), got {value!r}")
+    return value
+
+
 def cpu_attention_pinned() -> bool:
     """Whether vLLM's CPU attention is pinned so that a query's arithmetic does not follow its
-    prefill step (compat.pin_cpu_attention_split; docs/split-invariance.md), which with the CPU
-    GDN op's inner states gives vLLM's Qwen3-Next fine segmentation on CPU.
-
-    `VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT`: `1` = on (only vLLM's CPU attention has
-    anything to pin), `0` or unset = off (the default). Opt-in because of what it
-    costs where agents spend their prefills: a turn after a long cached context cuts its
-    queries into pieces that each read the context's keys and values again (128 tokens after
-    16,384 on qwen3-next-small: 1.42x the wall time, 1.77x the CPU of the unpinned attention,
-    docs/split-invariance.md "Cost of the pin on a turn after a long context"), while it buys
-    more hits only inside steps, which agent traffic, cut at message ends, rarely needs. Any
-    other value raises `SettingsError`, so a typo never silently picks a mode.
-    """
-    value = os.environ.get(CPU_ATTN_SPLIT_INVARIANT_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise SettingsError(f"{CPU_ATTN_SPLIT_INVARIANT_ENV} must be 0 or 1 (unset = 0), "
-                            f"got {value!r}")
-    return value == "1"
+    prefill step (compat.pin_cpu_attention_split), `VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1`
+    (`cpu_attention_setting`)."""
+    return cpu_attention_setting() == CPU_ATTN_PIN

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 
+from vllm_hybridcache.config import CONNECTOR_NAME
+
 logger = logging.getLogger("vllm_hybridcache")
 
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "REGISTERED", "register_all", "register_safe"]
+
 REGISTERED: list[str] = []
-CONNECTOR_NAME = "HybridSnapshotConnector"
 CONNECTOR_MODULE = "vllm_hybridcache.adapter.connector"
 
 
@@ -45,7 +48,7 @@ def register_all() -> None:
     _note(f"connector:{CONNECTOR_NAME}")
     if _reserve_cpus_as_without_connector():
         _note("cpu-binding-without-connector-core")
-    from vllm_hybridcache.config import cpu_attention_pinned
+    from vllm_hybridcache.config import CPU_ATTN_OFF, CPU_ATTN_PIN, cpu_attention_setting
     from vllm_hybridcache.flash_next.registration import register as register_flash_next
 
     for arch in register_flash_next():
@@ -55,20 +58,38 @@ def register_all() -> None:
     # Qwen3.5 and Qwen-VL checkpoints load where torchvision cannot (compat/vision_imports.py)
     install_pil_image_processor_fallback()
     _note("pil-image-processor-fallback")
-    if cpu_attention_pinned():
+    setting = cpu_attention_setting()
+    if setting == CPU_ATTN_PIN:
         from vllm_hybridcache.compat import pin_cpu_attention_split
 
         pin_cpu_attention_split()
         _note("cpu-attention-split-invariant")
-        if _install_cpu_gdn_inner_states():
-            _note("cpu-gdn-inner-states")
+    elif setting != CPU_ATTN_OFF and _install_split_attention():
+        _note("cpu-attention-split-invariant-kernel")
+    if setting != CPU_ATTN_OFF and _install_cpu_gdn_inner_states():
+        _note("cpu-gdn-inner-states")
     logger.debug("vllm_hybridcache registered: %s", ", ".join(REGISTERED))
 
 
+def _install_split_attention() -> bool:
+    """On the CPU platform: vLLM's CPU attention may run the split-invariant kernel, in the
+    engines whose plan says so (compat.install_split_invariant_cpu_attention; the kernel is
+    built when an engine first asks). False on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm_hybridcache.compat import install_split_invariant_cpu_attention
+
+    install_split_invariant_cpu_attention()
+    return True
+
+
 def _install_cpu_gdn_inner_states() -> bool:
-    """With the pin, on the CPU platform: vLLM's CPU GDN op hands states inside a step to the
-    worker's hook (compat.install_cpu_gdn_inner_states), so Qwen3-Next can take fine
-    segmentation. False on other platforms (their GDN kernels are not the CPU op)."""
+    """Unless the CPU attention setting is `0`, on the CPU platform: vLLM's CPU GDN op hands
+    states inside a step to the worker's hook (compat.install_cpu_gdn_inner_states), so
+    Qwen3-Next can take fine segmentation. False on other platforms (their GDN kernels are
+    not the CPU op)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -109,28 +109,47 @@ def test_mode_is_fine_only_where_the_model_says_its_forward_is_split_invariant(
     assert segmentation_mode(config("flash-next-tiny"))[0] == "step"
 
 
-def test_qwen3_next_is_fine_only_with_the_cpu_attention_pin_and_the_gdn_bend(
+def test_qwen3_next_is_fine_only_with_split_invariant_attention_and_the_gdn_bend(
         monkeypatch, embedded_model):
-    """vLLM's Qwen3-Next on CPU: fine needs the attention pin on and vLLM's CPU GDN op handing
-    over inner states (compat.install_cpu_gdn_inner_states) in this process; step otherwise,
-    with a why that names what is missing."""
+    """vLLM's Qwen3-Next on CPU: fine needs its attention split-invariant (our kernel by
+    default, in an engine running the connector, where vLLM lays its KV cache out for `vec`;
+    or the pin) and vLLM's CPU GDN op handing over inner states
+    (compat.install_cpu_gdn_inner_states) in this process; step otherwise, with a why that
+    names what is missing."""
     from types import SimpleNamespace
 
+    import torch
     from vllm.config import ModelConfig
 
     import vllm_hybridcache.adapter.segmentation_mode as modes
-    from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV
+    from vllm_hybridcache.config import CONNECTOR_NAME, CPU_ATTN_SPLIT_INVARIANT_ENV
+    from vllm_hybridcache.ops import cpu_attention
 
-    mc = ModelConfig(model=str(embedded_model("qwen3-next-tiny")), max_model_len=512)
-    config = SimpleNamespace(model_config=mc, speculative_config=None)
+    mc = ModelConfig(model=str(embedded_model("qwen3-next-tiny")), max_model_len=512,
+                     dtype="bfloat16")
+    cache = SimpleNamespace(block_size=384, cache_dtype="auto")
+    ktc = SimpleNamespace(kv_connector=CONNECTOR_NAME)
+    config = SimpleNamespace(model_config=mc, speculative_config=None, cache_config=cache,
+                             kv_transfer_config=ktc)
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "0")
     monkeypatch.setattr(modes, "cpu_gdn_inner_states_installed", lambda: True)
     mode, why = modes.segmentation_mode(config)
     assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
-    assert modes.segmentation_mode(config)[0] == "fine"
-    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default: not pinned
-    assert modes.segmentation_mode(config)[0] == "step"
+    assert modes.segmentation_mode(config) == (
+        "fine", "Qwen3NextForCausalLM with the CPU attention pin: split-invariant at "
+        "64-aligned positions")
+    monkeypatch.delenv(CPU_ATTN_SPLIT_INVARIANT_ENV)            # the default: our kernel
+    mode, why = modes.segmentation_mode(config)
+    if cpu_attention.available() and not torch.cpu._is_amx_tile_supported():
+        assert (mode, "kernel" in why) == ("fine", True)
+    else:                                                       # vLLM's AMX layout, no build
+        assert mode == "step" and CPU_ATTN_SPLIT_INVARIANT_ENV in why
+    # an engine without the connector computes as without the package
+    no_connector = SimpleNamespace(model_config=mc, speculative_config=None,
+                                   cache_config=cache, kv_transfer_config=None)
+    mode, why = modes.segmentation_mode(no_connector)
+    assert mode == "step" and "connector" in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "1")
     assert modes.segmentation_mode(config, inner_captures=False)[0] == "step"
     assert modes.segmentation_mode(

@@ -39,11 +39,10 @@ from vllm_hybridcache.adapter.stats import (  # noqa: E402
     HybridCacheStats,
     encode,
 )
-from vllm_hybridcache.config import load_settings  # noqa: E402
+from vllm_hybridcache.config import CONNECTOR_NAME, load_settings  # noqa: E402, F401 (re-exported)
 
 logger = logging.getLogger("vllm_hybridcache")
 
-CONNECTOR_NAME = "HybridSnapshotConnector"
 MODULE_PATH = "vllm_hybridcache.adapter.connector"
 CLEAR_UTILITY = "hybridcache_clear"  # engine utility behind POST /v1/cache/clear
 ALL = "all"

@@ -539,7 +539,9 @@ def kernel_backend(vllm_config) -> str:
     """The kernel choices that change an engine's arithmetic beyond the device: vLLM's device
     type and attention backend setting, the Flash-Next implementation, kernel backend and
     split-invariant forward chosen by our environment variables (empty = the platform
-    default), and the pin of vLLM's CPU attention when it is on."""
+    default), and the pin of vLLM's CPU attention or our split-invariant kernel when either
+    computes vLLM's attention."""
+    from vllm_hybridcache.compat import split_attention_plan
     from vllm_hybridcache.config import (
         FLASH_NEXT_IMPL_ENV,
         FLASH_NEXT_OPS_ENV,
@@ -552,6 +554,8 @@ def kernel_backend(vllm_config) -> str:
     # the CPU attention pin changes the attention's bits; named only when on, so engines
     # without it keep their fingerprint
     pinned = ";cpu_attention_split_invariant=1" if cpu_attention_pinned() else ""
+    if not pinned and split_attention_plan(vllm_config)[0]:
+        pinned = ";cpu_attention_split_invariant=kernel"
     return (f"device={device};attention={attn};flash_next_impl="
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
             f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="

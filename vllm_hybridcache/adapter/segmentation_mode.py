@@ -8,7 +8,11 @@ so neither imports the other for it.
 
 from __future__ import annotations
 
-from vllm_hybridcache.compat import CPU_GDN_INNER_MODELS, cpu_gdn_inner_states_installed
+from vllm_hybridcache.compat import (
+    CPU_GDN_INNER_MODELS,
+    cpu_gdn_inner_states_installed,
+    split_attention_plan,
+)
 from vllm_hybridcache.config import CPU_ATTN_SPLIT_INVARIANT_ENV, cpu_attention_pinned
 from vllm_hybridcache.segmentation import FINE, STEP
 
@@ -19,9 +23,9 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
     """(mode, why) of this engine's segmentation: `fine` (links also at 64-aligned positions
     inside a step) only where the model says its forward is split-invariant there
     (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch;
-    Qwen3-Next on vLLM's CPU backend with the attention pin and the GDN inner-state bend,
-    `_cpu_gdn_mode`), and not on a speculative route (the draft rows' tags are step-shaped)
-    nor with the `inner_captures` setting off; `step` otherwise.
+    Qwen3-Next on vLLM's CPU backend with the split-invariant attention kernel or the attention
+    pin, and the GDN inner-state bend, `_cpu_gdn_mode`), and not on a speculative route (the
+    draft rows' tags are step-shaped) nor with the `inner_captures` setting off; `step` otherwise.
     """
     if not inner_captures:
         return STEP, "inner_captures off"
@@ -36,7 +40,7 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
         return STEP, f"model class not resolved ({type(e).__name__})"
     align = getattr(cls, "inner_capture_align", None)
     if align is None and cls.__name__ in CPU_GDN_INNER_MODELS:
-        return _cpu_gdn_mode(cls.__name__)
+        return _cpu_gdn_mode(cls.__name__, vllm_config)
     if align is None:
         return STEP, f"{cls.__name__} is not known to be split-invariant"
     if align(vllm_config) != 64:
@@ -44,16 +48,22 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
     return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions"
 
 
-def _cpu_gdn_mode(name: str) -> tuple[str, str]:
-    """A vLLM GDN model on vLLM's CPU backend: `fine` only with the attention pin on and the
-    CPU GDN op handing over inner states in this process (docs/split-invariance.md)."""
-    if not cpu_attention_pinned():
-        return STEP, (f"{name}: vLLM's CPU attention is split-invariant only with "
-                      f"{CPU_ATTN_SPLIT_INVARIANT_ENV}=1")
+def _cpu_gdn_mode(name: str, vllm_config) -> tuple[str, str]:
+    """A vLLM GDN model on vLLM's CPU backend: `fine` only where its attention is
+    split-invariant (our kernel, `split_attention_plan`, by default; or the pin of vLLM's) and
+    the CPU GDN op hands over inner states in this process (docs/split-invariance.md)."""
+    if cpu_attention_pinned():
+        how = "the CPU attention pin"
+    else:
+        use, why = split_attention_plan(vllm_config)
+        if not use:
+            return STEP, (f"{name}: vLLM's CPU attention is not split-invariant here ({why}; "
+                          f"{CPU_ATTN_SPLIT_INVARIANT_ENV})")
+        how = "the split-invariant CPU attention kernel"
     if not cpu_gdn_inner_states_installed():
         return STEP, (f"{name}: vLLM's GDN op does not hand over states inside a step here "
                       "(not the CPU platform, or this vLLM is not the checked one)")
-    return FINE, f"{name} with the CPU attention pin: split-invariant at 64-aligned positions"
+    return FINE, f"{name} with {how}: split-invariant at 64-aligned positions"
 
 
 MIN_INNER_RESUME = 64

@@ -130,6 +130,10 @@ attention pin) waits for a supported vLLM."""
 
 
 # The bends, by area, re-exported (imported last: the guard above uses vllm_distribution_name).
+from vllm_hybridcache.compat.cpu_attention import (  # noqa: E402
+    install_split_invariant_cpu_attention,
+    split_attention_plan,
+)
 from vllm_hybridcache.compat.cpu_kernels import (  # noqa: E402
     CPU_ATTN_Q_HEADS,
     CPU_GDN_INNER_MODELS,
@@ -229,6 +233,7 @@ __all__ = [
     "install_cpu_gdn_inner_states",
     "install_pil_image_processor_fallback",
     "install_prefill_split",
+    "install_split_invariant_cpu_attention",
     "install_vllm_metadata_alias",
     "installed_vllm_version",
     "layer_attn_metadata",
@@ -247,6 +252,7 @@ __all__ = [
     "run_vllm_cli",
     "scheduler_has_recurrent_layers",
     "scheduler_manager_kwargs",
+    "split_attention_plan",
     "split_attention_queries",
     "take_plugin_options",
     "takes_cpu_gdn_inner_capture",

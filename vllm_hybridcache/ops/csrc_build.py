@@ -8,7 +8,11 @@ GPU extension for ``PYTORCH_ROCM_ARCH`` (hipcc) and ships it in the wheel (``_pr
 
     python -m vllm_hybridcache.ops.csrc_build code-objects --targets gfx1151 gfx1201 --out DIR
     python -m vllm_hybridcache.ops.csrc_build prebuild --out vllm_hybridcache/ops/_prebuilt
-    python -m vllm_hybridcache.ops.csrc_build warm     # CPU twin into torch's cache
+    python -m vllm_hybridcache.ops.csrc_build warm     # CPU twin and CPU attention, cached
+
+The split-invariant CPU attention (``csrc/split_attention_cpu.cpp``, ``ops/cpu_attention.py``)
+is built the same way as the CPU twin, for the host it runs on (``-march=native``): it serves
+vLLM's CPU backend only, so no wheel ships it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from vllm_hybridcache.config import CLANG_ENV, CSRC_ENV
 PACKAGE_DIR = Path(__file__).resolve().parent
 PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 CPU_NAME = "hybridcache_copy_cpu"
+ATTENTION_NAME = "hybridcache_attention_cpu"
 DEVICE_NAME = "hybridcache_copy_device"
 CODEOBJ_SOURCE = "snapshot_copy_codeobj.hip"
 CLANG = "clang-19"
@@ -79,15 +84,36 @@ def _source_key(src: Path, sources: list[Path]) -> str:
     return h.hexdigest()[:12]
 
 
-def _build_dir(name: str, src: Path, out: Path | None) -> Path:
-    """``out`` when given, else a directory of torch's extension cache per source tree."""
+def _build_dir(name: str, src: Path, out: Path | None, salt: str = "") -> Path:
+    """``out`` when given, else a directory of torch's extension cache per source tree (and
+    ``salt``: what else the build depends on)."""
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         return out
     from torch.utils.cpp_extension import _get_build_directory
 
     sources = [p for p in src.iterdir() if p.suffix in (".h", ".cuh", ".cpp", ".cu", ".hip")]
-    return Path(_get_build_directory(f"{name}-{_source_key(src, sources)}", verbose=False))
+    key = _source_key(src, sources)
+    if salt:
+        key = hashlib.sha256(f"{key}|{salt}".encode()).hexdigest()[:12]
+    return Path(_get_build_directory(f"{name}-{key}", verbose=False))
+
+
+def host_isa() -> str:
+    """What ``-march=native`` compiles for on this host: the CPU's model and flags, so a
+    build cache shared by hosts of another ISA never hands one host the other's module."""
+    import platform
+
+    flags = model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+            elif line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{flags}"
 
 
 @contextmanager
@@ -136,6 +162,22 @@ def load_cpu_twin(out: Path | None = None, verbose: bool = False) -> ModuleType:
         return load(name=CPU_NAME, sources=[str(src / "snapshot_copy_cpu.cpp")],
                     extra_include_paths=[str(src)], extra_cflags=["-O3"],
                     build_directory=str(build), verbose=verbose)
+
+
+def load_cpu_attention(out: Path | None = None, verbose: bool = False) -> ModuleType:
+    """The split-invariant CPU attention, compiled from csrc/ for this host (cached by torch:
+    the first load on a host compiles, about a minute on two cores)."""
+    src = csrc_dir()
+    if src is None or not (src / "split_attention_cpu.cpp").is_file():
+        raise FileNotFoundError("csrc/split_attention_cpu.cpp not found (an installed wheel "
+                                "carries no CPU attention: it is built for its host)")
+    from torch.utils.cpp_extension import load
+
+    build = _build_dir(ATTENTION_NAME, src, out, salt=host_isa())
+    with build_lock(build):
+        return load(name=ATTENTION_NAME, sources=[str(src / "split_attention_cpu.cpp")],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=verbose)
 
 
 def load_device_extension(out: Path | None = None, verbose: bool = False) -> ModuleType:
@@ -215,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--out", type=Path, required=True)
     pb = sub.add_parser("prebuild", help="build the extensions a wheel ships")
     pb.add_argument("--out", type=Path, default=PREBUILT_DIR)
-    sub.add_parser("warm", help="compile the CPU twin into torch's extension cache (make "
-                   "toolchain), so the first server start does not compile it")
+    sub.add_parser("warm", help="compile the CPU twin and the split-invariant CPU attention "
+                   "into torch's extension cache (make toolchain), so the first server start "
+                   "does not compile them")
     args = ap.parse_args(argv)
     if args.cmd == "warm":
         try:
@@ -225,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"csrc CPU twin not built ({e}); the CPU copy path stays on torch")
             return 0
         print(f"csrc CPU twin: {mod.__file__}")
+        try:
+            att = load_cpu_attention()
+        except Exception as e:  # engines then run vLLM's attention in step mode; say why
+            print(f"csrc CPU attention not built ({e}); Qwen3-Next on CPU stays in step mode")
+            return 0
+        print(f"csrc CPU attention: {att.__file__}")
         return 0
     if args.cmd == "code-objects":
         from vllm_hybridcache.ops.codeobj import check
