@@ -396,6 +396,7 @@ _MAIN = "vllm.entrypoints.cli.main"
 _SCHED = "vllm.v1.core.sched.scheduler"
 _COORD = "vllm.v1.core.kv_cache_coordinator"
 _MANAGER = "vllm.v1.core.kv_cache_manager"
+_STM = "vllm.v1.core.single_type_kv_cache_manager"
 _ARGPARSE = "vllm.utils.argparse_utils"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
@@ -634,6 +635,30 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
     "mark_off_segmentation": (
         body("vllm.v1.request", "Request.update_block_hashes", {V32: "0514cb573abc7628"}),
         attribute("vllm.v1.request", "Request", "block_hashes"),
+    ),
+    "share_cached_blocks": (
+        # vLLM's own lookup, called outside `get_computed_blocks` (the cap unset)
+        body(_COORD, "HybridKVCacheCoordinator.find_longest_cache_hit", {V32: "ca610b0f5b303d3f"}),
+        # a local hit's blocks are touched and counted cached (`num_cached_block`); the blocks
+        # for external tokens are fresh ones, recorded for zeroing unless the load writes them
+        body(_STM, "SingleTypeKVCacheManager.add_local_computed_blocks",
+             {V32: "c2a926be3c31d027"}),
+        body(_STM, "SingleTypeKVCacheManager.allocate_external_computed_blocks",
+             {V32: "bb882fd191a7e585"}),
+        # 0.33: caches up to the hashed tokens too, and an EAGLE boundary; still from
+        # `num_cached_block` on
+        body(_STM, "SingleTypeKVCacheManager.cache_blocks",
+             {V32: "30843d162a0fde66", V33: "34232145f4ca6886"}),
+        *(attribute(_STM, "SingleTypeKVCacheManager", name) for name in (
+            "req_to_blocks", "num_cached_block", "new_block_ids", "block_pool", "block_size")),
+        # 0.33: null blocks skipped first (the bend never passes one)
+        body("vllm.v1.core.block_pool", "BlockPool.touch",
+             {V32: "e200f3b0521cbcb8", V33: "066213ff862ef5c1"}),
+        body("vllm.v1.core.block_pool", "BlockPool.free_blocks",
+             {V32: "5bbcbe07cacd6932", V33: "a5ab0603b2e6a927"}),
+        # the connector hears of the allocation before the step is built (nothing written)
+        order(_SCHED, "Scheduler.schedule", "self.kv_cache_manager.allocate_slots(",
+              "self.connector.update_state_after_alloc("),
     ),
     "install_attention_in_place": (
         call_keywords(_SCHED, "Scheduler.__init__", "KVCacheManager", _SCHEDULER_MANAGER_KWARGS),

@@ -93,7 +93,9 @@ def test_warm_from_in_place_blocks_and_from_the_host_copy_equal_cold(llm):
     assert done.restores - restores.restores == 2
     assert (b_warm["cached"], a_warm["cached"]) == (2 * GRID, near_end(A))
     assert near_end(A) > 3 * GRID                  # deeper than the last grid cut
-    expected = (2 * GRID - 1) // block * block + (near_end(A) - 1) // block * block
+    # every whole block up to each link: vLLM's local hit stops a block below, and the block
+    # it then allocates for the loaded rows is taken from its cache (A's) after all
+    expected = 2 * GRID // block * block + near_end(A) // block * block
     assert expected > 0
     assert after["tokens_in_place"] - before["tokens_in_place"] == expected
     assert after["bytes_saved"] > before["bytes_saved"]

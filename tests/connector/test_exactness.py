@@ -238,8 +238,8 @@ def test_an_anchor_hit_in_place_equals_the_same_hit_copied(llm, monkeypatch):
         p2 = p1 + first["tokens"] + [900 + (i * 5) % 700 for i in range(60)]
         before = sched.in_place_stats("ram", "anchor")["tokens_in_place"]
         if copy_rows:
-            rows = sched._in_place_rows
-            monkeypatch.setattr(sched, "_in_place_rows", lambda request, entry, res:
+            rows = sched._sharable_rows
+            monkeypatch.setattr(sched, "_sharable_rows", lambda request, entry, res:
                                 0 if res.kind == "anchor" else rows(request, entry, res))
         out = run(llm, p2)
         monkeypatch.undo()

@@ -54,7 +54,9 @@ def test_a_hit_shares_the_blocks_below_the_link_and_equals_cold(async_scheduling
     same(a, a_cold)
     b1, b2 = e.add(B), e.add(B, req_id="b2")
     e.step()                                    # both admitted: loads planned, blocks held
-    shared = 2 * GRID - BLOCK                   # below the link at 128, strictly: 112
+    # vLLM's local hit stops strictly below the link at 128 (112), so that the connector
+    # loads the state; the block [112, 128) it then allocates is replaced by A's cached one
+    shared = 2 * GRID
     for r in (b1, b2):
         (job,) = load_jobs(e, r)
         assert job.in_place == shared
@@ -69,9 +71,34 @@ def test_a_hit_shares_the_blocks_below_the_link_and_equals_cold(async_scheduling
         assert e.runs[r].cached == 2 * GRID
         same(e.runs[r], b_cold)
     st = in_place_stats(e)
-    assert st["tokens_in_place"] == 2 * shared and st["tokens_copied"] == 2 * BLOCK
+    assert st["tokens_in_place"] == 2 * shared and st["tokens_copied"] == 0
     assert st["bytes_saved"] > 0
     assert cache_stats(e)["tokens_served"] == 2 * 2 * GRID
+
+
+def test_the_link_block_taken_from_the_cache_is_read():
+    """Negative control for the block taken after allocation: vLLM's lookup made to return
+    the wrong block for the link's last position (the one before it) puts other rows under
+    the restored state, and the run is no longer a cold one's."""
+    ref = cold(B)
+    e = HarnessEngine(ON)
+    e.run(A)
+    coordinator = e.scheduler.kv_cache_manager.coordinator
+    lookup = coordinator.find_longest_cache_hit
+
+    def shifted(block_hashes, max_cache_hit_length):
+        found = lookup(block_hashes, max_cache_hit_length)
+        if coordinator.hc_limit is None:        # the lookup after allocation, not vLLM's own
+            for blocks in found[0]:
+                if len(blocks) > 1:
+                    blocks[-1] = blocks[-2]
+        return found
+
+    coordinator.find_longest_cache_hit = shifted
+    warm = e.run(B)
+    (job,) = load_jobs(e, warm.req_id)
+    assert job.in_place == 2 * GRID and warm.cached == 2 * GRID
+    assert warm.state != ref.state
 
 
 def test_without_the_blocks_the_link_serves_every_row_by_copy():
@@ -219,10 +246,12 @@ def test_forks_of_a_head_share_its_blocks(margin):
     one token of prefill and behind by a copy of every row, within the cold-exact margin:
     each fork resumes from the tree link, shares the head's blocks below it, equals a cold
     run, and the choice is counted. Rates are pinned (the priors), so timing cannot move the
-    choice. With `margin=0` the anchor, cheaper by the estimate, serves every fork, and shares
-    the head's blocks too (its cold rows are the head's prompt): all of them, one more than
-    the tree link leaves in place (whose last block is copied so that the connector loads at
-    least one token); still exact."""
+    choice. Every block of the head's prompt is shared, the link's last one included: vLLM's
+    local hit stops a block below the link (the connector loads at least one token), and the
+    block it allocates there is replaced by the head's cached one, so N forks hold one set of
+    the head's blocks, as with vLLM's own prefix caching. With `margin=0` the anchor, cheaper
+    by the estimate, serves every fork, and shares the head's blocks too (its cold rows are
+    the head's prompt); still exact."""
     from vllm_hybridcache.core import CostModel
 
     e = HarnessEngine(ON)
@@ -236,21 +265,25 @@ def test_forks_of_a_head_share_its_blocks(margin):
     refs = [cold(f) for f in forks]
     ids = [e.add(f, req_id=f"fork{k}") for k, f in enumerate(forks)]
     e.step()                                      # all four admitted: loads planned
-    n = (3 * GRID - BLOCK) // BLOCK               # blocks strictly below the link at 192
+    n = 3 * GRID // BLOCK                         # every block of the head's prompt
     jobs = [load_jobs(e, r) for r in ids]
     blocks = [_attn_blocks(e, r) for r in ids]
     e.drain()
     for r, ref in zip(ids, refs, strict=True):
         same(e.runs[r], ref)
+    pool = e.scheduler.kv_cache_manager.block_pool.blocks
     if margin is None:
         assert all([(j.kind, j.in_place) for j in js] == [("tree", n * BLOCK)] for js in jobs)
         assert all(b[:n] == blocks[0][:n] for b in blocks)   # one set of head blocks
+        tails = [set(b[n:]) for b in blocks]                   # the rest their own
+        assert sum(map(len, tails)) == len(set().union(*tails))
+        assert in_place_stats(e)["tokens_copied"] == 0
+        assert all(pool[i].ref_cnt == 0 for i in blocks[0][:n])  # all forks finished
         assert all(e.runs[r].cached == 3 * GRID for r in ids)
         assert cache_stats(e)["choices"] == {"cold_exact": 4}
         assert cache_stats(e, "anchor")["hits"] == 0
     else:
-        m = 3 * GRID // BLOCK                     # every block of the head's prompt
-        assert all([(j.kind, j.in_place) for j in js] == [("anchor", m * BLOCK)] for js in jobs)
-        assert all(b[:m] == blocks[0][:m] for b in blocks)   # one set of head blocks
+        assert all([(j.kind, j.in_place) for j in js] == [("anchor", n * BLOCK)] for js in jobs)
+        assert all(b[:n] == blocks[0][:n] for b in blocks)   # one set of head blocks
         assert all(e.runs[r].cached == 3 * GRID + 1 for r in ids)
         assert cache_stats(e, "anchor")["choices"] == {"deepest": 4}

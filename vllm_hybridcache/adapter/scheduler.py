@@ -101,6 +101,7 @@ class SegmentedScheduler(Scheduler):
             logger.warning("hybridcache: attention K/V in place not available: %s", e)
             return
         side.in_place_block = self._in_place.block_size
+        side.share_blocks = self._in_place.share
         self._side = side
         self._marked: dict[str, int] = {}  # request id -> off-segmentation position applied
         self._hasher = self._in_place.hasher(self._off_from)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybridcache.adapter.anchor_end import anchor_end
 from vllm_hybridcache.adapter.composition import build_cache
@@ -163,6 +164,10 @@ class SchedulerSide:
         # attention K/V in place (docs/how-it-works.md): the attention block when the
         # segmentation scheduler installed it (0: off)
         self.in_place_block = 0
+        # `share(request, start, end) -> end of the shared prefix`: the request's freshly
+        # allocated blocks for [start, end) replaced by vLLM's cached ones (set with
+        # in_place_block; compat.share_cached_blocks)
+        self.share_blocks: Callable[[Any, int, int], int] | None = None
         # restored hits by the (tier, kind) of their link: where their rows came from
         self.in_place_counts = InPlaceCounts()
         # tree links planned and not yet reported: a lookup may wait a step for one
@@ -302,10 +307,22 @@ class SchedulerSide:
         return self._in_place_rows(request, entry, res)
 
     def _in_place_rows(self, request, entry: RequestState, res: LookupResult) -> int:
-        """Tokens of hit `res` whose attention K/V vLLM's blocks serve in place: the whole
-        attention blocks strictly below a cold-exact tree link, or strictly below an end
-        anchor and within its cold rows (0 for a miss, with in place off, or a request that
-        must stay cold).
+        """The local hit vLLM may take for hit `res`: the whole attention blocks of its
+        sharable rows (`_sharable_rows`) strictly below the link, so that the connector loads
+        at least one token (0 for a miss, with in place off, or a request that must stay
+        cold)."""
+        b = self.in_place_block
+        if not b or not res.hit:
+            return 0
+        return min((res.tokens - 1) // b * b, self._sharable_rows(request, entry, res))
+
+    def _sharable_rows(self, request, entry: RequestState, res: LookupResult) -> int:
+        """Tokens of hit `res` whose attention K/V vLLM's blocks may serve in place: the whole
+        attention blocks up to a cold-exact tree link, or up to an end anchor's cold rows (0
+        for a miss, with in place off, or a request that must stay cold). The local hit stops
+        a block below the link when the link ends on a block boundary
+        (`_in_place_rows`); the blocks from there up to these rows are shared after vLLM
+        allocates them (`update_state_after_alloc`).
 
         An end anchor's state descends from its session's rows; below its cold rows those are
         the rows a cold prefill writes, bit for bit, which is what every block vLLM hashes
@@ -323,13 +340,12 @@ class SchedulerSide:
             rows = min(res.cold_rows, res.tokens)
         else:
             return 0
-        b = self.in_place_block
-        cap = min((res.tokens - 1) // b * b, rows // b * b)
         if entry.items:
             # vLLM's block hashes name an item by its identifier (a client's uuid, maybe):
             # only blocks before the first item are taken beside our content-keyed link
-            cap = min(cap, min(i.start for i in entry.items) // b * b)
-        return cap
+            rows = min(rows, min(i.start for i in entry.items))
+        b = self.in_place_block
+        return rows // b * b
 
     def _moved_bytes(self, res: LookupResult, in_place: int) -> int:
         """Bytes a hit moves before its prefill resumes (what the hit choice prices): the whole
@@ -377,7 +393,7 @@ class SchedulerSide:
             entry.lookup = self.cache.miss(MissReason.UNKEYED_INPUT, len(entry.keys), limit)
             return 0, False
         def moved(r: LookupResult) -> int:
-            return self._moved_bytes(r, self._in_place_rows(request, entry, r))
+            return self._moved_bytes(r, self._sharable_rows(request, entry, r))
 
         res = self.cache.lookup(entry.keys, entry.domain, limit,
                                 entry.fits if entry.draft_route else None, moved)
@@ -425,14 +441,21 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self.cache.record_lookup(res)
             return
+        local = in_place = entry.in_place  # vLLM's local hit
+        if (res.hit and self.share_blocks is not None
+                and res.tokens == local + num_external_tokens):
+            # the loaded range's whole blocks that vLLM's cache holds: taken from it, so the
+            # load copies the recurrent state and the rows past them only
+            deeper = self._sharable_rows(request, entry, res)
+            if deeper > in_place:
+                in_place = entry.in_place = self.share_blocks(request, in_place, deeper)
         block_ids = [list(b) for b in blocks.get_block_ids()]
-        in_place = entry.in_place
         if res.hit and not self.cache.cold_exact(res):
             entry.canonical = False  # session-exact state: never publish into the shared tree
             # the rows below `in_place` are vLLM's cold rows, shared; every row from there on
             # (the anchor's copy, what this request computes after) descends from the session
             self._off_segmentation(request.request_id, entry, in_place)
-        if (res.hit and res.tokens == in_place + num_external_tokens
+        if (res.hit and res.tokens == local + num_external_tokens
                 and self.cache.begin_restore(res)):
             entry.resume_at = res.tokens
             if self.in_place_block:

@@ -166,6 +166,7 @@ from vllm_hybridcache.compat.kv_cache_manager import (  # noqa: E402
     mark_off_segmentation,
     provenance_block_hasher,
     scheduler_manager_kwargs,
+    share_cached_blocks,
 )
 from vllm_hybridcache.compat.registration import (  # noqa: E402
     VLLM_PLUGINS_FILTERED_GROUPS,
@@ -252,6 +253,7 @@ __all__ = [
     "run_vllm_cli",
     "scheduler_has_recurrent_layers",
     "scheduler_manager_kwargs",
+    "share_cached_blocks",
     "split_attention_plan",
     "split_attention_queries",
     "take_plugin_options",

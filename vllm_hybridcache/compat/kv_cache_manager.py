@@ -201,6 +201,68 @@ def mark_off_segmentation(request: Any, old: int, new: int, hash_block_size: int
     return marked
 
 
+@checked("0.32.0", "0.33.0")
+def share_cached_blocks(manager: Any, request: Any, start: int, end: int) -> int:
+    """Serve a just-admitted request's attention blocks for tokens [start, end) from vLLM's
+    prefix cache instead of the fresh blocks vLLM allocated there for a connector load.
+
+    Why: the local hit stops strictly below the link the connector restores (so that the
+    connector loads at least one token and with it the recurrent state, asynchronously), and
+    vLLM then allocates blocks of the request's own for the loaded tokens. Where the link ends
+    on a block boundary, those rows are cold rows vLLM may still hold in a cached block (the
+    head's), and each of N forks would otherwise hold a copy of that block. This runs between
+    `allocate_slots` and the connector's `update_state_after_alloc`, before anything is written
+    to the fresh blocks: for every attention group, vLLM's own lookup
+    (`coordinator.find_longest_cache_hit`, the hash chain of the request's blocks, provenance
+    marks included) must reach `end`; each fresh block (ref count 1, no hash) is replaced by the
+    cached one (touched, so ref-counted like a local hit), freed, dropped from the blocks to
+    zero, and counted as cached for the request (`num_cached_block`), so vLLM never registers
+    it again. Either every block of the range is shared or nothing changes.
+
+    `start` and `end` are multiples of the attention block; `start` is the request's local hit
+    (its blocks below are already vLLM's). Returns the new end of the shared prefix: `end`, or
+    `start` when vLLM's cache does not hold the range (evicted, never written on the
+    segmentation) or a block is not a fresh one.
+    """
+    coordinator = manager.coordinator
+    step = coordinator.hc_alignment
+    if not step or start % step or end % step or end <= start:
+        return start
+    found = coordinator.find_longest_cache_hit(request.block_hashes, end)
+    hit_blocks, hit_length = found[0], found[1]
+    if hit_length < end:
+        return start
+    req_id = request.request_id
+    swaps = []
+    for group in coordinator.attention_groups:
+        for gid in group.group_ids:
+            mgr = coordinator.single_type_managers[gid]
+            size = mgr.block_size
+            blocks = mgr.req_to_blocks.get(req_id)
+            cached = hit_blocks[gid]
+            if (blocks is None or len(blocks) < end // size or len(cached) < end // size
+                    or mgr.num_cached_block.get(req_id, 0) != start // size):
+                return start
+            for i in range(start // size, end // size):
+                fresh = blocks[i]
+                if fresh is cached[i]:
+                    continue
+                if fresh.is_null or fresh.ref_cnt != 1 or fresh.block_hash is not None:
+                    return start
+                swaps.append((mgr, blocks, i, fresh, cached[i]))
+    for mgr, blocks, i, fresh, shared in swaps:
+        mgr.block_pool.touch([shared])
+        blocks[i] = shared
+        mgr.block_pool.free_blocks([fresh])
+        if fresh.block_id in mgr.new_block_ids:
+            mgr.new_block_ids.remove(fresh.block_id)
+    for group in coordinator.attention_groups:
+        for gid in group.group_ids:
+            mgr = coordinator.single_type_managers[gid]
+            mgr.num_cached_block[req_id] = end // mgr.block_size
+    return end
+
+
 @dataclass
 class AttentionInPlace:
     """What `install_attention_in_place` set up on a scheduler: the granularity of block
@@ -209,12 +271,16 @@ class AttentionInPlace:
     hash_block_size: int
     block_size: int
     hash_fn: Callable[[Any], Any]
+    manager: Any = None
 
     def hasher(self, off_from: Callable[[Any], int]) -> Callable[[Any], list]:
         return provenance_block_hasher(self.hash_block_size, self.hash_fn, off_from)
 
     def mark(self, request: Any, old: int, new: int) -> int:
         return mark_off_segmentation(request, old, new, self.hash_block_size, self.hash_fn)
+
+    def share(self, request: Any, start: int, end: int) -> int:
+        return share_cached_blocks(self.manager, request, start, end)
 
 
 def scheduler_manager_kwargs(scheduler: Any) -> dict[str, Any]:
@@ -274,4 +340,5 @@ def install_attention_in_place(scheduler: Any, cap: CapFn) -> AttentionInPlace:
     hash_fn = get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo)
     assert scheduler.block_size % coordinator.hash_block_size == 0
     assert math.lcm(scheduler.block_size, coordinator.hash_block_size) == scheduler.block_size
-    return AttentionInPlace(coordinator.hash_block_size, coordinator.hc_alignment, hash_fn)
+    return AttentionInPlace(coordinator.hash_block_size, coordinator.hc_alignment, hash_fn,
+                            manager)
