@@ -38,8 +38,24 @@
 
 namespace {
 
+// The vector type matches the host's registers (built with -march=native): 16 float lanes
+// with AVX-512, 8 otherwise. Wider generic vectors than the hardware's are expanded piecewise
+// by the compiler, over ten times slower on an AVX2 host. The lane count fixes the order of a
+// tile's sum (a property of the build, as vLLM's own kernels are of the host's ISA, which the
+// engine fingerprint names); within one build every row's arithmetic is its own.
+#if defined(__AVX512F__)
 constexpr int LANES = 16;
+#ifndef HC_ROW_BLOCK
+#define HC_ROW_BLOCK 8
+#endif
+#else
+constexpr int LANES = 8;
+#ifndef HC_ROW_BLOCK
+#define HC_ROW_BLOCK 3
+#endif
+#endif
 constexpr int KV_UNIT = 32;    // keys per scoring unit (vLLM's block sizes are multiples of 32)
+constexpr int VPU = KV_UNIT / LANES;  // vectors per unit of keys
 #ifndef HC_KV_TILE
 #define HC_KV_TILE 128
 #endif
@@ -49,7 +65,8 @@ constexpr int KV_UNIT = 32;    // keys per scoring unit (vLLM's block sizes are 
 constexpr int KV_TILE = HC_KV_TILE;   // keys per softmax tile, counted from key 0
 constexpr int UNITS = KV_TILE / KV_UNIT;
 constexpr int WIDEN_ROWS = 16;  // rows from which a tile's keys and values are widened once
-constexpr int ROW_BLOCK = 8;   // rows per register block of the score and P @ V loops
+constexpr int ROW_BLOCK = HC_ROW_BLOCK;  // rows per register block (score and P @ V loops):
+                                         // the accumulators fill the host's vector registers
 constexpr int Q_TILE = HC_Q_TILE;     // query tokens per work item
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -135,21 +152,19 @@ struct Cache {
 // `kp` (dimension d of key j at kp[d * block_size + j]): out[i * KV_TILE + j].
 template <typename src_t, int D, int N>
 inline void score_rows(const float* q, const src_t* kp, int64_t block_size, float* out) {
-  vf acc0[N], acc1[N];
-  for (int i = 0; i < N; ++i) acc0[i] = acc1[i] = splat(0.0f);
+  vf acc[N][VPU];
+  for (int i = 0; i < N; ++i)
+    for (int v = 0; v < VPU; ++v) acc[i][v] = splat(0.0f);
   for (int d = 0; d < D; ++d) {
-    const vf k_lo = load(kp + d * block_size);
-    const vf k_hi = load(kp + d * block_size + LANES);
+    vf k[VPU];
+    for (int v = 0; v < VPU; ++v) k[v] = load(kp + d * block_size + v * LANES);
     for (int i = 0; i < N; ++i) {
       const vf a = splat(q[i * D + d]);
-      acc0[i] = acc0[i] + a * k_lo;
-      acc1[i] = acc1[i] + a * k_hi;
+      for (int v = 0; v < VPU; ++v) acc[i][v] = acc[i][v] + a * k[v];
     }
   }
-  for (int i = 0; i < N; ++i) {
-    store(out + i * KV_TILE, acc0[i]);
-    store(out + i * KV_TILE + LANES, acc1[i]);
-  }
+  for (int i = 0; i < N; ++i)
+    for (int v = 0; v < VPU; ++v) store(out + i * KV_TILE + v * LANES, acc[i][v]);
 }
 
 // Scores of `rows` rows against one unit of keys at `kp` (dimension stride `ds`): a unit of
@@ -178,27 +193,22 @@ inline void score_unit(const float* q, int rows, const src_t* kp, int64_t ds, fl
 template <typename src_t, int D, int N, bool check>
 inline void pv_rows(const float* p, const int64_t* last, const src_t* vp, int64_t u0,
                     int64_t j0, int64_t j1, int64_t t0, float* acc) {
-  for (int d0 = 0; d0 < D; d0 += 2 * LANES) {
-    vf o0[N], o1[N];
-    for (int i = 0; i < N; ++i) {
-      o0[i] = load(acc + i * D + d0);
-      o1[i] = load(acc + i * D + d0 + LANES);
-    }
+  for (int d0 = 0; d0 < D; d0 += VPU * LANES) {
+    vf o[N][VPU];
+    for (int i = 0; i < N; ++i)
+      for (int v = 0; v < VPU; ++v) o[i][v] = load(acc + i * D + d0 + v * LANES);
     for (int64_t j = j0; j < j1; ++j) {
-      const vf v0 = load(vp + (j - u0) * D + d0);
-      const vf v1 = load(vp + (j - u0) * D + d0 + LANES);
+      vf x[VPU];
+      for (int v = 0; v < VPU; ++v) x[v] = load(vp + (j - u0) * D + d0 + v * LANES);
       for (int i = 0; i < N; ++i) {
         if (!check || j <= last[i]) {
           const vf a = splat(p[i * KV_TILE + (j - t0)]);
-          o0[i] = o0[i] + a * v0;
-          o1[i] = o1[i] + a * v1;
+          for (int v = 0; v < VPU; ++v) o[i][v] = o[i][v] + a * x[v];
         }
       }
     }
-    for (int i = 0; i < N; ++i) {
-      store(acc + i * D + d0, o0[i]);
-      store(acc + i * D + d0 + LANES, o1[i]);
-    }
+    for (int i = 0; i < N; ++i)
+      for (int v = 0; v < VPU; ++v) store(acc + i * D + d0 + v * LANES, o[i][v]);
   }
 }
 
@@ -310,10 +320,9 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
           float* out = probs.data() + (u0 - t0);
           if (widen) {
             float* kb = kbuf.data() + (u0 - t0) * D;
-            for (int d = 0; d < D; ++d) {
-              store(kb + d * KV_UNIT, load(kp + d * c.block_size));
-              store(kb + d * KV_UNIT + LANES, load(kp + d * c.block_size + LANES));
-            }
+            for (int d = 0; d < D; ++d)
+              for (int v = 0; v < VPU; ++v)
+                store(kb + d * KV_UNIT + v * LANES, load(kp + d * c.block_size + v * LANES));
             score_unit<float, D>(qbuf.data(), rows, kb, KV_UNIT, out);
           } else {
             score_unit<kv_t, D>(qbuf.data(), rows, kp, c.block_size, out);
