@@ -64,7 +64,11 @@ constexpr int VPU = KV_UNIT / LANES;  // vectors per unit of keys
 #endif
 constexpr int KV_TILE = HC_KV_TILE;   // keys per softmax tile, counted from key 0
 constexpr int UNITS = KV_TILE / KV_UNIT;
-constexpr int WIDEN_ROWS = 16;  // rows from which a tile's keys and values are widened once
+#ifndef HC_WIDEN_ROWS
+#define HC_WIDEN_ROWS 16
+#endif
+constexpr int WIDEN_ROWS = HC_WIDEN_ROWS;  // rows from which a tile's keys and values are
+                                           // widened to float32 once for all of them
 constexpr int ROW_BLOCK = HC_ROW_BLOCK;  // rows per register block (score and P @ V loops):
                                          // the accumulators fill the host's vector registers
 constexpr int Q_TILE = HC_Q_TILE;     // query tokens per work item
