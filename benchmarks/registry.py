@@ -63,6 +63,9 @@ SUITES: tuple[Suite, ...] = (
           "vs ours with vLLM's extra core for a connector", "engine"),
     Suite("cpu-attention-pin", "benchmarks.cpu_attention_pin_bench", "cold prefill cost of "
           "a split-invariant CPU attention: the pin or our kernel (--on kernel)", "engine"),
+    Suite("cpu-attention-kernel", "benchmarks.cpu_attention_kernel_bench", "our "
+          "split-invariant CPU attention kernel vs vLLM's CPU attention op, kernel alone",
+          "none"),
     Suite("split-invariance", "benchmarks.split_invariance_bench", "cold prefill cost of "
           "Flash-Next's split-invariant forward", "engine"),
     Suite("split-invariance-captures", "benchmarks.split_invariance_captures_bench", "cold "
