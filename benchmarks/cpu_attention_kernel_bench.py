@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+
+from benchmarks.copy_bench import _medians_ms  # interleaved medians, after a warm-up
 
 # name: (query heads, kv heads, head dim, block tokens)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -97,18 +97,6 @@ class _KV:
             return (p @ v).transpose(0, 1)
 
         return ours, vllm, reference
-
-
-def _medians_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
