@@ -441,9 +441,10 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self.cache.record_lookup(res)
             return
-        local = in_place = entry.in_place  # vLLM's local hit
-        if (res.hit and self.share_blocks is not None
-                and res.tokens == local + num_external_tokens):
+        in_place = entry.in_place  # vLLM's local hit
+        restoring = (res.hit and res.tokens == in_place + num_external_tokens
+                     and self.cache.begin_restore(res))
+        if restoring and self.share_blocks is not None:
             # the loaded range's whole blocks that vLLM's cache holds: taken from it, so the
             # load copies the recurrent state and the rows past them only
             deeper = self._sharable_rows(request, entry, res)
@@ -455,8 +456,7 @@ class SchedulerSide:
             # the rows below `in_place` are vLLM's cold rows, shared; every row from there on
             # (the anchor's copy, what this request computes after) descends from the session
             self._off_segmentation(request.request_id, entry, in_place)
-        if (res.hit and res.tokens == local + num_external_tokens
-                and self.cache.begin_restore(res)):
+        if restoring:
             entry.resume_at = res.tokens
             if self.in_place_block:
                 self.in_place_counts.count(res.tier, res.kind, res.tokens, in_place,
