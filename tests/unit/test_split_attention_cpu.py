@@ -138,10 +138,10 @@ def test_a_request_is_computed_the_same_whatever_shares_its_batch():
 
 
 def test_the_plan_routes_only_vllms_qwen3_next_on_the_vec_layout(monkeypatch, embedded_model):
-    """`auto` (the default: in an engine running the connector) and `kernel` (any engine) run
-    the kernel for vLLM's Qwen3-Next on the CPU platform's `vec` layout; `0`, `1` (the pin),
-    another model or a block size the kernel does not take keep vLLM's attention, each with its
-    reason; an unknown setting is refused."""
+    """`auto` (the default: in an engine running the connector with the cache on) and `kernel`
+    (any engine) run the kernel for vLLM's Qwen3-Next on the CPU platform's `vec` layout; `0`,
+    `1` (the pin), the cache off, another model or a block size the kernel does not take keep
+    vLLM's attention, each with its reason; an unknown setting is refused."""
     from vllm.config import ModelConfig
 
     from vllm_hybridcache.compat import cpu_attention as bend
@@ -167,8 +167,15 @@ def test_the_plan_routes_only_vllms_qwen3_next_on_the_vec_layout(monkeypatch, em
     assert use, why
     use, why = split_attention_plan(plain)        # installed, not asked for: vLLM's attention
     assert not use and "connector" in why
+    off = SimpleNamespace(model_config=mc, cache_config=cfg.cache_config,
+                          kv_transfer_config=SimpleNamespace(
+                              kv_connector=CONNECTOR_NAME,
+                              kv_connector_extra_config={"budget_bytes": 0}))
+    use, why = split_attention_plan(off)          # the connector with the cache off: vLLM's
+    assert not use and "off" in why
     monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, "kernel")
     assert split_attention_plan(cfg)[0] and split_attention_plan(plain)[0]
+    assert split_attention_plan(off)[0]
     for setting in ("0", "1"):
         monkeypatch.setenv(CPU_ATTN_SPLIT_INVARIANT_ENV, setting)
         use, why = split_attention_plan(cfg)

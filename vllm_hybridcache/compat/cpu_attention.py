@@ -29,7 +29,9 @@ from vllm_hybridcache.config import (
     CPU_ATTN_AUTO,
     CPU_ATTN_KERNEL,
     CPU_ATTN_SPLIT_INVARIANT_ENV,
+    SettingsError,
     cpu_attention_setting,
+    load_settings,
 )
 
 logger = logging.getLogger("vllm_hybridcache")
@@ -42,7 +44,8 @@ def split_attention_plan(vllm_config: Any) -> tuple[bool, str]:
     """(whether this engine's vLLM attention layers run the split-invariant kernel, why).
 
     Yes when the setting allows it (`auto`, the default, in an engine that runs the plugin's
-    connector, so that installing the package changes nothing an engine without it computes;
+    connector with the cache on, so that installing the package, or turning the cache off,
+    changes nothing an engine without it computes;
     `kernel`, in any engine), on vLLM's CPU platform,
     for a model whose whole forward is otherwise split-invariant (`CPU_GDN_INNER_MODELS`),
     where vLLM would lay its KV cache out for its `vec` kernel (no AMX for bf16: vLLM's AMX
@@ -61,8 +64,16 @@ def split_attention_plan(vllm_config: Any) -> tuple[bool, str]:
     if not current_platform.is_cpu():
         return False, "not vLLM's CPU platform"
     ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if setting == CPU_ATTN_AUTO and getattr(ktc, "kv_connector", None) != CONNECTOR_NAME:
-        return False, "the engine does not run the hybridcache connector"
+    if setting == CPU_ATTN_AUTO:
+        if getattr(ktc, "kv_connector", None) != CONNECTOR_NAME:
+            return False, "the engine does not run the hybridcache connector"
+        try:
+            active = load_settings(getattr(ktc, "kv_connector_extra_config", None)).active
+        except SettingsError as e:
+            return False, f"the connector's settings are refused ({e})"
+        if not active:
+            # off means off: the engine computes as without the plugin (design rule 5)
+            return False, "the snapshot cache is off (enabled=false or budget_bytes=0)"
     mc = getattr(vllm_config, "model_config", None)
     cc = getattr(vllm_config, "cache_config", None)
     if mc is None or cc is None:
