@@ -33,10 +33,13 @@ from vllm_hybridcache.testing.instrumentation import instrument
 
 pytestmark = pytest.mark.slow
 
-LOGPROB_TOLERANCE = 0.4
-"""Mean |quantized - dequantized| prompt logprob, nats. Measured on this model: 0.20 (a 2-core
-Xeon with AVX-512 and AMX; the logprobs themselves spread 1.3 nats around -9.1; the same
-comparison one position off, 1.43). The bound leaves room for other CPUs' kernels."""
+LOGPROB_TOLERANCE = 0.6
+"""Mean |quantized - dequantized| prompt logprob, nats. Measured on this model: 0.20 on a 2-core
+Xeon with AVX-512 and AMX (the logprobs themselves spread 1.3 nats around -9.1; the same
+comparison one position off, 1.43), 0.47 on a 2-core EPYC with AVX2 only (one position off,
+1.45; the same 0.4654 with vLLM's attention or the plugin's CPU attention kernel: the gap is
+vLLM's int8 kernels on that ISA). The bound sits between the widest gap seen and half the
+smallest off-by-one measure, so the negative control below still tells logprobs apart."""
 
 
 def prompt_logprobs(llm, prompt) -> list[float]:
