@@ -287,3 +287,24 @@ def test_forks_of_a_head_share_its_blocks(margin):
         assert all(b[:n] == blocks[0][:n] for b in blocks)   # one set of head blocks
         assert all(e.runs[r].cached == 3 * GRID + 1 for r in ids)
         assert cache_stats(e, "anchor")["choices"] == {"deepest": 4}
+
+
+def test_share_cached_blocks_changes_nothing_it_cannot_share():
+    """All or nothing (compat.share_cached_blocks): a range off the attention block, or one
+    vLLM's cache does not hold (B parts from A at 128), changes no block of the request, and
+    the request still equals a cold run."""
+    from vllm_hybridcache.compat import share_cached_blocks
+
+    ref = cold(B)
+    e = HarnessEngine(ON)
+    e.run(A)
+    r = e.add(B)
+    e.step()                                    # admitted: [0, 128) shared, the load planned
+    request = e.scheduler.requests[r]
+    manager = e.scheduler.kv_cache_manager
+    before = _attn_blocks(e, r)
+    assert share_cached_blocks(manager, request, 1, 2 * GRID) == 1
+    assert share_cached_blocks(manager, request, 2 * GRID, 3 * GRID) == 2 * GRID
+    assert _attn_blocks(e, r) == before
+    e.drain()
+    same(e.runs[r], ref)
