@@ -66,6 +66,8 @@ SUITES: tuple[Suite, ...] = (
     Suite("cpu-attention-kernel", "benchmarks.cpu_attention_kernel_bench", "our "
           "split-invariant CPU attention kernel vs vLLM's CPU attention op, kernel alone",
           "none"),
+    Suite("rowwise-linear", "benchmarks.rowwise_linear_bench", "the row-invariant CPU linear "
+          "vs torch's GEMM and 64-row tiles, kernel alone", "none"),
     Suite("split-invariance", "benchmarks.split_invariance_bench", "cold prefill cost of "
           "Flash-Next's split-invariant forward", "engine"),
     Suite("split-invariance-captures", "benchmarks.split_invariance_captures_bench", "cold "

@@ -8,9 +8,12 @@ attention and indexer scores as they were before they were made cheaper,
 `benchmarks/split_invariant_baseline.py`; same model object as `on`). Prints medians, ratios of
 medians, whether each arm's prefill is bit-identical across two step patterns (one step of the
 prompt vs 64-aligned steps), which is what the mode is for, and whether `before` and `on` gave
-the same bits.
+the same bits. With `--tiles`, a third arm: the split-invariant forward in its "tiles" form
+(64-row GEMM tiles, per-query attention; what runs where the row-invariant CPU kernel is not
+built), a model of its own, against `on` in its "rowwise" form.
 
     python -m benchmarks.split_invariance_bench --before --out docs/benchmarks/split-invariance.md
+    python -m benchmarks.split_invariance_bench --tiles --tokens 1024 --step 1024 --threads 1
 
 With `--captures`, instead: the cost of fine segmentation's inner captures on the
 split-invariant forward, in-process (no engine, so no IPC or scheduler noise): one step of
@@ -54,8 +57,8 @@ def _equal(a, b) -> bool:
 
 
 def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
-            before: bool = False) -> list[str]:
-    from benchmarks.split_invariant_baseline import baseline_forms
+            before: bool = False, tiles: bool = False) -> list[str]:
+    from benchmarks.split_invariant_baseline import baseline_forms, tiles_form
     from vllm_hybridcache.models import ensure_model
     from vllm_hybridcache.tools.flash_next_steps import FlashNextStepper, steps_of
 
@@ -67,6 +70,11 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
             "on": (modes["on"], contextlib.nullcontext)}
     if before:
         arms["before"] = (modes["on"], baseline_forms)
+    if tiles:
+        with tiles_form():
+            modes["tiles"] = FlashNextStepper(ensure_model(model), dtype=dtype, ops="cpu",
+                                              max_len=max(tokens, 2048), split_invariant=True)
+        arms["tiles"] = (modes["tiles"], tiles_form)
     ids = _prompt(tokens)
     results = {}
 
@@ -91,6 +99,11 @@ def measure(model: str, dtype: str, tokens: int, step: int, repeat: int,
     off, on = ab.median("wall", "off"), ab.median("wall", "on")
     old = ab.median("wall", "before") if before else None
     yes = {True: "yes", False: "no"}
+    if tiles:
+        tl = ab.median("wall", "tiles")
+        return [f"| {model} | {dtype} | {tokens} | {step} | {off:.3f} | {tl:.3f} | {on:.3f} "
+                f"| {tl / off:.3f} | {on / off:.3f} | {yes[invariant['off']]} "
+                f"| {yes[invariant['tiles']]} | {yes[invariant['on']]} |"]
     return [f"| {model} | {dtype} | {tokens} | {step} | {off:.3f} "
             f"| {'' if old is None else f'{old:.3f}'} | {on:.3f} "
             f"| {'' if old is None else f'{old / off:.3f}'} | {on / off:.3f} "
@@ -170,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", action="store_true",
                     help="also time the split-invariant forward's former attention and "
                          "indexer scores (benchmarks/split_invariant_baseline.py)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="also time the split-invariant forward's tiles form (where the "
+                         "row-invariant kernel is not built); the columns then name on as "
+                         "rowwise")
     ap.add_argument("--captures", action="store_true",
                     help="time the inner captures on the split-invariant forward instead")
     ap.add_argument("--junction", type=int, default=1000,
@@ -208,16 +225,24 @@ def main(argv: list[str] | None = None) -> int:
         f"command: `python -m benchmarks.split_invariance_bench "
         f"{shlex.join(argv if argv is not None else sys.argv[1:])}`",
         f"machine: {platform.processor() or platform.machine()}, torch threads "
-        f"{torch.get_num_threads()}, {args.repeat} rounds of the arms, medians in seconds",
+        f"{torch.get_num_threads()}, {args.repeat} rounds of the arms, medians in seconds; "
+        f"load average before: {os.getloadavg()[0]:.1f}",
         "",
-        "| model | dtype | tokens | step | off s | before s | on s | before/off | on/off "
-        "| before/on | on = before (bits) | off invariant | on invariant |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if args.tiles:
+        lines += ["| model | dtype | tokens | step | off s | tiles s | rowwise s | tiles/off "
+                  "| rowwise/off | off invariant | tiles invariant | rowwise invariant |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| model | dtype | tokens | step | off s | before s | on s | before/off "
+                  "| on/off | before/on | on = before (bits) | off invariant | on invariant |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model in args.models:
         for dtype in args.dtypes:
-            lines += measure(model, dtype, args.tokens, args.step, args.repeat, args.before)
+            lines += measure(model, dtype, args.tokens, args.step, args.repeat, args.before,
+                             args.tiles)
             print(lines[-1], flush=True)
+    lines.append(f"\nload average after: {os.getloadavg()[0]:.1f}")
     emit(lines, args.out)
     return 0
 

@@ -75,3 +75,16 @@ def baseline_forms() -> Iterator[None]:
         yield
     finally:
         si.sparse_attention_per_query, si._INDEXER = saved
+
+
+@contextlib.contextmanager
+def tiles_form() -> Iterator[None]:
+    """The split-invariant forward in its "tiles" form while inside (64-row GEMM tiles, the
+    per-query attention and elementwise indexer scores: where the row-invariant kernel is not
+    built), for a model prepared and run inside. The forms above replace that form's."""
+    saved = si.rowwise_available
+    si.rowwise_available = lambda: False
+    try:
+        yield
+    finally:
+        si.rowwise_available = saved

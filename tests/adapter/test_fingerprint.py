@@ -158,6 +158,25 @@ def test_kernel_backend_names_the_split_invariant_forward(monkeypatch):
     assert on != off and kernel_backend(cfg) == on
 
 
+def test_kernel_backend_names_the_split_invariant_form(monkeypatch):
+    """The split-invariant forward's two CPU forms (the row-invariant kernel, 64-row tiles)
+    give other bits: engines that differ only in the form must not share link files."""
+    from types import SimpleNamespace
+
+    from vllm_hybridcache.adapter.fingerprint import kernel_backend
+    from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
+    from vllm_hybridcache.flash_next.ops import split_invariant
+
+    cfg = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    monkeypatch.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "1")
+    monkeypatch.setattr(split_invariant, "rowwise_available", lambda: True)
+    rowwise = kernel_backend(cfg)
+    monkeypatch.setattr(split_invariant, "rowwise_available", lambda: False)
+    tiles = kernel_backend(cfg)
+    assert "flash_next_invariant_form=rowwise" in rowwise
+    assert "flash_next_invariant_form=tiles" in tiles
+
+
 def test_a_memo_in_the_cache_folder_is_used_only_with_its_mac(tmp_path):
     """The memo lives in disk_dir: with the disk key it carries a MAC, and a memo edited to
     give a file another digest (what would give a changed checkpoint its predecessor's

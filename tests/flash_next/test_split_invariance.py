@@ -19,6 +19,7 @@ from vllm_hybridcache.flash_next.ops.split_invariant import (
     SplitInvariantOps,
     conv_taps,
     sparse_attention_per_query,
+    sparse_attention_rowwise,
 )
 from vllm_hybridcache.tools.flash_next_steps import FlashNextStepper, steps_of
 
@@ -130,6 +131,33 @@ def test_per_query_attention_does_not_depend_on_the_other_queries():
         assert torch.equal(part, full[lo:hi]), (lo, hi)
 
 
+def _rowwise_attention(*args):
+    from vllm_hybridcache.ops import rowwise_linear as rl
+
+    if not rl.available():
+        pytest.skip("the row-invariant kernel needs a C++ compiler (make toolchain)")
+    return sparse_attention_rowwise(*args, rl.rowwise_linear)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rowwise_attention_matches_the_reference(dtype, tol):
+    q, k, v, cu, seq, idx = _attention_case(dtype)
+    got = _rowwise_attention(q, k, v, cu, seq, idx, 0.25)
+    ref = ReferenceOps().sparse_attention(q, k, v, cu, seq, idx, 0.25)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_attention_does_not_depend_on_the_other_queries(dtype):
+    """A query's output is the same bits in any block of queries (whose furthest selection,
+    the span, differs), including alone."""
+    q, k, v, cu, seq, idx = _attention_case(dtype, seed=1)
+    full = _rowwise_attention(q, k, v, cu, seq, idx, 0.25)
+    for lo, hi in [(0, 1), (3, 40), (40, 41), (45, 110), (100, 101)]:
+        part = _rowwise_attention(q[lo:hi], k, v, cu, seq[lo:hi], idx[lo:hi], 0.25)
+        assert torch.equal(part, full[lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dilation", [1, 3])
 def test_conv_taps_match_the_reference_and_split_exactly(dtype, dilation):
@@ -205,12 +233,34 @@ def test_inner_states_equal_a_step_ending_there(stepper, one_step):
                 assert torch.equal(hook.got[(name, q, i)], part), (name, q, i)
 
 
-def test_every_moe_block_runs_in_fixed_rows(stepper):
-    """The split-invariant backend turns on every MoE block's fixed-row mode (found by its
-    `fixed_rows` attribute, not its class: the op does not import the model's layers); a block
-    left in its variable-row mode would batch a step's rows per expert, which is step-dependent."""
+def test_every_moe_block_runs_row_invariant_gemms(stepper):
+    """The split-invariant backend puts every MoE block's GEMMs in a row-invariant form
+    (found by its `row_linear` / `fixed_rows` attributes, not its class: the op does not
+    import the model's layers): the row-invariant kernel where it is built, else the
+    fixed-row mode; a block left in its default mode would batch a step's rows per expert
+    into GEMMs whose shape follows the step. Every `nn.Linear` is routed the same way."""
     from vllm_hybridcache.flash_next.moe import SparseMoE
-    from vllm_hybridcache.flash_next.ops.split_invariant import ROW_TILE
+    from vllm_hybridcache.flash_next.ops.split_invariant import ROW_TILE, invariant_form
+    from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
 
     blocks = [m for m in stepper.model.modules() if isinstance(m, SparseMoE)]
-    assert blocks and all(m.fixed_rows == ROW_TILE for m in blocks)
+    assert blocks
+    if invariant_form(stepper.model) == "rowwise":
+        assert all(m.row_linear is rowwise_linear and not m.fixed_rows for m in blocks)
+    else:
+        assert all(m.fixed_rows == ROW_TILE and m.row_linear is None for m in blocks)
+    linears = [m for m in stepper.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(getattr(m, "_row_tiled", False) for m in linears)
+
+
+def test_tiles_form_is_split_invariant_too(embedded_model, monkeypatch):
+    """Without the kernel (no compiler) the forward falls back to 64-row tiles, and that form
+    is split-invariant as well (float32, one pattern)."""
+    from vllm_hybridcache.flash_next.ops import split_invariant
+
+    monkeypatch.setattr(split_invariant, "rowwise_available", lambda: False)
+    assert split_invariant.invariant_form() == "tiles"
+    tiles = FlashNextStepper(embedded_model("flash-next-tiny"), dtype="float32", ops="cpu",
+                             max_len=512, split_invariant=True)
+    ids = prompt_ids(N, seed=17)
+    assert differences(tiles.prefill(ids, [N]), tiles.prefill(ids, PATTERNS["64+192"])) == []

@@ -18,6 +18,7 @@ from benchmarks.split_invariant_baseline import (
     AllGroupScores,
     baseline_forms,
     sparse_attention_full_width,
+    tiles_form,
 )
 from vllm_hybridcache.flash_next.ops import split_invariant as si
 from vllm_hybridcache.tools.flash_next_steps import FlashNextStepper, steps_of
@@ -120,12 +121,13 @@ def test_indexer_equals_scoring_every_group(n, dtype):
 def test_model_prefill_equals_the_old_forms(dtype, embedded_model):
     """flash-next-tiny, split-invariant forward: a cold prefill in two steps leaves the same
     logits, state parts and rows with the current forms as with the old ones."""
-    stepper = FlashNextStepper(embedded_model("flash-next-tiny"), dtype=dtype, ops="cpu",
-                               max_len=512, split_invariant=True)
-    ids = prompt_ids(300, seed=5)
-    new = stepper.prefill(ids, steps_of(300, 256))
-    with baseline_forms():
-        old = stepper.prefill(ids, steps_of(300, 256))
+    with tiles_form():  # the form these attention and indexer forms belong to
+        stepper = FlashNextStepper(embedded_model("flash-next-tiny"), dtype=dtype, ops="cpu",
+                                   max_len=512, split_invariant=True)
+        ids = prompt_ids(300, seed=5)
+        new = stepper.prefill(ids, steps_of(300, 256))
+        with baseline_forms():
+            old = stepper.prefill(ids, steps_of(300, 256))
     assert si.sparse_attention_per_query is not sparse_attention_full_width  # restored
     assert same_bits(new.logits, old.logits)
     for name, parts in new.sections.items():

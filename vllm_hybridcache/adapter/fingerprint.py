@@ -539,8 +539,8 @@ def kernel_backend(vllm_config) -> str:
     """The kernel choices that change an engine's arithmetic beyond the device: vLLM's device
     type and attention backend setting, the Flash-Next implementation, kernel backend and
     split-invariant forward chosen by our environment variables (empty = the platform
-    default), and the pin of vLLM's CPU attention or our split-invariant kernel when either
-    computes vLLM's attention."""
+    default) with, on CPU, the form of its GEMMs, and the pin of vLLM's CPU attention or our
+    split-invariant kernel when either computes vLLM's attention."""
     from vllm_hybridcache.compat import split_attention_plan
     from vllm_hybridcache.config import (
         FLASH_NEXT_IMPL_ENV,
@@ -556,10 +556,17 @@ def kernel_backend(vllm_config) -> str:
     pinned = ";cpu_attention_split_invariant=1" if cpu_attention_pinned() else ""
     if not pinned and split_attention_plan(vllm_config)[0]:
         pinned = ";cpu_attention_split_invariant=kernel"
+    # the split-invariant forward's GEMM form (row-invariant kernel or 64-row tiles) changes
+    # its bits too; named only when the forward is on
+    invariant = "0"
+    if split_invariant.enabled():
+        invariant = "1"
+        if device == "cpu":
+            invariant += f";flash_next_invariant_form={split_invariant.invariant_form()}"
     return (f"device={device};attention={attn};flash_next_impl="
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
             f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="
-            f"{int(split_invariant.enabled())}{pinned}")
+            f"{invariant}{pinned}")
 
 
 def speculative_setup(vllm_config) -> str:

@@ -101,8 +101,11 @@ class SparseMoE(nn.Module):
         self.shared_expert = SharedExpertMLP(hidden, config.shared_expert_intermediate_size,
                                              quant_config, f"{prefix}.shared_expert")
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        # split-invariant mode (ops/split_invariant.py): run on tiles of this many rows and
-        # pad every expert GEMM to it, so no GEMM's shape follows the step
+        # split-invariant mode (ops/split_invariant.py), one of two forms: `row_linear`, a
+        # GEMM whose every row's arithmetic is its own, runs the router and expert GEMMs; or
+        # `fixed_rows`: run on tiles of this many rows and pad every expert GEMM to it, so no
+        # GEMM's shape follows the step
+        self.row_linear: Any = None
         self.fixed_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,8 +137,9 @@ class SparseMoE(nn.Module):
                 self.experts.load_weights([(f"{expert}.{which}.weight", tensor)])]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.row_linear or F.linear
         shared = self.shared_expert(x)
-        logits = F.linear(x, self.gate.weight)
+        logits = linear(x, self.gate.weight)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -150,8 +154,8 @@ class SparseMoE(nn.Module):
             if self.fixed_rows:  # pad to one GEMM shape (the tile's row count)
                 rows = torch.cat([rows, rows.new_zeros(self.fixed_rows - tok.numel(),
                                                        rows.shape[1])])
-            gate, up = F.linear(rows, self.w13[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[e])[: tok.numel()] * top_w[tok, slot, None]
+            gate, up = linear(rows, self.w13[e]).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, self.w2[e])[: tok.numel()] * top_w[tok, slot, None]
             # a token picks an expert at most once, so rows are distinct: same sums as
             # transformers' index_add_ (expert order kept), without its slow CPU path
             out[tok] += h.to(out.dtype)

@@ -8,11 +8,12 @@ GPU extension for ``PYTORCH_ROCM_ARCH`` (hipcc) and ships it in the wheel (``_pr
 
     python -m vllm_hybridcache.ops.csrc_build code-objects --targets gfx1151 gfx1201 --out DIR
     python -m vllm_hybridcache.ops.csrc_build prebuild --out vllm_hybridcache/ops/_prebuilt
-    python -m vllm_hybridcache.ops.csrc_build warm     # CPU twin and CPU attention, cached
+    python -m vllm_hybridcache.ops.csrc_build warm     # CPU twin and the host's kernels, cached
 
 The split-invariant CPU attention (``csrc/split_attention_cpu.cpp``, ``ops/cpu_attention.py``)
-is built the same way as the CPU twin, for the host it runs on (``-march=native``): it serves
-vLLM's CPU backend only, so no wheel ships it.
+and the row-invariant linear (``csrc/rowwise_linear_cpu.cpp``, ``ops/rowwise_linear.py``) are
+built the same way as the CPU twin, for the host they run on (``-march=native``): they serve
+the CPU only, so no wheel ships them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 CPU_NAME = "hybridcache_copy_cpu"
 ATTENTION_NAME = "hybridcache_attention_cpu"
+ROWWISE_NAME = "hybridcache_rowwise_cpu"
 DEVICE_NAME = "hybridcache_copy_device"
 CODEOBJ_SOURCE = "snapshot_copy_codeobj.hip"
 CLANG = "clang-19"
@@ -164,20 +166,35 @@ def load_cpu_twin(out: Path | None = None, verbose: bool = False) -> ModuleType:
                     build_directory=str(build), verbose=verbose)
 
 
+def _load_native(name: str, source: str, extra_cflags: tuple[str, ...] = (),
+                 out: Path | None = None, verbose: bool = False) -> ModuleType:
+    """A module of csrc/ built for this host (``-march=native``, OpenMP), cached by torch per
+    source tree and host ISA: the first load on a host compiles it."""
+    src = csrc_dir()
+    if src is None or not (src / source).is_file():
+        raise FileNotFoundError(f"csrc/{source} not found (an installed wheel carries no "
+                                "host-built CPU kernels: they are built for their host)")
+    from torch.utils.cpp_extension import load
+
+    build = _build_dir(name, src, out, salt=host_isa())
+    with build_lock(build):
+        return load(name=name, sources=[str(src / source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=verbose)
+
+
 def load_cpu_attention(out: Path | None = None, verbose: bool = False) -> ModuleType:
     """The split-invariant CPU attention, compiled from csrc/ for this host (cached by torch:
     the first load on a host compiles, about a minute on two cores)."""
-    src = csrc_dir()
-    if src is None or not (src / "split_attention_cpu.cpp").is_file():
-        raise FileNotFoundError("csrc/split_attention_cpu.cpp not found (an installed wheel "
-                                "carries no CPU attention: it is built for its host)")
-    from torch.utils.cpp_extension import load
+    return _load_native(ATTENTION_NAME, "split_attention_cpu.cpp", out=out, verbose=verbose)
 
-    build = _build_dir(ATTENTION_NAME, src, out, salt=host_isa())
-    with build_lock(build):
-        return load(name=ATTENTION_NAME, sources=[str(src / "split_attention_cpu.cpp")],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=verbose)
+
+def load_rowwise_linear(out: Path | None = None, verbose: bool = False) -> ModuleType:
+    """The row-invariant CPU linear layer (Flash-Next's split-invariant forward), compiled
+    for this host like the attention. ``-ffp-contract=off``: its multiply-adds are fused
+    where the source says so and nowhere else, the same in every code path."""
+    return _load_native(ROWWISE_NAME, "rowwise_linear_cpu.cpp", ("-ffp-contract=off",),
+                        out=out, verbose=verbose)
 
 
 def load_device_extension(out: Path | None = None, verbose: bool = False) -> ModuleType:
@@ -257,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--out", type=Path, required=True)
     pb = sub.add_parser("prebuild", help="build the extensions a wheel ships")
     pb.add_argument("--out", type=Path, default=PREBUILT_DIR)
-    sub.add_parser("warm", help="compile the CPU twin and the split-invariant CPU attention "
+    sub.add_parser("warm", help="compile the CPU twin, the split-invariant CPU attention and "
+                   "the row-invariant linear "
                    "into torch's extension cache (make toolchain), so the first server start "
                    "does not compile them")
     args = ap.parse_args(argv)
@@ -274,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"csrc CPU attention not built ({e}); Qwen3-Next on CPU stays in step mode")
             return 0
         print(f"csrc CPU attention: {att.__file__}")
+        try:
+            lin = load_rowwise_linear()
+        except Exception as e:  # Flash-Next's split-invariant forward then tiles its GEMMs
+            print(f"csrc row-invariant linear not built ({e}); Flash-Next's split-invariant "
+                  "forward runs its GEMMs on 64-row tiles")
+            return 0
+        print(f"csrc row-invariant linear: {lin.__file__}")
         return 0
     if args.cmd == "code-objects":
         from vllm_hybridcache.ops.codeobj import check

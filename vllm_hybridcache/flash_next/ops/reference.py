@@ -105,6 +105,21 @@ def _chunk_gated_delta_rule_one(q, k, v, g, beta, chunk_size, initial_state, use
     return out, state
 
 
+def hc_mix_with(linear, x, norm_weight, down_weight, up_weight, inject_weight, *,
+                hc_count, eps):
+    """The hyper-connection mix (`FlashNextOps.hc_mix`) with its three GEMMs run by `linear`
+    (F.linear here; the split-invariant forward passes its row-invariant kernel)."""
+    hidden = x.shape[-1] // hc_count
+    xn = rms_norm(x, norm_weight, eps, group_size=hidden)
+    w = F.silu(linear(xn, down_weight) / hc_count)
+    w = torch.sigmoid(linear(w, up_weight)).unflatten(-1, (hc_count, hidden))
+    mixed = (w * xn.unflatten(-1, (hc_count, hidden))).mean(dim=-2)
+    if inject_weight is None:
+        return mixed, None
+    inject = 2 * torch.sigmoid(linear(xn, inject_weight) / hc_count)
+    return mixed, inject
+
+
 def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     cu = cu_seqlens.tolist()
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
@@ -302,15 +317,8 @@ class ReferenceOps(FlashNextOps):
 
     # ---------------------------------------------------------------- hyper-connections
     def hc_mix(self, x, norm_weight, down_weight, up_weight, inject_weight, *, hc_count, eps):
-        hidden = x.shape[-1] // hc_count
-        xn = rms_norm(x, norm_weight, eps, group_size=hidden)
-        w = F.silu(F.linear(xn, down_weight) / hc_count)
-        w = torch.sigmoid(F.linear(w, up_weight)).unflatten(-1, (hc_count, hidden))
-        mixed = (w * xn.unflatten(-1, (hc_count, hidden))).mean(dim=-2)
-        if inject_weight is None:
-            return mixed, None
-        inject = 2 * torch.sigmoid(F.linear(xn, inject_weight) / hc_count)
-        return mixed, inject
+        return hc_mix_with(F.linear, x, norm_weight, down_weight, up_weight, inject_weight,
+                           hc_count=hc_count, eps=eps)
 
     def hc_inject(self, streams, block_out, inject):
         return streams + (block_out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

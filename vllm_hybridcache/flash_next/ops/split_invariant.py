@@ -11,7 +11,10 @@ there would leave, which is what fine captures need (docs/split-invariance.md).
   every key up to the block's furthest selected position (`span`) and runs the softmax and the
   probability-times-value product over that span; the span and the query blocks follow the
   step, so the reduction lengths (and the GEMM blockings) around a token change with it.
-  Here every query is reduced over exactly its own selected rows, a fixed-length list
+  In the "rowwise" form (`invariant_form`) the reference's dense-masked form stays, with its
+  two GEMMs on the row-invariant kernel and the span rounded up to a multiple of 64: a
+  longer span only appends keys of probability exactly 0 (`sparse_attention_rowwise`). In the
+  "tiles" form every query is reduced over exactly its own selected rows, a fixed-length list
   (`budget + ratio - 1`, padded with -1), in ascending position order, with explicit
   elementwise products and sums over the innermost axis: nothing a query computes depends on
   the other queries of its step.
@@ -22,15 +25,20 @@ there would leave, which is what fine captures need (docs/split-invariance.md).
 
 - GEMMs: a GEMM's kernel and blocking follow its row count (measured: the MoE expert GEMMs
   of a short last step, and GEMMs with one or four output columns, give other last bits for
-  the same row). Here every row-wise computation (each `nn.Linear`, `hc_mix`, the MoE block)
-  runs on tiles of exactly `ROW_TILE` rows, the last one padded with zeros, so every GEMM call
-  has one shape. Steps start at multiples of 64 = `ROW_TILE`, so the token at position p is
-  always row p mod 64 of its tile; inside the MoE block every expert GEMM is padded to
-  `ROW_TILE` rows too (a token's row there is its rank among the earlier tokens of its tile
-  routed to the expert, which earlier tokens alone decide).
+  the same row). Here every GEMM (each `nn.Linear`, `hc_mix`'s three, the MoE router and
+  experts) runs the row-invariant CPU linear (`ops/rowwise_linear.py`, csrc/): an output
+  element's arithmetic is fixed by its own row and column, so one call of any shape gives a
+  row the bits it gets alone. Where that kernel is not built (no compiler) or the model is
+  not on the CPU, the former form ("tiles"): every row-wise computation runs on tiles of
+  exactly `ROW_TILE` rows, the last one padded with zeros, so every GEMM call has one shape.
+  Steps start at multiples of 64 = `ROW_TILE`, so the token at position p is always row
+  p mod 64 of its tile; inside the MoE block every expert GEMM is padded to `ROW_TILE` rows
+  too (a token's row there is its rank among the earlier tokens of its tile routed to the
+  expert, which earlier tokens alone decide). The two forms give other bits; the engine
+  fingerprint names the one in use (`invariant_form`).
 - Indexer scores: `q @ keys^T` over every pooled group of the step's sequence, a GEMM whose
-  shape follows the step; here one elementwise product and innermost sum per (query, head,
-  group).
+  shape follows the step; here that GEMM on the row-invariant kernel ("rowwise"), or one
+  elementwise product and innermost sum per (query, head, group) ("tiles").
 
 GDN chunked prefill (chunks of 64 counted from the step start) and the norms (one reduction
 per row) are split-invariant at 64-aligned steps and pass through to the wrapped backend.
@@ -45,7 +53,7 @@ import torch.nn.functional as F
 
 from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
-from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
+from vllm_hybridcache.flash_next.ops.reference import ReferenceOps, hc_mix_with
 
 ENV_VAR = FLASH_NEXT_SPLIT_INVARIANT_ENV
 
@@ -83,22 +91,58 @@ def row_tiles(fn, x: torch.Tensor, *args, tile: int = ROW_TILE):
     return torch.cat(outs)[:t] if outs else fn(x, *args)
 
 
+def rowwise_available() -> bool:
+    """Whether this process has the row-invariant CPU linear (csrc/rowwise_linear_cpu.cpp,
+    built for the host on first use); without it the GEMMs run on 64-row tiles."""
+    from vllm_hybridcache.ops import rowwise_linear
+
+    return rowwise_linear.available()
+
+
+def invariant_form(model: torch.nn.Module | None = None) -> str:
+    """Which form of the split-invariant forward runs: "rowwise" (every GEMM, the attention's
+    two and the indexer's scores on the row-invariant CPU kernel: every row's arithmetic its
+    own, one call of any shape) or "tiles" (GEMMs on padded 64-row tiles, the per-query
+    attention and elementwise indexer scores). The two give other bits, so the engine
+    fingerprint names the form. A model on another device keeps the tiles (the kernel is CPU
+    only)."""
+    on_cpu = model is None or all(p.device.type == "cpu" for p in model.parameters())
+    return "rowwise" if on_cpu and rowwise_available() else "tiles"
+
+
+def _rowwise_here(x: torch.Tensor) -> bool:
+    """Whether an op on `x` runs the "rowwise" form (the kernel built, `x` on the CPU)."""
+    return x.device.type == "cpu" and rowwise_available()
+
+
 def tile_linear_layers(model: torch.nn.Module) -> int:
-    """Route every `nn.Linear` of `model` (whatever forward the backend gave it) through
-    `row_tiles`, and turn on the fixed-row mode of every block that has one; returns how many
+    """Make every `nn.Linear` of `model` (whatever forward the backend gave it) and every block
+    with a row-invariant mode row-invariant, in the form `invariant_form` gives; returns how many
     were changed.
 
-    A block with a fixed-row mode (the MoE block: it gathers rows per expert, so it tiles
-    them itself) says so by its `fixed_rows` attribute (None: off). Asking for the attribute
-    rather than the class keeps this module, an op, from importing the model's layers."""
+    "rowwise": each `nn.Linear` runs the row-invariant CPU linear on its own weight and bias,
+    and a block with a `row_linear` attribute (the MoE block: its router and expert GEMMs) is
+    given that kernel. "tiles": each `nn.Linear` runs through `row_tiles`, and a block with a
+    fixed-row mode (`fixed_rows`: it gathers rows per expert, so it tiles them itself) turns
+    it on. Asking for the attributes rather than the class keeps this module, an op, from
+    importing the model's layers."""
+    rowwise = invariant_form(model) == "rowwise"
+    if rowwise:
+        from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
     n = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not getattr(module, "_row_tiled", False):
-            inner = module.forward
-            module.forward = lambda x, inner=inner: row_tiles(inner, x)
+            if rowwise:
+                module.forward = lambda x, m=module: rowwise_linear(x, m.weight, m.bias)
+            else:
+                inner = module.forward
+                module.forward = lambda x, inner=inner: row_tiles(inner, x)
             module._row_tiled = True
             n += 1
-        elif hasattr(module, "fixed_rows"):
+        elif rowwise and hasattr(module, "row_linear"):
+            module.row_linear = rowwise_linear
+            n += 1
+        elif not rowwise and hasattr(module, "fixed_rows"):
             module.fixed_rows = ROW_TILE
             n += 1
     return n
@@ -196,6 +240,77 @@ def sparse_attention_per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out
 
 
+def sparse_attention_rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             key_cu_seqlens: torch.Tensor, query_seq_idx: torch.Tensor,
+                             indices: torch.Tensor, scale: float, linear) -> torch.Tensor:
+    """The reference's dense-masked attention with its two GEMMs run by the row-invariant
+    `linear` (the "rowwise" form, module docstring).
+
+    Per sequence, block of queries and KV head: scores of each query row against every key
+    up to the block's furthest selected position (`span`, rounded up to a multiple of
+    `_WIDTH_ALIGN` with zero keys), -inf outside the query's selection, the softmax, the
+    probabilities rounded to the activations' dtype, and `P @ V`. A score's arithmetic is its
+    own row's and key's, whatever the block; a key past the query's selection gets score -inf
+    and probability exactly 0, and a longer `span` only appends such entries: trailing zeros
+    to the softmax's sums (the same argument as `sparse_attention_per_query`'s, over lengths
+    that are multiples of 64) and multiply-adds of exact zeros to each lane of `P @ V`'s
+    partial sums. So the block a query lands in, which follows the step, changes no bit."""
+    _, h, d = q.shape
+    hkv = k.shape[1]
+    rep = h // hkv
+    out = torch.empty_like(q)
+    key_cu = key_cu_seqlens.to(torch.long).tolist()
+    seq_of = query_seq_idx.to(torch.long)
+    for n in sorted(set(seq_of.tolist())):
+        rows_q = torch.nonzero(seq_of == n).flatten()
+        base = key_cu[n]
+        seq_len = key_cu[n + 1] - base
+        step = max(1, min(512, (1 << 24) // max(1, h * seq_len)))
+        for s in range(0, rows_q.numel(), step):
+            qi = rows_q[s:s + step]
+            sel = indices[qi].to(torch.long)
+            t = qi.numel()
+            span = int(sel.max()) + 1 if sel.numel() else 0
+            width = max(_WIDTH_ALIGN, -(-span // _WIDTH_ALIGN) * _WIDTH_ALIGN)
+            mask = torch.zeros(t, width + 1, dtype=torch.bool, device=q.device)
+            mask.scatter_(1, torch.where(sel >= 0, sel, width), True)
+            mask = mask[:, :width]
+            pad = width - span
+            qq = q[qi]
+            for g in range(hkv):
+                kk = k[base:base + span, g]
+                vv = v[base:base + span, g]
+                if pad:
+                    kk = torch.cat([kk, kk.new_zeros(pad, d)])
+                    vv = torch.cat([vv, vv.new_zeros(pad, d)])
+                rows = qq[:, g * rep:(g + 1) * rep].reshape(t * rep, d)
+                scores = linear(rows, kk) * scale  # [t * rep, width], the activations' dtype
+                scores = scores.float().view(t, rep, width).masked_fill(
+                    ~mask[:, None, :], float("-inf"))
+                probs = torch.softmax(scores, dim=-1).to(q.dtype).view(t * rep, width)
+                o = linear(probs, vv.t().contiguous())  # [t * rep, D]
+                out[qi, g * rep:(g + 1) * rep] = o.view(t, rep, d)
+    return out
+
+
+class _RowwiseScores(ReferenceOps):
+    """The reference indexer with its score GEMM run by the row-invariant linear: a score is
+    its own (query, head, group) dot product, whatever the call's other rows and columns."""
+
+    def index_scores(self, q: torch.Tensor, block_keys: torch.Tensor,
+                     groups: int | None = None) -> torch.Tensor:
+        from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
+
+        t, hi, d = q.shape
+        nb = block_keys.shape[0]
+        ng = nb if groups is None else max(0, min(nb, groups))
+        out = torch.zeros(t, hi, nb, dtype=torch.float32, device=q.device)
+        if ng:
+            out[:, :, :ng] = rowwise_linear(q.float().reshape(t * hi, d),
+                                            block_keys[:ng].float()).view(t, hi, ng)
+        return out
+
+
 class _ElementwiseScores(ReferenceOps):
     """The reference indexer with per-(query, head, group) scores (see module docstring)."""
 
@@ -216,6 +331,7 @@ class _ElementwiseScores(ReferenceOps):
 
 
 _INDEXER = _ElementwiseScores()
+_ROWWISE_INDEXER = _RowwiseScores()
 
 
 class SplitInvariantOps(FlashNextOps):
@@ -245,18 +361,32 @@ class SplitInvariantOps(FlashNextOps):
     def causal_conv1d_update(self, *args, **kwargs):
         return self.inner.causal_conv1d_update(*args, **kwargs)
 
-    def indexer_topk(self, *args, **kwargs):
-        return _INDEXER.indexer_topk(*args, **kwargs)
+    def indexer_topk(self, q, *args, **kwargs):
+        if _rowwise_here(q):
+            return _ROWWISE_INDEXER.indexer_topk(q, *args, **kwargs)
+        return _INDEXER.indexer_topk(q, *args, **kwargs)
 
     def sparse_attention(self, q, k, v, key_cu_seqlens, query_seq_idx, indices, scale):
+        if _rowwise_here(q):
+            from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
+
+            return sparse_attention_rowwise(q, k, v, key_cu_seqlens, query_seq_idx, indices,
+                                            scale, rowwise_linear)
         return sparse_attention_per_query(q, k, v, key_cu_seqlens, query_seq_idx, indices,
                                           scale)
 
     def ple_conv(self, x, weight, dilation, cu_seqlens, conv_state):
         return conv_taps(x, weight, cu_seqlens, conv_state, dilation, "silu")
 
-    def hc_mix(self, x, *args, **kwargs):
-        return row_tiles(lambda rows: self.inner.hc_mix(rows, *args, **kwargs), x)
+    def hc_mix(self, x, norm_weight, down_weight, up_weight, inject_weight, *, hc_count, eps):
+        if _rowwise_here(x):
+            from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
+
+            return hc_mix_with(rowwise_linear, x, norm_weight, down_weight, up_weight,
+                               inject_weight, hc_count=hc_count, eps=eps)
+        return row_tiles(lambda rows: self.inner.hc_mix(rows, norm_weight, down_weight,
+                                                        up_weight, inject_weight,
+                                                        hc_count=hc_count, eps=eps), x)
 
     def hc_inject(self, *args, **kwargs):
         return self.inner.hc_inject(*args, **kwargs)
