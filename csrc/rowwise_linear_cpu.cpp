@@ -34,14 +34,18 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_vectors.h"
+
 namespace {
 
+using hc_cpu::LANES;
+using hc_cpu::load;
+using hc_cpu::vf;
+
 #if defined(__AVX512F__)
-constexpr int LANES = 16;
 constexpr int RB = 4;  // rows per register block
 constexpr int CB = 4;  // columns per register block (16 accumulators of 32 registers)
 #else
-constexpr int LANES = 8;
 #ifndef HC_RB
 #define HC_RB 3
 #endif
@@ -50,10 +54,6 @@ constexpr int CB = 4;  // 12 accumulators, 3 x vectors, 1 w vector of 16 registe
 #endif
 constexpr int64_t ROW_TILE = 64;  // rows of x per work item
 constexpr int64_t COL_TILE = 64;  // rows of w per work item
-
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
 // One fused multiply-add per lane wherever the host has it; elsewhere a multiply and an add
 // (built with -ffp-contract=off, so the compiler never fuses some of them and not others).
@@ -65,21 +65,6 @@ inline vf fmadd(vf a, vf b, vf c) {
 #else
   return a * b + c;
 #endif
-}
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(vf));
-  return v;
-}
-
-inline vf load(const c10::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(vh));
-  vu u = __builtin_convertvector(h, vu) << 16;  // bf16 -> float32 is exact
-  vf v;
-  std::memcpy(&v, &u, sizeof(vf));
-  return v;
 }
 
 // Keeps v in a register: without it GCC folds a vector's load into each multiply-add that

@@ -36,20 +36,22 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vectors.h"
+
 namespace {
 
-// The vector type matches the host's registers (built with -march=native): 16 float lanes
-// with AVX-512, 8 otherwise. Wider generic vectors than the hardware's are expanded piecewise
-// by the compiler, over ten times slower on an AVX2 host. The lane count fixes the order of a
-// tile's sum (a property of the build, as vLLM's own kernels are of the host's ISA, which the
-// engine fingerprint names); within one build every row's arithmetic is its own.
+using hc_cpu::LANES;
+using hc_cpu::load;
+using hc_cpu::vf;
+using hc_cpu::vi;
+
+// The vector type is the host's (cpu_vectors.h: 16 float lanes with AVX-512, 8 otherwise),
+// and the register block is sized to fit its registers.
 #if defined(__AVX512F__)
-constexpr int LANES = 16;
 #ifndef HC_ROW_BLOCK
 #define HC_ROW_BLOCK 8
 #endif
 #else
-constexpr int LANES = 8;
 #ifndef HC_ROW_BLOCK
 #define HC_ROW_BLOCK 3
 #endif
@@ -73,27 +75,7 @@ constexpr int ROW_BLOCK = HC_ROW_BLOCK;  // rows per register block (score and P
                                          // the accumulators fill the host's vector registers
 constexpr int Q_TILE = HC_Q_TILE;     // query tokens per work item
 
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
-
 inline vf splat(float x) { return vf{} + x; }
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vf load(const at::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 

@@ -115,22 +115,6 @@ def _attention_case(dtype, seed=0):
     return q, k, v, torch.tensor([0, lens[0], sum(lens)]), seq, idx
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-def test_per_query_attention_matches_the_reference(dtype, tol):
-    q, k, v, cu, seq, idx = _attention_case(dtype)
-    got = sparse_attention_per_query(q, k, v, cu, seq, idx, 0.25)
-    ref = ReferenceOps().sparse_attention(q, k, v, cu, seq, idx, 0.25)
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-
-
-def test_per_query_attention_does_not_depend_on_the_other_queries():
-    q, k, v, cu, seq, idx = _attention_case(torch.float32, seed=1)
-    full = sparse_attention_per_query(q, k, v, cu, seq, idx, 0.25)
-    for lo, hi in [(0, 1), (3, 40), (40, 41), (45, 110)]:
-        part = sparse_attention_per_query(q[lo:hi], k, v, cu, seq[lo:hi], idx[lo:hi], 0.25)
-        assert torch.equal(part, full[lo:hi]), (lo, hi)
-
-
 def _rowwise_attention(*args):
     from vllm_hybridcache.ops import rowwise_linear as rl
 
@@ -139,23 +123,33 @@ def _rowwise_attention(*args):
     return sparse_attention_rowwise(*args, rl.rowwise_linear)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_rowwise_attention_matches_the_reference(dtype, tol):
+# the split-invariant attention of each form: (op, float32 tolerance against the reference)
+ATTENTION_FORMS = {"per_query": (sparse_attention_per_query, 1e-6),
+                   "rowwise": (_rowwise_attention, 1e-5)}
+
+
+@pytest.mark.parametrize("form", list(ATTENTION_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_the_reference(form, dtype):
+    op, tol = ATTENTION_FORMS[form]
+    tol = tol if dtype == torch.float32 else 2e-2
     q, k, v, cu, seq, idx = _attention_case(dtype)
-    got = _rowwise_attention(q, k, v, cu, seq, idx, 0.25)
+    got = op(q, k, v, cu, seq, idx, 0.25)
     ref = ReferenceOps().sparse_attention(q, k, v, cu, seq, idx, 0.25)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("form", list(ATTENTION_FORMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rowwise_attention_does_not_depend_on_the_other_queries(dtype):
-    """A query's output is the same bits in any block of queries (whose furthest selection,
-    the span, differs), including alone."""
+def test_attention_does_not_depend_on_the_other_queries(form, dtype):
+    """A query's output is the same bits in any block of queries (for the rowwise form: blocks
+    whose furthest selection, the span, differs), including alone."""
+    op, _ = ATTENTION_FORMS[form]
     q, k, v, cu, seq, idx = _attention_case(dtype, seed=1)
-    full = _rowwise_attention(q, k, v, cu, seq, idx, 0.25)
+    full = op(q, k, v, cu, seq, idx, 0.25)
     for lo, hi in [(0, 1), (3, 40), (40, 41), (45, 110), (100, 101)]:
-        part = _rowwise_attention(q[lo:hi], k, v, cu, seq[lo:hi], idx[lo:hi], 0.25)
-        assert torch.equal(part, full[lo:hi]), (lo, hi)
+        part = op(q[lo:hi], k, v, cu, seq[lo:hi], idx[lo:hi], 0.25)
+        assert torch.equal(part, full[lo:hi]), (form, lo, hi)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

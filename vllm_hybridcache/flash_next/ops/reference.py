@@ -120,6 +120,22 @@ def hc_mix_with(linear, x, norm_weight, down_weight, up_weight, inject_weight, *
     return mixed, inject
 
 
+def query_blocks(heads: int, key_cu_seqlens: torch.Tensor, query_seq_idx: torch.Tensor,
+                 indices: torch.Tensor, elements: int):
+    """The dense-masked attention's blocks: per sequence, its queries in blocks of at most 512,
+    fewer where a block's scores (`heads` x queries x the sequence's keys) would pass
+    `elements`. Yields (query rows, their index lists as int64, the sequence's first key row)."""
+    key_cu = key_cu_seqlens.to(torch.long).tolist()
+    seq_of = query_seq_idx.to(torch.long)
+    for n in sorted(set(seq_of.tolist())):
+        rows_q = torch.nonzero(seq_of == n).flatten()
+        base = key_cu[n]
+        step = max(1, min(512, elements // max(1, heads * (key_cu[n + 1] - base))))
+        for s in range(0, rows_q.numel(), step):
+            qi = rows_q[s:s + step]
+            yield qi, indices[qi].to(torch.long), base
+
+
 def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     cu = cu_seqlens.tolist()
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
@@ -275,29 +291,20 @@ class ReferenceOps(FlashNextOps):
         hkv = k.shape[1]
         rep = h // hkv
         out = torch.empty_like(q)
-        key_cu = key_cu_seqlens.to(torch.long).tolist()
-        seq_of = query_seq_idx.to(torch.long)
-        for n in sorted(set(seq_of.tolist())):
-            rows_q = torch.nonzero(seq_of == n).flatten()
-            base = key_cu[n]
-            seq_len = key_cu[n + 1] - base
-            step = max(1, min(512, (1 << 26) // max(1, h * seq_len)))
-            for s in range(0, rows_q.numel(), step):
-                qi = rows_q[s:s + step]
-                sel = indices[qi].to(torch.long)
-                span = int(sel.max()) + 1 if sel.numel() else 1
-                t = qi.numel()
-                mask = torch.zeros(t, span + 1, dtype=torch.bool, device=q.device)
-                mask.scatter_(1, torch.where(sel >= 0, sel, span), True)
-                mask = mask[:, :span]
-                kk = k[base:base + span].transpose(0, 1)  # [Hkv, S, D]
-                vv = v[base:base + span].transpose(0, 1)
-                qq = q[qi].view(t, hkv, rep, d).permute(1, 0, 2, 3).reshape(hkv, t * rep, d)
-                scores = torch.matmul(qq, kk.transpose(1, 2)).view(hkv, t, rep, span) * scale
-                scores = scores.float().masked_fill(~mask[None, :, None, :], float("-inf"))
-                probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, t * rep, span)
-                o = torch.matmul(probs, vv).view(hkv, t, rep, d).permute(1, 0, 2, 3)
-                out[qi] = o.reshape(t, h, d)
+        for qi, sel, base in query_blocks(h, key_cu_seqlens, query_seq_idx, indices, 1 << 26):
+            span = int(sel.max()) + 1 if sel.numel() else 1
+            t = qi.numel()
+            mask = torch.zeros(t, span + 1, dtype=torch.bool, device=q.device)
+            mask.scatter_(1, torch.where(sel >= 0, sel, span), True)
+            mask = mask[:, :span]
+            kk = k[base:base + span].transpose(0, 1)  # [Hkv, S, D]
+            vv = v[base:base + span].transpose(0, 1)
+            qq = q[qi].view(t, hkv, rep, d).permute(1, 0, 2, 3).reshape(hkv, t * rep, d)
+            scores = torch.matmul(qq, kk.transpose(1, 2)).view(hkv, t, rep, span) * scale
+            scores = scores.float().masked_fill(~mask[None, :, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, t * rep, span)
+            o = torch.matmul(probs, vv).view(hkv, t, rep, d).permute(1, 0, 2, 3)
+            out[qi] = o.reshape(t, h, d)
         return out
 
     # ---------------------------------------------------------------- PLE

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
-from vllm_hybridcache.flash_next.ops.reference import ReferenceOps, hc_mix_with
+from vllm_hybridcache.flash_next.ops.reference import ReferenceOps, hc_mix_with, query_blocks
 
 ENV_VAR = FLASH_NEXT_SPLIT_INVARIANT_ENV
 
@@ -259,37 +259,28 @@ def sparse_attention_rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     hkv = k.shape[1]
     rep = h // hkv
     out = torch.empty_like(q)
-    key_cu = key_cu_seqlens.to(torch.long).tolist()
-    seq_of = query_seq_idx.to(torch.long)
-    for n in sorted(set(seq_of.tolist())):
-        rows_q = torch.nonzero(seq_of == n).flatten()
-        base = key_cu[n]
-        seq_len = key_cu[n + 1] - base
-        step = max(1, min(512, (1 << 24) // max(1, h * seq_len)))
-        for s in range(0, rows_q.numel(), step):
-            qi = rows_q[s:s + step]
-            sel = indices[qi].to(torch.long)
-            t = qi.numel()
-            span = int(sel.max()) + 1 if sel.numel() else 0
-            width = max(_WIDTH_ALIGN, -(-span // _WIDTH_ALIGN) * _WIDTH_ALIGN)
-            mask = torch.zeros(t, width + 1, dtype=torch.bool, device=q.device)
-            mask.scatter_(1, torch.where(sel >= 0, sel, width), True)
-            mask = mask[:, :width]
-            pad = width - span
-            qq = q[qi]
-            for g in range(hkv):
-                kk = k[base:base + span, g]
-                vv = v[base:base + span, g]
-                if pad:
-                    kk = torch.cat([kk, kk.new_zeros(pad, d)])
-                    vv = torch.cat([vv, vv.new_zeros(pad, d)])
-                rows = qq[:, g * rep:(g + 1) * rep].reshape(t * rep, d)
-                scores = linear(rows, kk) * scale  # [t * rep, width], the activations' dtype
-                scores = scores.float().view(t, rep, width).masked_fill(
-                    ~mask[:, None, :], float("-inf"))
-                probs = torch.softmax(scores, dim=-1).to(q.dtype).view(t * rep, width)
-                o = linear(probs, vv.t().contiguous())  # [t * rep, D]
-                out[qi, g * rep:(g + 1) * rep] = o.view(t, rep, d)
+    for qi, sel, base in query_blocks(h, key_cu_seqlens, query_seq_idx, indices, 1 << 24):
+        t = qi.numel()
+        span = int(sel.max()) + 1 if sel.numel() else 0
+        width = max(_WIDTH_ALIGN, -(-span // _WIDTH_ALIGN) * _WIDTH_ALIGN)
+        mask = torch.zeros(t, width + 1, dtype=torch.bool, device=q.device)
+        mask.scatter_(1, torch.where(sel >= 0, sel, width), True)
+        mask = mask[:, :width]
+        pad = width - span
+        qq = q[qi]
+        for g in range(hkv):
+            kk = k[base:base + span, g]
+            vv = v[base:base + span, g]
+            if pad:
+                kk = torch.cat([kk, kk.new_zeros(pad, d)])
+                vv = torch.cat([vv, vv.new_zeros(pad, d)])
+            rows = qq[:, g * rep:(g + 1) * rep].reshape(t * rep, d)
+            scores = linear(rows, kk) * scale  # [t * rep, width], the activations' dtype
+            scores = scores.float().view(t, rep, width).masked_fill(
+                ~mask[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(t * rep, width)
+            o = linear(probs, vv.t().contiguous())  # [t * rep, D]
+            out[qi, g * rep:(g + 1) * rep] = o.view(t, rep, d)
     return out
 
 
