@@ -74,3 +74,39 @@ def test_a_query_does_not_depend_on_the_rest_of_its_step():
     out = ops.sparse_attention(q, k, v, cu, seq, sel, 0.25)
     part = ops.sparse_attention(q[64:], k, v, cu, seq[64:], late, 0.25)
     assert torch.equal(out[64:], part)
+
+
+def test_the_invariant_mode_makes_its_gemms_row_invariant(monkeypatch):
+    """The projections and `hc_mix` run torch's GEMM, whose kernel follows the row count: the
+    invariant mode routes every `nn.Linear` and the mix through the split-invariant forward's
+    GEMM form (64-row tiles where the row-invariant CPU kernel is not used, as on a GPU); the
+    default mode leaves them as they are."""
+    from vllm_hybridcache.flash_next.ops import split_invariant
+    from vllm_hybridcache.flash_next.ops.reference import ReferenceOps
+
+    monkeypatch.setattr(split_invariant, "rowwise_available", lambda: False)  # the GPU's form
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
+    TritonBackend().prepare_model(model)
+    assert not any(getattr(m, "_row_tiled", False) for m in model)
+    TritonBackend(split_invariant=True).prepare_model(model)
+    assert all(getattr(m, "_row_tiled", False) for m in model)
+    tiles = []
+    real = split_invariant.row_tiles
+
+    def spy(fn, x, *args, **kwargs):
+        tiles.append(x.shape[0])
+        return real(fn, x, *args, **kwargs)
+
+    monkeypatch.setattr(split_invariant, "row_tiles", spy)
+    x = torch.randn(70, 32)
+    model(x)
+    assert tiles == [70, 70]
+    g = torch.Generator().manual_seed(3)
+    hc, hidden, low = 2, 16, 4
+    xs = torch.randn(70, hc * hidden, generator=g)
+    args = (torch.ones(hc * hidden), torch.randn(low, hc * hidden, generator=g),
+            torch.randn(hc * hidden, low, generator=g), None)
+    mixed, _ = TritonBackend(split_invariant=True).hc_mix(xs, *args, hc_count=hc, eps=1e-6)
+    assert tiles == [70, 70, 70]
+    ref, _ = ReferenceOps().hc_mix(xs, *args, hc_count=hc, eps=1e-6)
+    torch.testing.assert_close(mixed, ref)

@@ -148,6 +148,19 @@ def tile_linear_layers(model: torch.nn.Module) -> int:
     return n
 
 
+def invariant_hc_mix(hc_mix, x, norm_weight, down_weight, up_weight, inject_weight, *,
+                     hc_count, eps):
+    """A backend's `hc_mix` made row-invariant: its three GEMMs on the row-invariant kernel
+    ("rowwise", on the CPU where it is built), else the whole mix on 64-row tiles."""
+    if _rowwise_here(x):
+        from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
+
+        return hc_mix_with(rowwise_linear, x, norm_weight, down_weight, up_weight,
+                           inject_weight, hc_count=hc_count, eps=eps)
+    return row_tiles(lambda rows: hc_mix(rows, norm_weight, down_weight, up_weight,
+                                         inject_weight, hc_count=hc_count, eps=eps), x)
+
+
 def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     cu = cu_seqlens.tolist()
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
@@ -370,14 +383,8 @@ class SplitInvariantOps(FlashNextOps):
         return conv_taps(x, weight, cu_seqlens, conv_state, dilation, "silu")
 
     def hc_mix(self, x, norm_weight, down_weight, up_weight, inject_weight, *, hc_count, eps):
-        if _rowwise_here(x):
-            from vllm_hybridcache.ops.rowwise_linear import rowwise_linear
-
-            return hc_mix_with(rowwise_linear, x, norm_weight, down_weight, up_weight,
-                               inject_weight, hc_count=hc_count, eps=eps)
-        return row_tiles(lambda rows: self.inner.hc_mix(rows, norm_weight, down_weight,
-                                                        up_weight, inject_weight,
-                                                        hc_count=hc_count, eps=eps), x)
+        return invariant_hc_mix(self.inner.hc_mix, x, norm_weight, down_weight, up_weight,
+                                inject_weight, hc_count=hc_count, eps=eps)
 
     def hc_inject(self, *args, **kwargs):
         return self.inner.hc_inject(*args, **kwargs)

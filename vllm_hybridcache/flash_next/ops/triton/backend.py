@@ -49,7 +49,9 @@ class TritonBackend(FlashNextOps):
     from the step start; two launch choices follow the step and are pinned in this mode:
     attention rows are never split (the flash-decoding split count follows the step's token
     count) and the indexer scores with one fixed tile (the autotuned tile follows the step's
-    group count).
+    group count). The projections, the MoE experts and ``hc_mix`` run torch's GEMM, whose
+    kernel follows the row count, so this mode gives them the split-invariant forward's GEMM
+    form too (``split_invariant.tile_linear_layers``: 64-row tiles off the CPU).
     """
 
     name = "triton"
@@ -58,6 +60,12 @@ class TritonBackend(FlashNextOps):
         self.split_invariant = split_invariant
         if split_invariant:
             self.name = "triton+split_invariant"
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        if self.split_invariant:
+            from vllm_hybridcache.flash_next.ops.split_invariant import tile_linear_layers
+
+            tile_linear_layers(model)
 
     # ---------------------------------------------------------------- GDN
     def gdn_chunked_prefill(self, q, k, v, g, beta, cu_seqlens, initial_state, *,
@@ -125,6 +133,11 @@ class TritonBackend(FlashNextOps):
 
     # ---------------------------------------------------------------- hyper-connections
     def hc_mix(self, x, norm_weight, down_weight, up_weight, inject_weight, *, hc_count, eps):
+        if self.split_invariant:
+            from vllm_hybridcache.flash_next.ops.split_invariant import invariant_hc_mix
+
+            return invariant_hc_mix(_TORCH.hc_mix, x, norm_weight, down_weight, up_weight,
+                                    inject_weight, hc_count=hc_count, eps=eps)
         return _TORCH.hc_mix(x, norm_weight, down_weight, up_weight, inject_weight,
                              hc_count=hc_count, eps=eps)
 
