@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -206,32 +205,23 @@ void any_block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len
   }
 }
 
+// x is float32 (a bf16 x is widened once, exactly, for the whole call); w and y are T.
 template <typename T>
-void run(const T* x, const T* w, const float* bias, T* y, int64_t m, int64_t n, int64_t k) {
+void run(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t n, int64_t k) {
   const int64_t row_tiles = (m + ROW_TILE - 1) / ROW_TILE;
   const int64_t col_tiles = (n + COL_TILE - 1) / COL_TILE;
   at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
-    // a bf16 item widens its rows of x once (exact), reused by every column block
-    std::vector<float> wide;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r0 = (item / col_tiles) * ROW_TILE;
       const int64_t c0 = (item % col_tiles) * COL_TILE;
       const int64_t r1 = std::min(m, r0 + ROW_TILE);
       const int64_t c1 = std::min(n, c0 + COL_TILE);
-      const float* xf = nullptr;
-      if constexpr (std::is_same_v<T, float>) {
-        xf = x + r0 * k;
-      } else {
-        wide.resize((r1 - r0) * k);
-        for (int64_t i = 0; i < (r1 - r0) * k; ++i) wide[i] = static_cast<float>(x[r0 * k + i]);
-        xf = wide.data();
-      }
       float sums[RB * CB];
       for (int64_t c = c0; c < c1; c += CB) {
         const int cols = static_cast<int>(std::min<int64_t>(CB, c1 - c));
         for (int64_t r = r0; r < r1; r += RB) {
           const int rows = static_cast<int>(std::min<int64_t>(RB, r1 - r));
-          any_block<float, T>(xf + (r - r0) * k, k, w + c * k, k, k, rows, cols, sums);
+          any_block<float, T>(x + r * k, k, w + c * k, k, k, rows, cols, sums);
           for (int i = 0; i < rows; ++i)
             for (int j = 0; j < cols; ++j) {
               float v = sums[i * cols + j];
@@ -267,10 +257,12 @@ torch::Tensor rowwise_linear(torch::Tensor x, torch::Tensor weight, c10::optiona
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (m > 0 && n > 0) {
+    // bf16 -> float32 is exact: widening x once here leaves every product as it was
+    auto xf = x2.to(torch::kFloat32).contiguous();
     if (x.scalar_type() == torch::kFloat32) {
-      run<float>(x2.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k);
+      run<float>(xf.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k);
     } else {
-      run<c10::BFloat16>(x2.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), bp,
+      run<c10::BFloat16>(xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), bp,
                          y.data_ptr<c10::BFloat16>(), m, n, k);
     }
   }
