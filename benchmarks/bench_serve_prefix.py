@@ -14,11 +14,13 @@ cache too).
 The fraction of prompt tokens served from a cache comes from the server's own counters
 (`vllm:prompt_tokens_cached_total` over `vllm:prompt_tokens_total`, read before and after each
 run); TTFT medians come from `vllm bench serve`'s result file. Systems: `native` (vLLM's prefix
-caching, where vLLM can run it), `nocache`, `ours` (`--plugin hybridcache`, step mode),
-`ours-fine` (the same with Flash-Next's split-invariant forward, hence fine segmentation) and
-`ours-pinned` (the same with vLLM's CPU attention pinned: fine segmentation for Qwen3-Next).
+caching, where vLLM can run it), `nocache`, `ours` (`--plugin hybridcache` with its defaults:
+for a bf16 Flash-Next on a CPU host without a bf16 GEMM of its own, the split-invariant
+forward and fine segmentation), `ours-step` (Flash-Next's split-invariant forward off: step
+segmentation), `ours-fine` (that forward forced on) and `ours-pinned` (vLLM's CPU attention
+pinned: fine segmentation for Qwen3-Next).
 
-    python -m benchmarks.bench_serve_prefix --model flash-next-tiny --systems ours-fine ours \\
+    python -m benchmarks.bench_serve_prefix --model flash-next-tiny --systems ours ours-step \\
         nocache --out docs/benchmarks/bench-serve-prefix.md
 """
 
@@ -113,7 +115,7 @@ def bench(settings: ServerSettings, base_url: str, args, suffix: int, tmp: Path,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="flash-next-tiny", help="embedded model name")
-    ap.add_argument("--systems", nargs="+", default=["ours-fine", "ours", "nocache"])
+    ap.add_argument("--systems", nargs="+", default=["ours", "ours-step", "nocache"])
     ap.add_argument("--prefix-len", type=int, default=3000)
     ap.add_argument("--suffix-len", type=int, default=200)
     ap.add_argument("--num-prefixes", type=int, default=3)

@@ -73,10 +73,15 @@ SYSTEMS: dict[str, SystemSpec] = {
                    + " ".join(f"{k}={v}" for k, v in _NO_ANCHORS.items()) + ")",
                    env=_NO_ANCHORS),
         SystemSpec("ours-fine", ["--plugin", "hybridcache"],
-                   "vllm-hybridcache with Flash-Next's split-invariant forward "
-                   "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation; "
-                   "models without that forward run in step mode)",
+                   "vllm-hybridcache with Flash-Next's split-invariant forward forced on "
+                   "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1: fine segmentation, "
+                   "whatever the dtype and host; models without that forward run as ours)",
                    env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "1"}),
+        SystemSpec("ours-step", ["--plugin", "hybridcache"],
+                   "vllm-hybridcache with Flash-Next's split-invariant forward off "
+                   "(VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=0: step segmentation, the "
+                   "default before auto; models without that forward run as ours)",
+                   env={"VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT": "0"}),
         SystemSpec("ours-pinned", ["--plugin", "hybridcache"],
                    "vllm-hybridcache with vLLM's CPU attention pinned split-invariant "
                    "(VLLM_HYBRIDCACHE_CPU_ATTN_SPLIT_INVARIANT=1: fine segmentation for "

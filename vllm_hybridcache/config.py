@@ -72,11 +72,15 @@ PROCESS_ENV: dict[str, str] = {
                          "ROCm RDNA, vLLM's elsewhere), hybridcache (ours) or vllm",
     FLASH_NEXT_OPS_ENV: "Flash-Next kernel backend: reference, cpu or triton",
     FLASH_NEXT_SKIP_ENV: "tests: Flash-Next parts to skip (proves a test can fail)",
-    FLASH_NEXT_SPLIT_INVARIANT_ENV: "1 = Flash-Next's split-invariant forward (default 0)",
+    FLASH_NEXT_SPLIT_INVARIANT_ENV: "Flash-Next's split-invariant forward (fine segmentation): "
+                                    "auto (default: on where measured cheaper, "
+                                    "flash_next/ops/split_invariant.py), 1 or 0",
     CPU_ATTN_SPLIT_INVARIANT_ENV: "1 = vLLM's CPU attention computes a query the same way "
                                   "whatever its prefill step, and its GDN op hands states "
                                   "inside a step: fine segmentation for Qwen3-Next on the CPU "
-                                  "platform (default 0: step mode)",
+                                  "platform; kernel = our split-invariant kernel; 0 = vLLM's "
+                                  "attention, step mode (default auto: the kernel where it "
+                                  "applies)",
     COPY_BACKEND_ENV: "snapshot copy kernels: auto, csrc, triton or torch",
     CSRC_ENV: "folder of the csrc/ sources to build the copy kernels from",
     CLANG_ENV: "clang that compiles the AMD code objects of the copy kernels",
@@ -729,6 +733,24 @@ def cpu_attention_setting() -> str:
         raise SettingsError(f"{CPU_ATTN_SPLIT_INVARIANT_ENV} must be one of "
                             f"{', '.join(CPU_ATTN_SETTINGS)} (unset = auto), got {value!r}")
     return value
+
+
+def connector_cache_off(vllm_config: Any) -> str:
+    """'' when the engine of `vllm_config` runs the plugin's connector with the snapshot cache
+    on, else why not. The `auto` defaults that change what a model computes (the
+    split-invariant CPU attention, Flash-Next's split-invariant forward) apply only then, so
+    installing the package, or turning the cache off, changes nothing such an engine computes
+    (off means off). Reads only the engine's config: the same answer in every process."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if getattr(ktc, "kv_connector", None) != CONNECTOR_NAME:
+        return "the engine does not run the hybridcache connector"
+    try:
+        active = load_settings(getattr(ktc, "kv_connector_extra_config", None)).active
+    except SettingsError as e:
+        return f"the connector's settings are refused ({e})"
+    if not active:
+        return "the snapshot cache is off (enabled=false or budget_bytes=0)"
+    return ""
 
 
 def cpu_attention_pinned() -> bool:

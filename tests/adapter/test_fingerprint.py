@@ -177,6 +177,42 @@ def test_kernel_backend_names_the_split_invariant_form(monkeypatch):
     assert "flash_next_invariant_form=tiles" in tiles
 
 
+def test_kernel_backend_names_the_default_forward_for_flash_next_only(monkeypatch,
+                                                                      embedded_model):
+    """`auto` (the default) turns the split-invariant forward on in a bf16 Flash-Next engine
+    running the connector on a qualifying host: its fingerprint names it, so its links never
+    meet those of an engine in step mode (a float32 one here); a Qwen3-Next engine with the
+    same settings does not run that forward and is not renamed by it."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from vllm_hybridcache.adapter.fingerprint import kernel_backend
+    from vllm_hybridcache.config import CONNECTOR_NAME, FLASH_NEXT_SPLIT_INVARIANT_ENV
+    from vllm_hybridcache.flash_next import registration
+    from vllm_hybridcache.flash_next.ops import split_invariant
+
+    registration.register()
+    monkeypatch.delenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, raising=False)
+    monkeypatch.setattr(split_invariant, "_host_bf16_gemm", lambda: "")
+    monkeypatch.setattr(split_invariant, "rowwise_available", lambda: True)
+
+    def cfg(name: str, dtype: str) -> SimpleNamespace:
+        mc = ModelConfig(model=str(embedded_model(name)), max_model_len=512, dtype=dtype)
+        return SimpleNamespace(
+            device_config=SimpleNamespace(device_type="cpu"), model_config=mc,
+            kv_transfer_config=SimpleNamespace(kv_connector=CONNECTOR_NAME,
+                                               kv_connector_extra_config={}),
+            speculative_config=None, quant_config=None,
+            parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+    on = kernel_backend(cfg("flash-next-tiny", "bfloat16"))
+    step = kernel_backend(cfg("flash-next-tiny", "float32"))
+    assert "flash_next_split_invariant=1;flash_next_invariant_form=rowwise" in on
+    assert "flash_next_split_invariant=0" in step
+    assert "flash_next_split_invariant=0" in kernel_backend(cfg("qwen3-next-tiny", "bfloat16"))
+
+
 def test_a_memo_in_the_cache_folder_is_used_only_with_its_mac(tmp_path):
     """The memo lives in disk_dir: with the disk key it carries a MAC, and a memo edited to
     give a file another digest (what would give a changed checkpoint its predecessor's

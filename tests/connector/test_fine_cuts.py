@@ -1,6 +1,8 @@
 """Fine segmentation: links captured inside a step at 64-aligned positions, where the forward
-is split-invariant (Flash-Next with VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1;
-docs/split-invariance.md). With the default settings (grid 2048) every prompt here is one
+is split-invariant (Flash-Next's split-invariant forward: the default for a bf16 engine on the
+CPU backend of a host without a bf16 GEMM of its own, `split_invariant.plan`; forced on
+elsewhere, VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1; docs/split-invariance.md). With the
+default settings (grid 2048) every prompt here is one
 prefill step, so each link below is taken from inside a step, from the states the model hands
 to the worker's hook: the prompt's last 64-aligned position (an identical resend prefills at
 most 64 tokens) and a junction (the last 64-aligned position before a prompt parts from an
@@ -28,12 +30,33 @@ A = [100 + (i * 7) % 3000 for i in range(200)]                  # last 64-aligne
 C = A[:150] + [9 + (i * 17) % 3000 for i in range(42)]
 
 
+def _defaults_apply() -> bool:
+    """Whether this host is one where `auto` turns the forward on (then the engine below runs
+    the defaults, nothing set); elsewhere the forward is forced on for the same checks."""
+    from vllm_hybridcache.flash_next.ops import split_invariant
+
+    return not split_invariant._host_bf16_gemm() and split_invariant.rowwise_available()
+
+
 @pytest.fixture(scope="module")
 def llm(inproc, monkeypatch_module, embedded_model):
-    monkeypatch_module.setenv("VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT", "1")
-    with connector_engine(embedded_model("flash-next-tiny"), dtype="float32") as engine:
+    from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
+
+    if _defaults_apply():
+        monkeypatch_module.delenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, raising=False)
+    else:
+        monkeypatch_module.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "1")
+    # the checkpoint's dtype (bfloat16), as `vllm serve` loads it
+    with connector_engine(embedded_model("flash-next-tiny")) as engine:
         instrument(engine)          # state probes at each prefill's end: the "state" of run()
         yield engine
+
+
+def test_the_default_puts_a_bf16_engine_in_fine_mode_where_the_host_qualifies(llm):
+    sched, _ = engine_parts(llm)
+    assert sched.segmentation_mode == "fine"
+    if _defaults_apply():
+        assert "split-invariant forward on: auto:" in sched._mode_why
 
 
 def same(warm, cold) -> None:

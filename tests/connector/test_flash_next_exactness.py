@@ -16,7 +16,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(inproc, embedded_model):
-    with connector_engine(embedded_model("flash-next-tiny"), extra={"grid": GRID}) as engine:
+    # The defaults' forward (split-invariant where `auto` turns it on: bf16 on a CPU host
+    # without a bf16 GEMM of its own), in step segmentation (`inner_captures` off): these
+    # tests count hits at grid cuts; fine mode's links are checked in test_fine_cuts.py.
+    with connector_engine(embedded_model("flash-next-tiny"),
+                          extra={"grid": GRID, "inner_captures": False}) as engine:
         instrument(engine)          # state probes: the "state" of run()
         yield engine
 

@@ -559,7 +559,7 @@ def kernel_backend(vllm_config) -> str:
     # the split-invariant forward's GEMM form (row-invariant kernel or 64-row tiles) changes
     # its bits too; named only when the forward is on
     invariant = "0"
-    if split_invariant.enabled():
+    if split_invariant.enabled(vllm_config) and _auto_applies(vllm_config):
         invariant = "1"
         if device == "cpu":
             invariant += f";flash_next_invariant_form={split_invariant.invariant_form()}"
@@ -567,6 +567,24 @@ def kernel_backend(vllm_config) -> str:
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
             f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="
             f"{invariant}{pinned}")
+
+
+def _auto_applies(vllm_config) -> bool:
+    """Whether the split-invariant forward's `auto` answer concerns this engine's model: only
+    Flash-Next (a class with `inner_capture_plan`) runs it, so `auto` names it for no other
+    model (a setting of `1` is named as set, whatever the model)."""
+    from vllm_hybridcache.flash_next.ops import split_invariant
+
+    if split_invariant.setting() != split_invariant.AUTO:
+        return True
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        mc = vllm_config.model_config
+        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    except Exception:
+        return False
+    return hasattr(cls, "inner_capture_plan")
 
 
 def speculative_setup(vllm_config) -> str:

@@ -22,7 +22,8 @@ __all__ = ["MIN_INNER_RESUME", "inner_resume_floor", "segmentation_mode"]
 def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, str]:
     """(mode, why) of this engine's segmentation: `fine` (links also at 64-aligned positions
     inside a step) only where the model says its forward is split-invariant there
-    (`inner_capture_align()` of the model class: Flash-Next with its split-invariant switch;
+    (`inner_capture_align()` of the model class: Flash-Next with its split-invariant forward,
+    on by default where it is the cheaper one, `inner_capture_plan`;
     Qwen3-Next on vLLM's CPU backend with the split-invariant attention kernel or the attention
     pin, and the GDN inner-state bend, `_cpu_gdn_mode`), and not on a speculative route (the
     draft rows' tags are step-shaped) nor with the `inner_captures` setting off; `step` otherwise.
@@ -43,9 +44,11 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
         return _cpu_gdn_mode(cls.__name__, vllm_config)
     if align is None:
         return STEP, f"{cls.__name__} is not known to be split-invariant"
+    explain = getattr(cls, "inner_capture_plan", None)
+    why = f" ({explain(vllm_config)[1]})" if explain is not None else ""
     if align(vllm_config) != 64:
-        return STEP, f"{cls.__name__} runs a forward that is not split-invariant"
-    return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions"
+        return STEP, f"{cls.__name__} runs a forward that is not split-invariant{why}"
+    return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions{why}"
 
 
 def _cpu_gdn_mode(name: str, vllm_config) -> tuple[str, str]:

@@ -25,13 +25,11 @@ from typing import Any
 from vllm_hybridcache.compat.cpu_kernels import CPU_GDN_INNER_MODELS
 from vllm_hybridcache.compat.registry import checked
 from vllm_hybridcache.config import (
-    CONNECTOR_NAME,
     CPU_ATTN_AUTO,
     CPU_ATTN_KERNEL,
     CPU_ATTN_SPLIT_INVARIANT_ENV,
-    SettingsError,
+    connector_cache_off,
     cpu_attention_setting,
-    load_settings,
 )
 
 logger = logging.getLogger("vllm_hybridcache")
@@ -63,17 +61,8 @@ def split_attention_plan(vllm_config: Any) -> tuple[bool, str]:
         return False, f"vLLM's CPU attention is not importable ({e})"
     if not current_platform.is_cpu():
         return False, "not vLLM's CPU platform"
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if setting == CPU_ATTN_AUTO:
-        if getattr(ktc, "kv_connector", None) != CONNECTOR_NAME:
-            return False, "the engine does not run the hybridcache connector"
-        try:
-            active = load_settings(getattr(ktc, "kv_connector_extra_config", None)).active
-        except SettingsError as e:
-            return False, f"the connector's settings are refused ({e})"
-        if not active:
-            # off means off: the engine computes as without the plugin (design rule 5)
-            return False, "the snapshot cache is off (enabled=false or budget_bytes=0)"
+    if setting == CPU_ATTN_AUTO and (off := connector_cache_off(vllm_config)):
+        return False, off  # off means off: the engine computes as without the plugin
     mc = getattr(vllm_config, "model_config", None)
     cc = getattr(vllm_config, "cache_config", None)
     if mc is None or cc is None:

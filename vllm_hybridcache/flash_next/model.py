@@ -7,6 +7,7 @@ conv weights without the channel axis, the multimodal prefix) are handled in `lo
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable
@@ -47,6 +48,7 @@ from vllm_hybridcache.flash_next.qsa import QSAAttention
 # never set in production. (The indexer's negative control rewires the loaded model from the
 # test instead: tests/flash_next/helpers.py.)
 SKIP_ENV = FLASH_NEXT_SKIP_ENV
+logger = logging.getLogger("vllm_hybridcache")
 
 
 def _skips() -> set[str]:
@@ -278,7 +280,9 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 f"cache), got mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode!r}")
         self.config = config
         self.vllm_config = vllm_config
-        self.ops = get_backend(None)
+        self.ops = get_backend(None, vllm_config=vllm_config)
+        logger.info("Flash-Next ops: %s (split-invariant forward: %s)", self.ops.name,
+                    type(self).inner_capture_plan(vllm_config)[1])
         self.model = FlashNextModel(vllm_config=vllm_config, prefix="model", ops=self.ops,
                                     attention_cls=self.attention_cls)
         self.lm_head = lm_head(config.vocab_size, config.hidden_size)
@@ -288,21 +292,30 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     @classmethod
     def inner_capture_align(cls, vllm_config: Any = None) -> int:
-        """64 when this process's kernel backend is split-invariant at 64-aligned positions
-        (VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT), so states at those positions inside a
+        """64 when the engine (`vllm_config`) runs the split-invariant forward
+        (`inner_capture_plan`), 0 otherwise. The adapter reads this to pick the segmentation
+        mode; the model never talks to the cache."""
+        return cls.inner_capture_plan(vllm_config)[0]
+
+    @classmethod
+    def inner_capture_plan(cls, vllm_config: Any = None) -> tuple[int, str]:
+        """(alignment, why): 64 when this engine's kernel backend is split-invariant at
+        64-aligned positions (`split_invariant.plan`: auto by default, or
+        VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT), so states at those positions inside a
         step can be handed to an injected capture hook (gdn.py); 0 otherwise. Also 0 for an
-        engine (`vllm_config`) whose projections are vLLM's layers, a quantized checkpoint or
-        TP > 1 (parallel.py): the split-invariant forward tiles `nn.Linear` rows only, so
-        states inside a step are not known to equal a step ending there. The adapter reads
-        this to pick the segmentation mode; the model never talks to the cache."""
+        engine whose projections are vLLM's layers, a quantized checkpoint or TP > 1
+        (parallel.py): the split-invariant forward replaces `nn.Linear` only, so states inside
+        a step are not known to equal a step ending there."""
         from vllm_hybridcache.flash_next.ops import split_invariant
         from vllm_hybridcache.inner_capture import INNER_ALIGN
 
-        if vllm_config is not None and (
-                getattr(vllm_config, "quant_config", None) is not None
-                or (hasattr(vllm_config, "parallel_config") and config_world(vllm_config) > 1)):
-            return 0
-        return INNER_ALIGN if split_invariant.enabled() else 0
+        if vllm_config is not None and getattr(vllm_config, "quant_config", None) is not None:
+            return 0, "a quantized checkpoint runs vLLM's linear layers"
+        if (vllm_config is not None and hasattr(vllm_config, "parallel_config")
+                and config_world(vllm_config) > 1):
+            return 0, "TP > 1 runs vLLM's linear layers"
+        on, why = split_invariant.plan(vllm_config)
+        return (INNER_ALIGN if on else 0), f"split-invariant forward {'on' if on else 'off'}: {why}"
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -54,7 +54,7 @@ class MTPModule(nn.Module):
         self.config = config
         self.hidden = config.hidden_size
         self.hc_count = config.hc_count
-        self.ops = get_backend(None)
+        self.ops = get_backend(None, vllm_config=vllm_config)
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.fc_embedding = nn.Linear(self.hidden, self.hidden, bias=False)
         self.fc_hidden = nn.Linear(self.hidden, self.hidden, bias=False)

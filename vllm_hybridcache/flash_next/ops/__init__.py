@@ -5,15 +5,17 @@ plus vLLM's CPU ops where they fit), "triton" (GPU kernels). Without a name the 
 variable VLLM_HYBRIDCACHE_FLASH_NEXT_OPS decides, else the platform: CPU -> "cpu", ROCm and
 CUDA -> "triton", anything else -> "reference" (ops/triton/select.py).
 
-`VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1` wraps the chosen backend in
-`split_invariant.SplitInvariantOps` (a token's arithmetic no longer depends on where its
-64-aligned forward step starts or how long it is; docs/split-invariance.md).
+The split-invariant forward (`split_invariant.plan`: `VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT`,
+auto by default) wraps the chosen backend in `split_invariant.SplitInvariantOps` (a token's
+arithmetic no longer depends on where its 64-aligned forward step starts or how long it is;
+docs/split-invariance.md).
 """
 
 from __future__ import annotations
 
 import os
 from functools import cache
+from typing import Any
 
 from vllm_hybridcache.config import FLASH_NEXT_OPS_ENV
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
@@ -29,14 +31,14 @@ def _default_name() -> str:
     return default_backend_name()
 
 
-def get_backend(name: str | None = None,
-                split_invariant: bool | None = None) -> FlashNextOps:
+def get_backend(name: str | None = None, split_invariant: bool | None = None,
+                vllm_config: Any = None) -> FlashNextOps:
     """Return the (shared, stateless) backend object called `name`; `split_invariant` None
-    reads the process switch (ops/split_invariant.py)."""
+    asks `split_invariant.plan` for the engine of `vllm_config`."""
     from vllm_hybridcache.flash_next.ops import split_invariant as si
 
     name = name or _default_name()
-    wrap = si.enabled() if split_invariant is None else split_invariant
+    wrap = si.enabled(vllm_config) if split_invariant is None else split_invariant
     return _wrapped(name) if wrap else _backend(name)
 
 

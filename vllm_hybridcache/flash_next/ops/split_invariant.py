@@ -47,11 +47,16 @@ per row) are split-invariant at 64-aligned steps and pass through to the wrapped
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
+from vllm_hybridcache.config import (
+    FLASH_NEXT_SPLIT_INVARIANT_ENV,
+    SettingsError,
+    connector_cache_off,
+)
 from vllm_hybridcache.flash_next.ops.interface import FlashNextOps
 from vllm_hybridcache.flash_next.ops.reference import ReferenceOps, hc_mix_with, query_blocks
 
@@ -70,12 +75,82 @@ _TILE_ELEMENTS = 1 << 21
 _WIDTH_ALIGN = 64
 
 
-def enabled() -> bool:
-    """The process switch (`VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT=1`); off by default."""
-    value = os.environ.get(ENV_VAR, "0").strip().lower()
-    if value not in ("0", "1", "true", "false", ""):
-        raise ValueError(f"{ENV_VAR} must be 0 or 1, got {value!r}")
-    return value in ("1", "true")
+AUTO, ON, OFF = "auto", "1", "0"
+_SPELLINGS = {"": AUTO, "auto": AUTO, "1": ON, "true": ON, "0": OFF, "false": OFF}
+
+
+def setting() -> str:
+    """`VLLM_HYBRIDCACHE_FLASH_NEXT_SPLIT_INVARIANT`: `auto` (unset, the default: `plan`
+    decides per engine), `1` (on in every engine) or `0` (off). Anything else raises
+    `SettingsError`, so a typo never silently picks a forward."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value not in _SPELLINGS:
+        raise SettingsError(f"{ENV_VAR} must be auto, 1 or 0 (unset = auto), got {value!r}")
+    return _SPELLINGS[value]
+
+
+def plan(vllm_config: Any = None) -> tuple[bool, str]:
+    """(whether Flash-Next runs its split-invariant forward in the engine of `vllm_config`,
+    why). `1` and `0` decide alone. `auto` turns it on only where it was measured cheaper than
+    the step forward (docs/split-invariance.md, "Cost"): an engine running the plugin's
+    connector with the cache on (off means off), not speculative and not on vLLM's linear
+    layers (a quantized checkpoint, TP > 1: fine cuts are off there anyway), the CPU backend,
+    bfloat16 weights, a host whose torch has neither AVX512-BF16 nor AMX (where it does,
+    torch's bf16 GEMM is fast and the rowwise form was not measured), and the row-invariant
+    kernel built. There the rowwise forward took 0.39x the step forward's cold prefill and
+    0.45-0.53x its server CPU on every trace family; in float32 it took 0.98-1.05x on the
+    trace families (not within 3% on one), so float32 stays in step mode. The same answer in
+    every process of an engine: it reads the engine's config, the setting and the host."""
+    value = setting()
+    if value != AUTO:
+        return value == ON, f"{ENV_VAR}={value}"
+    if vllm_config is None:
+        return False, "auto without an engine config"
+    if off := connector_cache_off(vllm_config):
+        return False, f"auto: {off}"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return False, "auto: speculative decoding segments at steps"
+    if getattr(vllm_config, "quant_config", None) is not None:
+        return False, "auto: a quantized checkpoint runs vLLM's linear layers"
+    if hasattr(vllm_config, "parallel_config"):
+        from vllm_hybridcache.flash_next.parallel import config_world
+
+        if config_world(vllm_config) > 1:
+            return False, "auto: TP > 1 runs vLLM's linear layers"
+    from vllm_hybridcache.flash_next.ops.triton.select import default_backend_name
+
+    backend = default_backend_name()
+    if backend != "cpu":
+        return False, f"auto: the {backend} backend (the row-invariant kernel is CPU only)"
+    dtype = str(getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
+    if dtype.removeprefix("torch.") != "bfloat16":
+        return False, (f"auto: {dtype or 'no'} dtype (measured in bfloat16 only as cheaper; "
+                       "float32 costs up to 1.05x on the trace families)")
+    fast_bf16 = _host_bf16_gemm()
+    if fast_bf16:
+        return False, f"auto: {fast_bf16} (torch's bf16 GEMM uses it; rowwise not measured)"
+    if not rowwise_available():
+        return False, "auto: the row-invariant CPU kernel did not build on this host"
+    return True, ("auto: bfloat16 on the CPU backend without AVX512-BF16/AMX, the row-invariant "
+                  "kernel built (measured cheaper than the step forward)")
+
+
+def _host_bf16_gemm() -> str:
+    """'' where torch's CPU bf16 GEMM has no hardware of its own on this host, else what it
+    has (or that torch cannot tell: then the cheaper-forward claim is not made)."""
+    probes = (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+    for label, name in probes:
+        probe = getattr(torch.cpu, name, None)
+        if probe is None:
+            return f"this torch cannot tell whether the host has {label}"
+        if probe():
+            return f"the host has {label}"
+    return ""
+
+
+def enabled(vllm_config: Any = None) -> bool:
+    """Whether the split-invariant forward runs in the engine of `vllm_config` (`plan`)."""
+    return plan(vllm_config)[0]
 
 
 def row_tiles(fn, x: torch.Tensor, *args, tile: int = ROW_TILE):
