@@ -281,7 +281,7 @@ class FlashNextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.config = config
         self.vllm_config = vllm_config
         self.ops = get_backend(None, vllm_config=vllm_config)
-        logger.info("Flash-Next ops: %s (split-invariant forward: %s)", self.ops.name,
+        logger.info("Flash-Next ops: %s (%s)", self.ops.name,
                     type(self).inner_capture_plan(vllm_config)[1])
         self.model = FlashNextModel(vllm_config=vllm_config, prefix="model", ops=self.ops,
                                     attention_cls=self.attention_cls)

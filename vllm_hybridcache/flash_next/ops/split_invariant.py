@@ -131,8 +131,8 @@ def plan(vllm_config: Any = None) -> tuple[bool, str]:
         return False, f"auto: {fast_bf16} (torch's bf16 GEMM uses it; rowwise not measured)"
     if not rowwise_available():
         return False, "auto: the row-invariant CPU kernel did not build on this host"
-    return True, ("auto: bfloat16 on the CPU backend without AVX512-BF16/AMX, the row-invariant "
-                  "kernel built (measured cheaper than the step forward)")
+    return True, ("auto: bfloat16 on the CPU backend, no AVX512-BF16/AMX, the row-invariant "
+                  "kernel built: the cheaper forward here")
 
 
 def _host_bf16_gemm() -> str:
