@@ -181,8 +181,10 @@ def test_switch_selects_the_wrapped_backend(monkeypatch):
     assert isinstance(get_backend("cpu"), SplitInvariantOps)
     monkeypatch.setenv(split_invariant.ENV_VAR, "0")
     assert not isinstance(get_backend("cpu"), SplitInvariantOps)
+    monkeypatch.delenv(split_invariant.ENV_VAR)       # auto: decided per engine, none here
+    assert not isinstance(get_backend("cpu"), SplitInvariantOps)
     monkeypatch.setenv(split_invariant.ENV_VAR, "yes please")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
+    with pytest.raises(ValueError, match="must be auto, 1 or 0"):
         get_backend("cpu")
 
 
