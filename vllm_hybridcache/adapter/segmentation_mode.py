@@ -44,9 +44,14 @@ def segmentation_mode(vllm_config, inner_captures: bool = True) -> tuple[str, st
         return _cpu_gdn_mode(cls.__name__, vllm_config)
     if align is None:
         return STEP, f"{cls.__name__} is not known to be split-invariant"
+    # a class that explains its alignment answers once, with its reason
     explain = getattr(cls, "inner_capture_plan", None)
-    why = f" ({explain(vllm_config)[1]})" if explain is not None else ""
-    if align(vllm_config) != 64:
+    if explain is not None:
+        value, reason = explain(vllm_config)
+        why = f" ({reason})"
+    else:
+        value, why = align(vllm_config), ""
+    if value != 64:
         return STEP, f"{cls.__name__} runs a forward that is not split-invariant{why}"
     return FINE, f"{cls.__name__}: split-invariant at 64-aligned positions{why}"
 
