@@ -93,4 +93,31 @@ def test_negative_control_a_shape_dependent_order_is_caught():
 
     x, w, b = _inputs(40, 512, 64, torch.float32, seed=4)
     assert not _calls_agree(shape_dependent, x, w, b)
-    assert rl.lanes() in (8, 16)
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The documented arithmetic, in float64: acc = round32(acc + x[k] * w[k]) in ascending k.
+    A float32 product is exact in float64, so each step is one rounding of the exact
+    multiply-add (a fused one) but for double rounding through float64, which needs a sum
+    within 2^-29 of a float32 tie: not met by these random inputs."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for k in range(x.shape[1]):
+        acc = (acc + x[:, k:k + 1].double() * w[:, k].double()).float().double()
+    return acc.float()
+
+
+def test_each_element_is_one_fused_chain_in_ascending_k():
+    """An element is the float32 chain of multiply-adds over k in ascending order (what
+    the fingerprint names as `fma-chain-f32`); the same inputs summed in another order (a
+    pairwise tree, as a lane-split kernel or a BLAS may) give other bits somewhere, so the
+    check tells the orders apart."""
+    if rl.arithmetic() != "fma-chain-f32":
+        pytest.skip(f"this build's arithmetic is {rl.arithmetic()}")
+    x, w, _ = _inputs(24, 300, 40, torch.float32, seed=5)
+    y = rl.rowwise_linear(x, w)
+    assert torch.equal(y, _chain(x, w))
+    # negative control: eight interleaved partial chains added in a tree differ from it
+    parts = [_chain(x[:, j::8], w[:, j::8]).double() for j in range(8)]
+    while len(parts) > 1:
+        parts = [(a + b).float().double() for a, b in zip(parts[::2], parts[1::2], strict=True)]
+    assert not torch.equal(parts[0].float(), y)
