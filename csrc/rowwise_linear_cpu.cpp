@@ -34,7 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -90,34 +90,58 @@ inline vf loadv(const float* p) {
 
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-// R rows of x (ldx apart, from k0) times one packed panel (kc x NR). The tile's chains are
-// kept at t[r * NR + column]: started at zero on the first block of k, continued from t on
-// the others.
-template <int R>
-void tile(const float* x, int64_t ldx, const float* wp, int64_t kc, float* t, bool first) {
-  vf acc[R][NV];
+// R rows of x (ldx apart, from k0) times P packed panels (kc x NR each, wstride apart). The
+// tile's chains are kept at t[p * tstride + r * NR + column]: started at zero on the first
+// block of k, continued from t on the others. A full tile is MR rows of one panel; rows short
+// of MR (a short call, the last rows) take several panels at once, so that the tile still has
+// the accumulators to hide the multiply-add's latency.
+template <int R, int P>
+void tile(const float* x, int64_t ldx, const float* wp, int64_t wstride, int64_t kc, float* t,
+          int64_t tstride, bool first) {
+  vf acc[R][P][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = first ? vf{} : loadv(t + r * NR + v * LANES);
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < NV; ++v)
+        acc[r][p][v] = first ? vf{} : loadv(t + p * tstride + r * NR + v * LANES);
   for (int64_t k = 0; k < kc; ++k) {
-    vf wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = loadv(wp + k * NR + v * LANES);
+    vf wv[P][NV];
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < NV; ++v) wv[p][v] = loadv(wp + p * wstride + k * NR + v * LANES);
     for (int r = 0; r < R; ++r) {
       const vf a = splat(x[r * ldx + k]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, wv[v], acc[r][v]);
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < NV; ++v) acc[r][p][v] = fmadd(a, wv[p][v], acc[r][p][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) storev(t + r * NR + v * LANES, acc[r][v]);
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < NV; ++v) storev(t + p * tstride + r * NR + v * LANES, acc[r][p][v]);
 }
 
-// `tile` for rows = 1..R (the last rows of a block)
+// panels a tile of R rows takes at once: as many accumulators as a full tile, at least one
 template <int R>
-void tile_rows(int rows, const float* x, int64_t ldx, const float* wp, int64_t kc, float* t,
-               bool first) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1>(rows, x, ldx, wp, kc, t, first);
+constexpr int wide() { return MR / R > 0 ? MR / R : 1; }
+
+// `tile<R, P>` for panels = 1..P
+template <int R, int P>
+void tile_panels(int panels, const float* x, int64_t ldx, const float* wp, int64_t wstride,
+                 int64_t kc, float* t, int64_t tstride, bool first) {
+  if constexpr (P > 1) {
+    if (panels < P)
+      return tile_panels<R, P - 1>(panels, x, ldx, wp, wstride, kc, t, tstride, first);
   }
-  tile<R>(x, ldx, wp, kc, t, first);
+  tile<R, P>(x, ldx, wp, wstride, kc, t, tstride, first);
+}
+
+// rows = 1..R (the rows short of a full tile): up to wide<rows>() panels per tile
+template <int R>
+void tile_rows(int rows, int panels, const float* x, int64_t ldx, const float* wp,
+               int64_t wstride, int64_t kc, float* t, int64_t tstride, bool first) {
+  if constexpr (R > 1) {
+    if (rows < R)
+      return tile_rows<R - 1>(rows, panels, x, ldx, wp, wstride, kc, t, tstride, first);
+  }
+  tile_panels<R, wide<R>()>(panels, x, ldx, wp, wstride, kc, t, tstride, first);
 }
 
 inline float widen(float v) { return v; }
@@ -163,9 +187,12 @@ void pack(const T* w, int64_t k, int64_t k0, int64_t kc, int cols, float* wp) {
   int64_t done = 0;
 #if defined(__AVX2__)
   if (cols == NR) {
-    for (; done + 8 <= kc; done += 8)
-      for (int c = 0; c < NR; c += 8)
-        transpose8(w + c * k + k0 + done, k, wp + done * NR + c, NR);
+    // eight rows at a time, along k: each row's cache lines are used up before the next
+    const int64_t whole = kc / 8 * 8;
+    for (int c = 0; c < NR; c += 8)
+      for (int64_t kk = 0; kk < whole; kk += 8)
+        transpose8(w + c * k + k0 + kk, k, wp + kk * NR + c, NR);
+    done = whole;
   }
 #endif
   for (int c = 0; c < cols; ++c) {
@@ -203,8 +230,8 @@ void run(const float* x, int64_t ldx, const T* w, const float* bias, T* y, int64
       std::max<int64_t>(1, std::min<int64_t>(PANELS, (panels + threads - 1) / threads));
   const int64_t items = (panels + per_item - 1) / per_item;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> packed(per_item * KC * NR);
-    std::vector<float> chains(per_item * m * NR);
+    std::unique_ptr<float[]> packed(new float[per_item * KC * NR]);  // uninitialised: written before read
+    std::unique_ptr<float[]> chains(new float[per_item * m * NR]);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t q0 = item * per_item;
       const int64_t q1 = std::min(panels, q0 + per_item);
@@ -212,23 +239,33 @@ void run(const float* x, int64_t ldx, const T* w, const float* bias, T* y, int64
         const int64_t kc = std::min(KC, k - k0);
         for (int64_t q = q0; q < q1; ++q) {
           const int cols = static_cast<int>(std::min<int64_t>(NR, n - q * NR));
-          pack<T>(w + q * NR * k, k, k0, kc, cols, packed.data() + (q - q0) * KC * NR);
+          pack<T>(w + q * NR * k, k, k0, kc, cols, packed.get() + (q - q0) * KC * NR);
         }
         for (int64_t i0 = 0; i0 < m; i0 += MC) {
           const int64_t i1 = std::min(m, i0 + MC);
+          const int64_t full = i0 + (i1 - i0) / MR * MR;  // rows in full tiles
           for (int64_t q = q0; q < q1; ++q) {
-            const float* wp = packed.data() + (q - q0) * KC * NR;
-            float* t = chains.data() + (q - q0) * m * NR;
-            for (int64_t r = i0; r < i1; r += MR) {
-              const int rows = static_cast<int>(std::min<int64_t>(MR, i1 - r));
-              tile_rows<MR>(rows, x + r * ldx + k0, ldx, wp, kc, t + r * NR, k0 == 0);
+            const float* wp = packed.get() + (q - q0) * KC * NR;
+            float* t = chains.get() + (q - q0) * m * NR;
+            for (int64_t r = i0; r < full; r += MR)
+              tile<MR, 1>(x + r * ldx + k0, ldx, wp, 0, kc, t + r * NR, 0, k0 == 0);
+          }
+          if (full < i1) {
+            const int rows = static_cast<int>(i1 - full);
+            const int64_t step = MR / rows > 0 ? MR / rows : 1;  // wide<rows>()
+            for (int64_t q = q0; q < q1; q += step) {
+              const int np = static_cast<int>(std::min<int64_t>(step, q1 - q));
+              tile_rows<MR - 1>(rows, np, x + full * ldx + k0, ldx,
+                                packed.get() + (q - q0) * KC * NR, KC * NR, kc,
+                                chains.get() + (q - q0) * m * NR + full * NR, m * NR,
+                                k0 == 0);
             }
           }
         }
       }
       for (int64_t q = q0; q < q1; ++q) {
         const int cols = static_cast<int>(std::min<int64_t>(NR, n - q * NR));
-        finish<T>(chains.data() + (q - q0) * m * NR, bias, y, m, n, q * NR, cols);
+        finish<T>(chains.get() + (q - q0) * m * NR, bias, y, m, n, q * NR, cols);
       }
     }
   });
