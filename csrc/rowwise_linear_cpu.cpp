@@ -5,26 +5,30 @@
 // forward step has, which rows an expert of the MoE block gets. A BLAS picks its kernel and
 // blocking by the problem's shape (measured: a short step's expert GEMMs and GEMMs with one
 // or four output columns give other last bits for the same row), so the former form ran every
-// GEMM on tiles of exactly 64 rows, padded. Here the arithmetic of an output element is fixed
-// by its own row of x and row of w alone:
+// GEMM on tiles of exactly 64 rows, padded: sixteen times the calls of a 1024-token step and
+// four times the expert rows. Here the arithmetic of an output element is fixed by its own row
+// of x and row of w alone:
 //
-// - one float32 chain per element: acc = 0, then acc = fma(x[m, k], w[n, k], acc) for k in
-//   ascending order, one fused multiply-add (one rounding) per k;
-// - then the bias (float32), then one rounding to the output dtype.
+// - LANES partial sums, lane j accumulating x[m, k] * w[n, k] for k = j (mod LANES) in
+//   ascending k, one fused multiply-add each (the K tail zero-filled, which adds exact zeros);
+// - the lanes added in one fixed pairwise tree, then the bias (float32), then one rounding to
+//   the output dtype.
 //
-// Which other rows and columns share a register tile, a cache block, a work item or a thread
-// changes none of it (a chain paused at a cache block's end is stored and reloaded as the
-// float32 it is), so any row count, any column count, any blocking and any thread count give
-// the same bits for a row, and the result does not depend on the build's vector width either.
-// bf16 inputs are widened to float32 exactly.
+// Which other rows and columns share a register block, a work item or a thread changes none
+// of it, so any row count, any column count and any thread count give the same bits for a row.
+// bf16 inputs are widened to float32 exactly. The lane count is a property of the build
+// (-march=native), as the rounding of vLLM's own kernels is of the host's ISA.
 //
-// How it is fast: the classic GEMM blocking (GotoBLAS / BLIS) with the roles that give the
-// chain above. A register tile is MR rows x NR columns (NR = two vectors): per k, the tile's
-// two vectors of w (NR consecutive columns) are loaded from a packed panel, each of the MR
-// rows' x[m, k] is broadcast, and every accumulator takes one multiply-add. A panel (KC k's x
-// NR columns, 16 KiB) is packed k-major from w's rows (widened from bf16 there) and stays in
-// L1 while every row of a block of MC rows (in L2) passes over it. Measured against torch's
-// MKL GEMM in benchmarks/rowwise_linear_bench.py.
+// Two ways to the same bits, chosen by the row count (which changes no bit, so the choice is
+// free): a few rows (a decode step, an expert with few tokens) run dot products straight from
+// x's and w's rows (`run_rows`: a register block of 3 x 4 elements, each a vector of the
+// LANES partial sums); many rows run the blocked form (`run_blocked`, GotoBLAS's blocking
+// with the roles that give the same sums): each lane's partial sums of a register tile of MR
+// rows x NR columns are one chain of broadcast-times-vector multiply-adds over a lane-major
+// packed panel of w (one lane's slice, 8-16 KiB, stays in L1 while every row tile passes) and a
+// lane-major packed copy of x; a tile's lanes are then added by the same tree, as vector adds
+// across registers. The first form reads x from L2 for every block of four columns and ran at
+// 1.13-1.35x torch's MKL GEMM on many rows; the second packs both operands once per call.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,10 +37,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <memory>
+#include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -45,18 +49,21 @@
 namespace {
 
 using hc_cpu::LANES;
+using hc_cpu::load;
 using hc_cpu::vf;
 
-constexpr int NV = 2;                  // vectors of columns per register tile
-constexpr int NR = NV * LANES;         // columns per register tile and per packed panel
 #if defined(__AVX512F__)
-constexpr int MR = 12;                 // 24 accumulators, 2 w vectors, 1 broadcast of 32
+constexpr int RB = 4;  // rows per register block
+constexpr int CB = 4;  // columns per register block (16 accumulators of 32 registers)
 #else
-constexpr int MR = 6;                  // 12 accumulators, 2 w vectors, 1 broadcast of 16
+#ifndef HC_RB
+#define HC_RB 3
 #endif
-constexpr int64_t KC = 4096 / NR;      // k's per packed panel: KC x NR floats = 16 KiB (L1)
-constexpr int64_t MC = 32 * MR;        // rows per block of x (MC x KC floats, in L2)
-constexpr int64_t PANELS = 8;          // panels per work item at most
+constexpr int RB = HC_RB;
+constexpr int CB = 4;  // 12 accumulators, 3 x vectors, 1 w vector of 16 registers
+#endif
+constexpr int64_t ROW_TILE = 64;  // rows of x per work item
+constexpr int64_t COL_TILE = 64;  // rows of w per work item
 
 // One fused multiply-add per lane wherever the host has it; elsewhere a multiply and an add
 // (built with -ffp-contract=off, so the compiler never fuses some of them and not others).
@@ -70,6 +77,192 @@ inline vf fmadd(vf a, vf b, vf c) {
 #endif
 }
 
+// Keeps v in a register: without it GCC folds a vector's load into each multiply-add that
+// uses it (R or C loads of one vector per step), and the loop waits on loads, not arithmetic.
+inline void pin(vf& v) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// The first n < LANES elements, the rest zeros.
+template <typename T>
+inline vf load_tail(const T* p, int64_t n) {
+  T buf[LANES];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, n * sizeof(T));
+  return load(buf);
+}
+
+// The lanes added in one fixed tree: with 16 lanes, lane i + 8 onto lane i first; then
+// adjacent pairs, level by level: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)). `hsum8`
+// and `hsum4` compute eight and four such sums at once with the same additions.
+inline float hsum(vf v) {
+  float a[LANES];
+  std::memcpy(a, &v, sizeof(vf));
+  int n = LANES;
+  if (n == 16) {
+    for (int i = 0; i < 8; ++i) a[i] = a[i] + a[i + 8];
+    n = 8;
+  }
+  for (int width = n / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) a[i] = a[2 * i] + a[2 * i + 1];
+  return a[0];
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Eight lanes of a (16 lanes: lane i + 8 onto lane i, as `hsum`).
+inline __m256 fold8(vf v) {
+#if defined(__AVX512F__)
+  const __m512 w = (__m512)v;
+  const __m256 lo = _mm512_castps512_ps256(w);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
+  return _mm256_add_ps(lo, hi);
+#else
+  return (__m256)v;
+#endif
+}
+
+// out[i] = hsum(v[i]) for i < 8, bit for bit: hadd adds adjacent lanes, twice, then the two
+// 128-bit halves are added (x + y is exact to commute).
+inline void hsum8(const vf* v, float* out) {
+  const __m256 h01 = _mm256_hadd_ps(fold8(v[0]), fold8(v[1]));
+  const __m256 h23 = _mm256_hadd_ps(fold8(v[2]), fold8(v[3]));
+  const __m256 h45 = _mm256_hadd_ps(fold8(v[4]), fold8(v[5]));
+  const __m256 h67 = _mm256_hadd_ps(fold8(v[6]), fold8(v[7]));
+  const __m256 q0 = _mm256_hadd_ps(h01, h23);
+  const __m256 q1 = _mm256_hadd_ps(h45, h67);
+  const __m256 lo = _mm256_permute2f128_ps(q0, q1, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(q0, q1, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
+// out[i] = hsum(v[i]) for i < 4, bit for bit (the same additions as hsum8).
+inline void hsum4(const vf* v, float* out) {
+  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(fold8(v[0]), fold8(v[1])),
+                                  _mm256_hadd_ps(fold8(v[2]), fold8(v[3])));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+#else
+inline void hsum8(const vf* v, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = hsum(v[i]);
+}
+
+inline void hsum4(const vf* v, float* out) {
+  for (int i = 0; i < 4; ++i) out[i] = hsum(v[i]);
+}
+#endif
+
+// sums[r * C + c] = the element (r, c) of an R x C block: rows x[r * ldx], columns w[c * ldw].
+template <typename XT, typename WT, int R, int C>
+void block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, float* sums) {
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vf{};
+  int64_t k = 0;
+  for (; k + LANES <= k_len; k += LANES) {
+    vf xv[R];
+    for (int r = 0; r < R; ++r) {
+      xv[r] = load(x + r * ldx + k);
+      pin(xv[r]);
+    }
+    for (int c = 0; c < C; ++c) {
+      vf wv = load(w + c * ldw + k);
+      pin(wv);
+      for (int r = 0; r < R; ++r) acc[r][c] = fmadd(xv[r], wv, acc[r][c]);
+    }
+  }
+  if (k < k_len) {
+    const int64_t n = k_len - k;
+    vf xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = load_tail(x + r * ldx + k, n);
+    for (int c = 0; c < C; ++c) {
+      const vf wv = load_tail(w + c * ldw + k, n);
+      for (int r = 0; r < R; ++r) acc[r][c] = fmadd(xv[r], wv, acc[r][c]);
+    }
+  }
+  // copied out so that acc's address never escapes (it stays in registers in the loop)
+  vf flat[R * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) flat[r * C + c] = acc[r][c];
+  int i = 0;
+  for (; i + 8 <= R * C; i += 8) hsum8(flat + i, sums + i);
+  for (; i + 4 <= R * C; i += 4) hsum4(flat + i, sums + i);
+  for (; i < R * C; ++i) sums[i] = hsum(flat[i]);
+}
+
+template <typename XT, typename WT, int R>
+void block_rows(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, int cols,
+                float* sums) {
+  switch (cols) {
+    case 1: return block<XT, WT, R, 1>(x, ldx, w, ldw, k_len, sums);
+    case 2: return block<XT, WT, R, 2>(x, ldx, w, ldw, k_len, sums);
+    case 3: return block<XT, WT, R, 3>(x, ldx, w, ldw, k_len, sums);
+    default: return block<XT, WT, R, CB>(x, ldx, w, ldw, k_len, sums);
+  }
+}
+
+template <typename XT, typename WT>
+void any_block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, int rows,
+               int cols, float* sums) {
+  static_assert(CB == 4 && RB >= 2 && RB <= 4, "the switches list 1..3 and RB, CB");
+  switch (std::min(rows, RB)) {
+    case 1: return block_rows<XT, WT, 1>(x, ldx, w, ldw, k_len, cols, sums);
+    case 2: return block_rows<XT, WT, 2>(x, ldx, w, ldw, k_len, cols, sums);
+    case 3: return block_rows<XT, WT, 3>(x, ldx, w, ldw, k_len, cols, sums);
+    default: return block_rows<XT, WT, RB>(x, ldx, w, ldw, k_len, cols, sums);
+  }
+}
+
+// The few-rows form: x is float32 (a bf16 x is widened once, exactly, for the whole call); w
+// and y are T.
+template <typename T>
+void run_rows(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t n,
+              int64_t k) {
+  const int64_t row_tiles = (m + ROW_TILE - 1) / ROW_TILE;
+  const int64_t col_tiles = (n + COL_TILE - 1) / COL_TILE;
+  at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item / col_tiles) * ROW_TILE;
+      const int64_t c0 = (item % col_tiles) * COL_TILE;
+      const int64_t r1 = std::min(m, r0 + ROW_TILE);
+      const int64_t c1 = std::min(n, c0 + COL_TILE);
+      float sums[RB * CB];
+      for (int64_t c = c0; c < c1; c += CB) {
+        const int cols = static_cast<int>(std::min<int64_t>(CB, c1 - c));
+        for (int64_t r = r0; r < r1; r += RB) {
+          const int rows = static_cast<int>(std::min<int64_t>(RB, r1 - r));
+          any_block<float, T>(x + r * k, k, w + c * k, k, k, rows, cols, sums);
+          for (int i = 0; i < rows; ++i)
+            for (int j = 0; j < cols; ++j) {
+              float v = sums[i * cols + j];
+              if (bias != nullptr) v = v + bias[c + j];
+              y[(r + i) * n + c + j] = static_cast<T>(v);
+            }
+        }
+      }
+    }
+  });
+}
+
+
+// ---- the blocked form (many rows): the same sums, GotoBLAS's blocking ----
+
+constexpr int NV = 2;             // vectors of columns per register tile
+constexpr int NR = NV * LANES;    // columns per register tile and per packed panel
+#if defined(__AVX512F__)
+constexpr int MR = 12;            // 24 accumulators, 2 w vectors, 1 broadcast of 32 registers
+#else
+constexpr int MR = 6;             // 12 accumulators, 2 w vectors, 1 broadcast of 16 registers
+#endif
+// calls with fewer rows, or fewer columns, take the few-rows form: packing x costs a pass
+// over it, paid back only over several panels (measured: a router's four columns at 1,024
+// rows ran 4x slower blocked)
+constexpr int64_t BLOCKED_ROWS = 4 * MR;
+constexpr int64_t BLOCKED_COLS = 4 * NR;
+
 inline vf splat(float s) {
 #if defined(__AVX512F__)
   return (vf)_mm512_set1_ps(s);
@@ -82,70 +275,11 @@ inline vf splat(float s) {
 #endif
 }
 
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-// R rows of x (ldx apart, from k0) times P packed panels (kc x NR each, wstride apart). The
-// tile's chains are kept at t[p * tstride + r * NR + column]: started at zero on the first
-// block of k, continued from t on the others. A full tile is MR rows of one panel; rows short
-// of MR (a short call, the last rows) take several panels at once, so that the tile still has
-// the accumulators to hide the multiply-add's latency.
-template <int R, int P>
-void tile(const float* x, int64_t ldx, const float* wp, int64_t wstride, int64_t kc, float* t,
-          int64_t tstride, bool first) {
-  vf acc[R][P][NV];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p)
-      for (int v = 0; v < NV; ++v)
-        acc[r][p][v] = first ? vf{} : loadv(t + p * tstride + r * NR + v * LANES);
-  for (int64_t k = 0; k < kc; ++k) {
-    vf wv[P][NV];
-    for (int p = 0; p < P; ++p)
-      for (int v = 0; v < NV; ++v) wv[p][v] = loadv(wp + p * wstride + k * NR + v * LANES);
-    for (int r = 0; r < R; ++r) {
-      const vf a = splat(x[r * ldx + k]);
-      for (int p = 0; p < P; ++p)
-        for (int v = 0; v < NV; ++v) acc[r][p][v] = fmadd(a, wv[p][v], acc[r][p][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p)
-      for (int v = 0; v < NV; ++v) storev(t + p * tstride + r * NR + v * LANES, acc[r][p][v]);
-}
-
-// panels a tile of R rows takes at once: as many accumulators as a full tile, at least one
-template <int R>
-constexpr int wide() { return MR / R > 0 ? MR / R : 1; }
-
-// `tile<R, P>` for panels = 1..P
-template <int R, int P>
-void tile_panels(int panels, const float* x, int64_t ldx, const float* wp, int64_t wstride,
-                 int64_t kc, float* t, int64_t tstride, bool first) {
-  if constexpr (P > 1) {
-    if (panels < P)
-      return tile_panels<R, P - 1>(panels, x, ldx, wp, wstride, kc, t, tstride, first);
-  }
-  tile<R, P>(x, ldx, wp, wstride, kc, t, tstride, first);
-}
-
-// rows = 1..R (the rows short of a full tile): up to wide<rows>() panels per tile
-template <int R>
-void tile_rows(int rows, int panels, const float* x, int64_t ldx, const float* wp,
-               int64_t wstride, int64_t kc, float* t, int64_t tstride, bool first) {
-  if constexpr (R > 1) {
-    if (rows < R)
-      return tile_rows<R - 1>(rows, panels, x, ldx, wp, wstride, kc, t, tstride, first);
-  }
-  tile_panels<R, wide<R>()>(panels, x, ldx, wp, wstride, kc, t, tstride, first);
-}
-
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+// The i-th leaf of `hsum`'s tree, left to right: the lanes in the order the tree adds them
+// (16 lanes: lane i + 8 is lane i's right sibling).
+constexpr int lane_at(int i) { return LANES == 16 ? i / 2 + (i % 2) * 8 : i; }
 
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -155,11 +289,11 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// out[j * ldo + i] = rows[i][j] for an 8 x 8 block (row i at src + i * lds)
+// out[j * ldo + i] = src[i][j] for i, j < 8: moves values, computes nothing
 template <typename T>
-inline void transpose8(const T* src, int64_t lds, float* out, int64_t ldo) {
+inline void transpose8(const T* const* src, float* out, int64_t ldo) {
   __m256 r[8];
-  for (int i = 0; i < 8; ++i) r[i] = load8(src + i * lds);
+  for (int i = 0; i < 8; ++i) r[i] = load8(src[i]);
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
   const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -179,96 +313,169 @@ inline void transpose8(const T* src, int64_t lds, float* out, int64_t ldo) {
 }
 #endif
 
-// The panel of `cols` rows of w (k apart) over k0 .. k0 + kc, k-major: wp[kk * NR + c] =
-// w[c * k + k0 + kk] as float32, zero for the columns past `cols` (their results are dropped).
-// Packing moves values; it computes nothing, so any way of doing it gives the same panel.
+// Lane-major panel of NR rows of w (columns c0 .. c0 + cols of y): wp[(j * T + t) * NR + c] =
+// w[c0 + c, t * LANES + j] as float32; zero past k and past `cols` (those results are
+// dropped; zeros past k are the zero-filled tail of the few-rows form).
 template <typename T>
-void pack(const T* w, int64_t k, int64_t k0, int64_t kc, int cols, float* wp) {
-  int64_t done = 0;
+void pack_w(const T* w, int64_t k, int64_t t_len, int cols, float* wp) {
+  int64_t t_done = 0;
 #if defined(__AVX2__)
   if (cols == NR) {
-    // eight rows at a time, along k: each row's cache lines are used up before the next
-    const int64_t whole = kc / 8 * 8;
+    t_done = k / LANES;  // groups of LANES k's inside k: 8 x 8 transposes
+    const T* rows[8];
     for (int c = 0; c < NR; c += 8)
-      for (int64_t kk = 0; kk < whole; kk += 8)
-        transpose8(w + c * k + k0 + kk, k, wp + kk * NR + c, NR);
-    done = whole;
+      for (int64_t t = 0; t < t_done; ++t)
+        for (int h = 0; h < LANES; h += 8) {
+          for (int i = 0; i < 8; ++i) rows[i] = w + (c + i) * k + t * LANES + h;
+          transpose8(rows, wp + (h * t_len + t) * NR + c, t_len * NR);
+        }
   }
 #endif
-  for (int c = 0; c < cols; ++c) {
-    const T* src = w + c * k + k0;
-    for (int64_t kk = done; kk < kc; ++kk) wp[kk * NR + c] = widen(src[kk]);
-  }
-  for (int c = cols; c < NR; ++c)
-    for (int64_t kk = 0; kk < kc; ++kk) wp[kk * NR + c] = 0.f;
+  for (int j = 0; j < LANES; ++j)
+    for (int64_t t = t_done; t < t_len; ++t) {
+      float* out = wp + (j * t_len + t) * NR;
+      const int64_t kk = t * LANES + j;
+      for (int c = 0; c < NR; ++c)
+        out[c] = c < cols && kk < k ? static_cast<float>(w[c * k + kk]) : 0.f;
+    }
 }
 
-// y[r, c0 + c] = rounded(t[r * NR + c] (+ bias)) for the panel's columns
-template <typename T>
-void finish(const float* t, const float* bias, T* y, int64_t m, int64_t n, int64_t c0,
-            int cols) {
-  for (int64_t r = 0; r < m; ++r) {
-    const float* src = t + r * NR;
-    T* dst = y + r * n + c0;
-    if (bias != nullptr) {
-      for (int c = 0; c < cols; ++c) dst[c] = static_cast<T>(src[c] + bias[c0 + c]);
-    } else {
-      for (int c = 0; c < cols; ++c) dst[c] = static_cast<T>(src[c]);
+// Lane-major copy of x's full row tiles: xp[((i * LANES + j) * T + t) * MR + r] =
+// x[i * MR + r, t * LANES + j]; zero past k. `xp` has 8 floats to spare at its end.
+void pack_x(const float* x, int64_t k, int64_t tiles, int64_t t_len, float* xp) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* out = xp + i * LANES * t_len * MR;
+      int64_t t_done = 0;
+#if defined(__AVX2__)
+      // 8 rows x 8 k's at a time; a group of rows past MR (zeros) spills its values into the
+      // next t's slots, which are written after it: every t but the last
+      t_done = std::min(k / LANES, t_len - 1);
+      static const float zeros[8] = {};
+      const float* rows[8];
+      for (int64_t t = 0; t < t_done; ++t)
+        for (int r0 = 0; r0 < MR; r0 += 8)
+          for (int h = 0; h < LANES; h += 8) {
+            for (int ii = 0; ii < 8; ++ii)
+              rows[ii] = r0 + ii < MR ? x + (i * MR + r0 + ii) * k + t * LANES + h : zeros;
+            transpose8(rows, out + (h * t_len + t) * MR + r0, t_len * MR);
+          }
+#endif
+      for (int j = 0; j < LANES; ++j)
+        for (int64_t t = t_done; t < t_len; ++t) {
+          float* o = out + (j * t_len + t) * MR;
+          const int64_t kk = t * LANES + j;
+          for (int r = 0; r < MR; ++r) o[r] = kk < k ? x[(i * MR + r) * k + kk] : 0.f;
+        }
+    }
+  });
+}
+
+// One lane's partial sums of a full tile: acc[r][v] = the chain over t of
+// fma(x[r, t * LANES + j], w[column, t * LANES + j], .) from zero (xl, wl: the lane's slices).
+inline void lane_chain(const float* xl, const float* wl, int64_t t_len, vf (&acc)[MR][NV]) {
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  for (int64_t t = 0; t < t_len; ++t) {
+    vf wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load(wl + t * NR + v * LANES);
+    for (int r = 0; r < MR; ++r) {
+      const vf a = splat(xl[t * MR + r]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, wv[v], acc[r][v]);
     }
   }
 }
 
-// x is float32, rows ldx apart (a bf16 x is widened once, exactly, for the whole call); w and
-// y are T. Work items are groups of up to PANELS panels of columns (at least one item per
-// thread where there are panels enough); each holds its panels' chains for all m rows.
+// A tile's lane sums folded into the tree as they come: `stack` holds, per tree level, the
+// left subtree's sums waiting for their right sibling (a binary counter over the leaves, so
+// the additions are `hsum`'s, in its order). True when `acc` is the root (the last leaf).
+inline bool fold(int leaf, vf (&acc)[MR][NV], float* stack, int64_t level_stride) {
+  int level = 0;
+  for (int count = leaf + 1; count % 2 == 0; count /= 2, ++level) {
+    const float* left = stack + level * level_stride;
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = load(left + r * NR + v * LANES) + acc[r][v];
+  }
+  if (leaf + 1 == LANES) return true;
+  float* slot = stack + level * level_stride;
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) storev(slot + r * NR + v * LANES, acc[r][v]);
+  return false;
+}
+
+// y's rows of one tile, columns c0 .. c0 + cols: the tree's root, the bias, one rounding
 template <typename T>
-void run(const float* x, int64_t ldx, const T* w, const float* bias, T* y, int64_t m,
-         int64_t n, int64_t k) {
+inline void finish(const vf (&acc)[MR][NV], const float* bias, T* y, int64_t n, int64_t c0,
+                   int cols) {
+  float out[MR * NR];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) storev(out + r * NR + v * LANES, acc[r][v]);
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < cols; ++c) {
+      float s = out[r * NR + c];
+      if (bias != nullptr) s = s + bias[c0 + c];
+      y[r * n + c0 + c] = static_cast<T>(s);
+    }
+}
+
+// The rows [0, tiles * MR) of y from the packed x. Work items are panels of NR columns. A
+// panel that fits L1 (short k) serves each tile's lanes one after another (the tree's
+// partial sums in a small stack); a longer one is taken lane by lane, each lane's slice in
+// L1 over every row tile, the partial sums of every tile on a stack per level.
+template <typename T>
+void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const T* w, int64_t k,
+                 const float* bias, T* y, int64_t n) {
+  constexpr int LEVELS = LANES == 16 ? 4 : 3;
   const int64_t panels = (n + NR - 1) / NR;
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t per_item =
-      std::max<int64_t>(1, std::min<int64_t>(PANELS, (panels + threads - 1) / threads));
-  const int64_t items = (panels + per_item - 1) / per_item;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> packed(new float[per_item * KC * NR]);  // uninitialised: written before read
-    std::unique_ptr<float[]> chains(new float[per_item * m * NR]);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t q0 = item * per_item;
-      const int64_t q1 = std::min(panels, q0 + per_item);
-      for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const int64_t kc = std::min(KC, k - k0);
-        for (int64_t q = q0; q < q1; ++q) {
-          const int cols = static_cast<int>(std::min<int64_t>(NR, n - q * NR));
-          pack<T>(w + q * NR * k, k, k0, kc, cols, packed.get() + (q - q0) * KC * NR);
-        }
-        for (int64_t i0 = 0; i0 < m; i0 += MC) {
-          const int64_t i1 = std::min(m, i0 + MC);
-          const int64_t full = i0 + (i1 - i0) / MR * MR;  // rows in full tiles
-          for (int64_t q = q0; q < q1; ++q) {
-            const float* wp = packed.get() + (q - q0) * KC * NR;
-            float* t = chains.get() + (q - q0) * m * NR;
-            for (int64_t r = i0; r < full; r += MR)
-              tile<MR, 1>(x + r * ldx + k0, ldx, wp, 0, kc, t + r * NR, 0, k0 == 0);
+  const int64_t rows = tiles * MR;
+  const bool tile_major = LANES * t_len * NR * 4 <= 16384;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> wp(new float[LANES * t_len * NR]);
+    const int64_t level_stride = tile_major ? MR * NR : rows * NR;
+    std::unique_ptr<float[]> stack(new float[LEVELS * level_stride]);
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t c0 = q * NR;
+      const int cols = static_cast<int>(std::min<int64_t>(NR, n - c0));
+      pack_w<T>(w + c0 * k, k, t_len, cols, wp.get());
+      if (tile_major) {
+        for (int64_t i = 0; i < tiles; ++i)
+          for (int leaf = 0; leaf < LANES; ++leaf) {
+            const int j = lane_at(leaf);
+            vf acc[MR][NV];
+            lane_chain(xp + (i * LANES + j) * t_len * MR, wp.get() + j * t_len * NR, t_len, acc);
+            if (fold(leaf, acc, stack.get(), level_stride))
+              finish<T>(acc, bias, y + i * MR * n, n, c0, cols);
           }
-          if (full < i1) {
-            const int rows = static_cast<int>(i1 - full);
-            const int64_t step = MR / rows > 0 ? MR / rows : 1;  // wide<rows>()
-            for (int64_t q = q0; q < q1; q += step) {
-              const int np = static_cast<int>(std::min<int64_t>(step, q1 - q));
-              tile_rows<MR - 1>(rows, np, x + full * ldx + k0, ldx,
-                                packed.get() + (q - q0) * KC * NR, KC * NR, kc,
-                                chains.get() + (q - q0) * m * NR + full * NR, m * NR,
-                                k0 == 0);
-            }
-          }
-        }
+        continue;
       }
-      for (int64_t q = q0; q < q1; ++q) {
-        const int cols = static_cast<int>(std::min<int64_t>(NR, n - q * NR));
-        finish<T>(chains.get() + (q - q0) * m * NR, bias, y, m, n, q * NR, cols);
+      for (int leaf = 0; leaf < LANES; ++leaf) {
+        const int j = lane_at(leaf);
+        const float* wl = wp.get() + j * t_len * NR;
+        for (int64_t i = 0; i < tiles; ++i) {
+          vf acc[MR][NV];
+          lane_chain(xp + (i * LANES + j) * t_len * MR, wl, t_len, acc);
+          if (fold(leaf, acc, stack.get() + i * MR * NR, level_stride))
+            finish<T>(acc, bias, y + i * MR * n, n, c0, cols);
+        }
       }
     }
   });
+}
+
+// Rows in full tiles take the blocked form when the call is large enough; the rest (and
+// every row of a small call) the few-rows form.
+template <typename T>
+void run(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t n, int64_t k) {
+  int64_t done = 0;
+  if (m >= BLOCKED_ROWS && n >= BLOCKED_COLS) {
+    const int64_t tiles = m / MR;
+    const int64_t t_len = (k + LANES - 1) / LANES;
+    std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR + 8]);
+    pack_x(x, k, tiles, t_len, xp.get());
+    run_blocked<T>(xp.get(), tiles, t_len, w, k, bias, y, n);
+    done = tiles * MR;
+  }
+  if (done < m) run_rows<T>(x + done * k, w, bias, y + done * n, m - done, n, k);
 }
 
 }  // namespace
@@ -281,7 +488,7 @@ torch::Tensor rowwise_linear(torch::Tensor x, torch::Tensor weight, c10::optiona
   TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "x [..., K], weight [N, K]");
   const int64_t k = weight.size(1);
   const int64_t n = weight.size(0);
-  auto x2 = x.reshape({-1, k});
+  auto x2 = x.reshape({-1, k}).contiguous();
   auto w = weight.contiguous();
   const int64_t m = x2.size(0);
   auto out_sizes = x.sizes().vec();
@@ -294,40 +501,23 @@ torch::Tensor rowwise_linear(torch::Tensor x, torch::Tensor weight, c10::optiona
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (m > 0 && n > 0) {
-    // x as float32 (bf16 widens exactly). Where rows 2 KiB apart or a multiple of it would
-    // share the L1 sets the broadcasts read from, and the rows are read for several panels,
-    // copied with rows one cache line longer; else read in place
-    torch::Tensor xf = x2;
-    int64_t ldx = k;
-    const bool aliased = k % 512 == 0 && n > 2 * NR;
-    if (aliased || x.scalar_type() != torch::kFloat32 || !x2.is_contiguous()) {
-      ldx = aliased ? k + 16 : k;
-      xf = torch::empty({m, ldx}, x.options().dtype(torch::kFloat32));
-      xf.narrow(1, 0, k).copy_(x2);
-    }
+    // bf16 -> float32 is exact: widening x once here leaves every product as it was
+    auto xf = x2.to(torch::kFloat32).contiguous();
     if (x.scalar_type() == torch::kFloat32) {
-      run<float>(xf.data_ptr<float>(), ldx, w.data_ptr<float>(), bp, y.data_ptr<float>(), m,
-                 n, k);
+      run<float>(xf.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), m, n, k);
     } else {
-      run<c10::BFloat16>(xf.data_ptr<float>(), ldx, w.data_ptr<c10::BFloat16>(), bp,
+      run<c10::BFloat16>(xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), bp,
                          y.data_ptr<c10::BFloat16>(), m, n, k);
     }
   }
   return y.view(out_sizes);
 }
 
-// What fixes an element's bits, for the engine fingerprint: the arithmetic, not the blocking
-std::string arithmetic() {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  return "fma-chain-f32";
-#else
-  return "mul-add-chain-f32";
-#endif
-}
+int lanes() { return LANES; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_linear", &rowwise_linear,
         "y = x @ w^T (+ bias), each element's arithmetic fixed by its own row and column",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("arithmetic", &arithmetic, "the per-element arithmetic (named in the fingerprint)");
+  m.def("lanes", &lanes, "partial sums per element (the vector width of this build)");
 }

@@ -166,21 +166,15 @@ def test_kernel_backend_names_the_split_invariant_form(monkeypatch):
     from vllm_hybridcache.adapter.fingerprint import kernel_backend
     from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
     from vllm_hybridcache.flash_next.ops import split_invariant
-    from vllm_hybridcache.ops import rowwise_linear
 
     cfg = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
     monkeypatch.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "1")
     monkeypatch.setattr(split_invariant, "rowwise_available", lambda: True)
-    monkeypatch.setattr(rowwise_linear, "arithmetic", lambda: "fma-chain-f32")
     rowwise = kernel_backend(cfg)
-    # the kernel's arithmetic is named too: a build without FMA rounds each product
-    monkeypatch.setattr(rowwise_linear, "arithmetic", lambda: "mul-add-chain-f32")
-    unfused = kernel_backend(cfg)
     monkeypatch.setattr(split_invariant, "rowwise_available", lambda: False)
     tiles = kernel_backend(cfg)
-    assert "flash_next_invariant_form=rowwise;rowwise_arithmetic=fma-chain-f32" in rowwise
-    assert "rowwise_arithmetic=mul-add-chain-f32" in unfused
-    assert "flash_next_invariant_form=tiles" in tiles and "rowwise_arithmetic" not in tiles
+    assert "flash_next_invariant_form=rowwise" in rowwise
+    assert "flash_next_invariant_form=tiles" in tiles
 
 
 def test_kernel_backend_names_the_default_forward_for_flash_next_only(monkeypatch,
@@ -202,9 +196,6 @@ def test_kernel_backend_names_the_default_forward_for_flash_next_only(monkeypatc
     monkeypatch.delenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, raising=False)
     monkeypatch.setattr(split_invariant, "_host_bf16_gemm", lambda: "")
     monkeypatch.setattr(split_invariant, "rowwise_available", lambda: True)
-    from vllm_hybridcache.ops import rowwise_linear
-
-    monkeypatch.setattr(rowwise_linear, "arithmetic", lambda: "fma-chain-f32")
 
     def cfg(name: str, dtype: str) -> SimpleNamespace:
         mc = ModelConfig(model=str(embedded_model(name)), max_model_len=512, dtype=dtype)

@@ -14,7 +14,10 @@ pytestmark = pytest.mark.skipif(not rl.available(),
                                 reason="the kernel needs a C++ compiler (make toolchain)")
 
 # (rows, in features, out features): K and N off the vector width and the register blocks
-SHAPES = [(1, 64, 1), (7, 256, 4), (130, 100, 33), (65, 1024, 96), (300, 8, 3)]
+SHAPES = [(1, 64, 1), (7, 256, 4), (130, 100, 33), (65, 1024, 96), (300, 8, 3),
+          # around the row count where calls switch to the blocked form (4 register tiles),
+          # with k off the lane count and n off the panel width
+          (23, 37, 70), (24, 37, 70), (97, 515, 80)]
 
 
 def _inputs(m, k, n, dtype, seed=0, bias=False):
@@ -93,31 +96,36 @@ def test_negative_control_a_shape_dependent_order_is_caught():
 
     x, w, b = _inputs(40, 512, 64, torch.float32, seed=4)
     assert not _calls_agree(shape_dependent, x, w, b)
+    assert rl.lanes() in (8, 16)
 
 
-def _chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The documented arithmetic, in float64: acc = round32(acc + x[k] * w[k]) in ascending k.
-    A float32 product is exact in float64, so each step is one rounding of the exact
-    multiply-add (a fused one) but for double rounding through float64, which needs a sum
-    within 2^-29 of a float32 tie: not met by these random inputs."""
-    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
-    for k in range(x.shape[1]):
-        acc = (acc + x[:, k:k + 1].double() * w[:, k].double()).float().double()
-    return acc.float()
-
-
-def test_each_element_is_one_fused_chain_in_ascending_k():
-    """An element is the float32 chain of multiply-adds over k in ascending order (what
-    the fingerprint names as `fma-chain-f32`); the same inputs summed in another order (a
-    pairwise tree, as a lane-split kernel or a BLAS may) give other bits somewhere, so the
-    check tells the orders apart."""
-    if rl.arithmetic() != "fma-chain-f32":
-        pytest.skip(f"this build's arithmetic is {rl.arithmetic()}")
-    x, w, _ = _inputs(24, 300, 40, torch.float32, seed=5)
-    y = rl.rowwise_linear(x, w)
-    assert torch.equal(y, _chain(x, w))
-    # negative control: eight interleaved partial chains added in a tree differ from it
-    parts = [_chain(x[:, j::8], w[:, j::8]).double() for j in range(8)]
+def _lane_sums(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
+    """The documented arithmetic, in float64: lane j sums x[m, k] * w[n, k] for k = j mod
+    `lanes` in ascending k, one rounding to float32 per multiply-add (a float32 product is
+    exact in float64, so each step is the fused multiply-add's one rounding, but for double
+    rounding through float64, which needs a sum within 2^-29 of a float32 tie: not met by
+    these inputs); then the lanes added in the fixed tree (16 lanes: lane i + 8 onto lane i
+    first, then adjacent pairs, level by level)."""
+    k = x.shape[1]
+    parts = []
+    for j in range(lanes):
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+        for kk in range(j, k, lanes):
+            acc = (acc + x[:, kk:kk + 1].double() * w[:, kk].double()).float().double()
+        parts.append(acc)
+    if lanes == 16:
+        parts = [(parts[i] + parts[i + 8]).float().double() for i in range(8)]
     while len(parts) > 1:
         parts = [(a + b).float().double() for a, b in zip(parts[::2], parts[1::2], strict=True)]
-    assert not torch.equal(parts[0].float(), y)
+    return parts[0].float()
+
+
+@pytest.mark.parametrize("rows", [5, 60])  # the few-rows form and the blocked form
+def test_each_element_is_the_documented_lane_sums(rows):
+    """Both forms compute exactly the arithmetic the module documents (what a link's bits
+    were made of in earlier versions too). Negative control: one chain over all k in
+    ascending order (what a kernel without lanes would do) differs somewhere."""
+    x, w, _ = _inputs(rows, 300, 72, torch.float32, seed=5)
+    y = rl.rowwise_linear(x, w)
+    assert torch.equal(y, _lane_sums(x, w, rl.lanes()))
+    assert not torch.equal(y, _lane_sums(x, w, 1))

@@ -562,12 +562,7 @@ def kernel_backend(vllm_config) -> str:
     if split_invariant.enabled(vllm_config) and _auto_applies(vllm_config):
         invariant = "1"
         if device == "cpu":
-            form = split_invariant.invariant_form()
-            invariant += f";flash_next_invariant_form={form}"
-            if form == "rowwise":
-                from vllm_hybridcache.ops import rowwise_linear
-
-                invariant += f";rowwise_arithmetic={rowwise_linear.arithmetic()}"
+            invariant += f";flash_next_invariant_form={split_invariant.invariant_form()}"
     return (f"device={device};attention={attn};flash_next_impl="
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
             f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="

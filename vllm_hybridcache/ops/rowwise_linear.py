@@ -4,10 +4,11 @@ Why: Flash-Next's split-invariant forward needs a token's row of every GEMM to b
 whatever the call's other rows are (how long the step is, which tokens an expert gets). A
 BLAS chooses its kernel and blocking by the shape, so the first split-invariant forward ran
 every GEMM on padded 64-row tiles (docs/split-invariance.md, "Cost"). This kernel fixes an
-output element's arithmetic by its own row and column alone (one float32 chain of fused
-multiply-adds in ascending k, the bias, one rounding), so one call of any shape gives every
-row the bits it would get alone, while its blocking (packed panels, register tiles: GotoBLAS's)
-runs at about the speed of torch's GEMM. float32 and bf16 (widened exactly).
+output element's arithmetic by its own row and column alone (lane-wise fused multiply-adds in
+ascending k, one fixed tree over the lanes, the bias, one rounding), so one call of any shape
+gives every row the bits it would get alone. float32 and bf16 (widened exactly). A call of few
+rows computes dot products straight from the operands' rows; a call of many rows packs both
+operands lane by lane and runs GotoBLAS's blocking over the same sums (the same bits).
 """
 
 from __future__ import annotations
@@ -40,14 +41,12 @@ def available() -> bool:
     return _module() is not None
 
 
-def arithmetic() -> str:
-    """What fixes an element's bits in this build ("fma-chain-f32": one fused multiply-add per
-    k, in ascending k; "mul-add-chain-f32" on a host without FMA): the engine fingerprint
-    names it, so links computed by another arithmetic are never restored."""
+def lanes() -> int:
+    """Partial sums per output element: the build's vector width (8 or 16)."""
     mod = _module()
     if mod is None:
         raise RuntimeError("the row-invariant CPU linear is not built in this process")
-    return str(mod.arithmetic())
+    return int(mod.lanes())
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor,
