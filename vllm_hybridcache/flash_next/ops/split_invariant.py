@@ -97,9 +97,10 @@ def plan(vllm_config: Any = None) -> tuple[bool, str]:
     layers (a quantized checkpoint, TP > 1: fine cuts are off there anyway), the CPU backend,
     bfloat16 weights, a host whose torch has neither AVX512-BF16 nor AMX (where it does,
     torch's bf16 GEMM is fast and the rowwise form was not measured), and the row-invariant
-    kernel built. There the rowwise forward took 0.39x the step forward's cold prefill and
-    0.45-0.53x its server CPU on every trace family; in float32 it took 0.98-1.05x on the
-    trace families (not within 3% on one), so float32 stays in step mode. The same answer in
+    kernel built. There the rowwise forward took 0.30x the step forward's cold prefill and
+    0.37-0.45x its server CPU on every trace family; in float32 it took 1.02-1.16x a cold
+    prefill and 0.94-1.06x on the trace families over two runs (not reliably within 3%), so
+    float32 stays in step mode. The same answer in
     every process of an engine: it reads the engine's config, the setting and the host."""
     value = setting()
     if value != AUTO:
@@ -125,7 +126,7 @@ def plan(vllm_config: Any = None) -> tuple[bool, str]:
     dtype = str(getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
     if dtype.removeprefix("torch.") != "bfloat16":
         return False, (f"auto: {dtype or 'no'} dtype (measured in bfloat16 only as cheaper; "
-                       "float32 costs up to 1.05x on the trace families)")
+                       "float32 costs up to 1.06x on the trace families)")
     fast_bf16 = _host_bf16_gemm()
     if fast_bf16:
         return False, f"auto: {fast_bf16} (torch's bf16 GEMM uses it; rowwise not measured)"
