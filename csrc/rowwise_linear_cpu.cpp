@@ -313,61 +313,54 @@ inline void transpose8(const T* const* src, float* out, int64_t ldo) {
 }
 #endif
 
-// Lane-major panel of NR rows of w (columns c0 .. c0 + cols of y): wp[(j * T + t) * NR + c] =
-// w[c0 + c, t * LANES + j] as float32; zero past k and past `cols` (those results are
-// dropped; zeros past k are the zero-filled tail of the few-rows form).
+// Lane-major packing of `rows` rows of src (k apart) into `width` slots per (lane, t):
+// out[(j * t_len + t) * width + r] = src[r * k + t * LANES + j] as float32, zero past k and
+// for r >= rows. A panel of w is NR slots wide (its columns of y; zeros past n are dropped
+// results), a row tile of x MR; zeros past k are the zero-filled tail of the few-rows form.
+// Packing moves values and computes nothing.
 template <typename T>
-void pack_w(const T* w, int64_t k, int64_t t_len, int cols, float* wp) {
+void pack_lanes(const T* src, int64_t k, int rows, int width, int64_t t_len, float* out) {
   int64_t t_done = 0;
 #if defined(__AVX2__)
-  if (cols == NR) {
-    t_done = k / LANES;  // groups of LANES k's inside k: 8 x 8 transposes
-    const T* rows[8];
-    for (int c = 0; c < NR; c += 8)
-      for (int64_t t = 0; t < t_done; ++t)
-        for (int h = 0; h < LANES; h += 8) {
-          for (int i = 0; i < 8; ++i) rows[i] = w + (c + i) * k + t * LANES + h;
-          transpose8(rows, wp + (h * t_len + t) * NR + c, t_len * NR);
+  // 8 rows x 8 k's at a time (rows past `rows` read zeros), one group of rows along k after
+  // the other so that each row's cache lines are used up in turn; a group of fewer than 8
+  // slots goes through `part`
+  t_done = k / LANES;
+  static const T zeros[8] = {};
+  const T* from[8];
+  float part[64];
+  for (int r0 = 0; r0 < width; r0 += 8) {
+    const int slots = std::min(8, width - r0);
+    for (int64_t t = 0; t < t_done; ++t)
+      for (int h = 0; h < LANES; h += 8) {
+        for (int i = 0; i < 8; ++i)
+          from[i] = r0 + i < rows ? src + (r0 + i) * k + t * LANES + h : zeros;
+        float* to = out + (h * t_len + t) * width + r0;
+        if (slots == 8) {
+          transpose8(from, to, t_len * width);
+          continue;
         }
+        transpose8(from, part, 8);
+        for (int j = 0; j < 8; ++j)
+          std::memcpy(to + j * t_len * width, part + j * 8, sizeof(float) * slots);
+      }
   }
 #endif
   for (int j = 0; j < LANES; ++j)
     for (int64_t t = t_done; t < t_len; ++t) {
-      float* out = wp + (j * t_len + t) * NR;
+      float* o = out + (j * t_len + t) * width;
       const int64_t kk = t * LANES + j;
-      for (int c = 0; c < NR; ++c)
-        out[c] = c < cols && kk < k ? static_cast<float>(w[c * k + kk]) : 0.f;
+      for (int r = 0; r < width; ++r)
+        o[r] = r < rows && kk < k ? static_cast<float>(src[r * k + kk]) : 0.f;
     }
 }
 
-// Lane-major copy of x's full row tiles: xp[((i * LANES + j) * T + t) * MR + r] =
-// x[i * MR + r, t * LANES + j]; zero past k. `xp` has 8 floats to spare at its end.
+// Lane-major copy of x's full row tiles (`pack_lanes`, MR slots), tile i at
+// xp[i * LANES * t_len * MR].
 void pack_x(const float* x, int64_t k, int64_t tiles, int64_t t_len, float* xp) {
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* out = xp + i * LANES * t_len * MR;
-      int64_t t_done = 0;
-#if defined(__AVX2__)
-      // 8 rows x 8 k's at a time; a group of rows past MR (zeros) spills its values into the
-      // next t's slots, which are written after it: every t but the last
-      t_done = std::min(k / LANES, t_len - 1);
-      static const float zeros[8] = {};
-      const float* rows[8];
-      for (int64_t t = 0; t < t_done; ++t)
-        for (int r0 = 0; r0 < MR; r0 += 8)
-          for (int h = 0; h < LANES; h += 8) {
-            for (int ii = 0; ii < 8; ++ii)
-              rows[ii] = r0 + ii < MR ? x + (i * MR + r0 + ii) * k + t * LANES + h : zeros;
-            transpose8(rows, out + (h * t_len + t) * MR + r0, t_len * MR);
-          }
-#endif
-      for (int j = 0; j < LANES; ++j)
-        for (int64_t t = t_done; t < t_len; ++t) {
-          float* o = out + (j * t_len + t) * MR;
-          const int64_t kk = t * LANES + j;
-          for (int r = 0; r < MR; ++r) o[r] = kk < k ? x[(i * MR + r) * k + kk] : 0.f;
-        }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      pack_lanes<float>(x + i * MR * k, k, MR, MR, t_len, xp + i * LANES * t_len * MR);
   });
 }
 
@@ -436,7 +429,7 @@ void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const T* w, int6
     for (int64_t q = begin; q < end; ++q) {
       const int64_t c0 = q * NR;
       const int cols = static_cast<int>(std::min<int64_t>(NR, n - c0));
-      pack_w<T>(w + c0 * k, k, t_len, cols, wp.get());
+      pack_lanes<T>(w + c0 * k, k, cols, NR, t_len, wp.get());
       if (tile_major) {
         for (int64_t i = 0; i < tiles; ++i)
           for (int leaf = 0; leaf < LANES; ++leaf) {
@@ -470,7 +463,7 @@ void run(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t
   if (m >= BLOCKED_ROWS && n >= BLOCKED_COLS) {
     const int64_t tiles = m / MR;
     const int64_t t_len = (k + LANES - 1) / LANES;
-    std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR + 8]);
+    std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR]);
     pack_x(x, k, tiles, t_len, xp.get());
     run_blocked<T>(xp.get(), tiles, t_len, w, k, bias, y, n);
     done = tiles * MR;
