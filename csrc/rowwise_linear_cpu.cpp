@@ -19,6 +19,16 @@
 // bf16 inputs are widened to float32 exactly. The lane count is a property of the build
 // (-march=native), as the rounding of vLLM's own kernels is of the host's ISA.
 //
+// bf16 on a host with AVX512-BF16 takes that host's bf16 dot product instead (VDPBF16PS: two
+// products per lane and step, twice a float32 FMA's multiply-adds per instruction; measured on
+// a Zen 4 host, a float32-widening kernel took 2.1-2.5x oneDNN's bf16 GEMM, this one
+// 1.1-1.3x): 16 lanes, lane j taking the k pairs (2p, 2p + 1) for p = j (mod 16) in ascending
+// p, each step adding the odd k's product and then the even k's, each an exact product
+// rounded once to nearest even into the float32 lane, bf16 denormals read as zero and float32
+// denormal results flushed to zero (the instruction's fixed DAZ / FTZ); then the same tree,
+// bias and rounding. Every path of such a host takes it for bf16, so a row's arithmetic is
+// still its own; `arithmetic()` names the build's forms (the engine fingerprint holds it).
+//
 // Two ways to the same bits, chosen by the call's size (which changes no bit, so the choice
 // is free): few rows or columns (a decode step, an expert with few tokens, a router) run dot
 // products straight from x's and w's rows (`run_rows`: a register block of 3 x 4 elements, each a vector of the
@@ -30,8 +40,8 @@
 // across registers. On many rows the first form reads x from L2 for every block of four
 // columns (1.13-1.35x torch's MKL GEMM in float32 on an AVX2 host) and widens bf16 w for every
 // block of rows; the blocked form packs both operands once per call (1.16-1.20x MKL in
-// float32 at K = 256 to 1024, half the first form's time in bf16:
-// docs/benchmarks/rowwise-linear.md).
+// float32 at K = 256 to 1024 on an AVX2 host, 0.94-1.06x on an AVX-512 host, half the first
+// form's time in bf16: docs/benchmarks/rowwise-linear.md).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,6 +51,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -219,10 +231,84 @@ void any_block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len
   }
 }
 
-// The few-rows form: x is float32 (a bf16 x is widened once, exactly, for the whole call); w
-// and y are T.
-template <typename T>
-void run_rows(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t n,
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HC_PAIRS 1
+// bf16 pairs (the header's second arithmetic): each lane's step is one VDPBF16PS over 32 bf16
+// of x's row and of w's row, lane j holding k = 2j, 2j + 1 of them.
+using bh = __m512bh;
+
+inline bh pairs_at(const c10::BFloat16* p) { return (bh)_mm512_loadu_si512(p); }
+// the first n < 32 bf16 of p, zeros after
+inline bh pairs_tail(const c10::BFloat16* p, int64_t n) {
+  return (bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
+}
+inline vf dp(vf acc, bh a, bh b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
+// `pin` for pairs ("v": any of the 32 AVX-512 registers)
+inline void pin_bh(bh& v) { asm("" : "+v"(v)); }
+
+template <int R, int C>
+void block_pairs(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
+                 int64_t k_len, float* sums) {
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vf{};
+  int64_t k = 0;
+  for (; k + 2 * LANES <= k_len; k += 2 * LANES) {
+    bh xv[R];
+    for (int r = 0; r < R; ++r) {
+      xv[r] = pairs_at(x + r * ldx + k);
+      pin_bh(xv[r]);
+    }
+    for (int c = 0; c < C; ++c) {
+      bh wv = pairs_at(w + c * ldw + k);
+      pin_bh(wv);
+      for (int r = 0; r < R; ++r) acc[r][c] = dp(acc[r][c], xv[r], wv);
+    }
+  }
+  if (k < k_len) {
+    const int64_t n = k_len - k;
+    bh xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = pairs_tail(x + r * ldx + k, n);
+    for (int c = 0; c < C; ++c) {
+      const bh wv = pairs_tail(w + c * ldw + k, n);
+      for (int r = 0; r < R; ++r) acc[r][c] = dp(acc[r][c], xv[r], wv);
+    }
+  }
+  vf flat[R * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) flat[r * C + c] = acc[r][c];
+  int i = 0;
+  for (; i + 8 <= R * C; i += 8) hsum8(flat + i, sums + i);
+  for (; i + 4 <= R * C; i += 4) hsum4(flat + i, sums + i);
+  for (; i < R * C; ++i) sums[i] = hsum(flat[i]);
+}
+
+template <int R>
+void pairs_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
+                int64_t k_len, int cols, float* sums) {
+  switch (cols) {
+    case 1: return block_pairs<R, 1>(x, ldx, w, ldw, k_len, sums);
+    case 2: return block_pairs<R, 2>(x, ldx, w, ldw, k_len, sums);
+    case 3: return block_pairs<R, 3>(x, ldx, w, ldw, k_len, sums);
+    default: return block_pairs<R, CB>(x, ldx, w, ldw, k_len, sums);
+  }
+}
+
+void any_pairs(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
+               int64_t k_len, int rows, int cols, float* sums) {
+  switch (std::min(rows, RB)) {
+    case 1: return pairs_rows<1>(x, ldx, w, ldw, k_len, cols, sums);
+    case 2: return pairs_rows<2>(x, ldx, w, ldw, k_len, cols, sums);
+    case 3: return pairs_rows<3>(x, ldx, w, ldw, k_len, cols, sums);
+    default: return pairs_rows<RB>(x, ldx, w, ldw, k_len, cols, sums);
+  }
+}
+#endif
+
+// The few-rows form: x is float32 (a bf16 x is widened once, exactly, for the whole call) or,
+// in the bf16 pair arithmetic, bf16; w and y are T.
+template <typename XT, typename T>
+void run_rows(const XT* x, const T* w, const float* bias, T* y, int64_t m, int64_t n,
               int64_t k) {
   const int64_t row_tiles = (m + ROW_TILE - 1) / ROW_TILE;
   const int64_t col_tiles = (n + COL_TILE - 1) / COL_TILE;
@@ -237,7 +323,12 @@ void run_rows(const float* x, const T* w, const float* bias, T* y, int64_t m, in
         const int cols = static_cast<int>(std::min<int64_t>(CB, c1 - c));
         for (int64_t r = r0; r < r1; r += RB) {
           const int rows = static_cast<int>(std::min<int64_t>(RB, r1 - r));
-          any_block<float, T>(x + r * k, k, w + c * k, k, k, rows, cols, sums);
+#if defined(HC_PAIRS)
+          if constexpr (std::is_same_v<XT, c10::BFloat16>)
+            any_pairs(x + r * k, k, w + c * k, k, k, rows, cols, sums);
+          else
+#endif
+            any_block<float, T>(x + r * k, k, w + c * k, k, k, rows, cols, sums);
           for (int i = 0; i < rows; ++i)
             for (int j = 0; j < cols; ++j) {
               float v = sums[i * cols + j];
@@ -286,6 +377,8 @@ constexpr int lane_at(int i) { return LANES == 16 ? i / 2 + (i % 2) * 8 : i; }
 
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// a pair of bf16 as one 32-bit slot (bits moved, not converted)
+inline __m256 load8(const uint32_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
 // bf16 -> float32 is exact: the bf16 bits are the float's upper half
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -315,6 +408,15 @@ inline void transpose8(const T* const* src, float* out, int64_t ldo) {
   _mm256_storeu_ps(out + 7 * ldo, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 #endif
+
+// A value as a packed slot: float32, widened bf16, or a bf16 pair's bits
+inline float slot(float v) { return v; }
+inline float slot(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float slot(uint32_t v) {
+  float f;
+  std::memcpy(&f, &v, sizeof(f));
+  return f;
+}
 
 // Lane-major packing of `rows` rows of src (k apart) into `width` slots per (lane, t):
 // out[(j * t_len + t) * width + r] = src[r * k + t * LANES + j] as float32, zero past k and
@@ -354,16 +456,17 @@ void pack_lanes(const T* src, int64_t k, int rows, int width, int64_t t_len, flo
       float* o = out + (j * t_len + t) * width;
       const int64_t kk = t * LANES + j;
       for (int r = 0; r < width; ++r)
-        o[r] = r < rows && kk < k ? static_cast<float>(src[r * k + kk]) : 0.f;
+        o[r] = r < rows && kk < k ? slot(src[r * k + kk]) : 0.f;
     }
 }
 
 // Lane-major copy of x's full row tiles (`pack_lanes`, MR slots), tile i at
 // xp[i * LANES * t_len * MR].
-void pack_x(const float* x, int64_t k, int64_t tiles, int64_t t_len, float* xp) {
+template <typename XT>
+void pack_x(const XT* x, int64_t k, int64_t tiles, int64_t t_len, float* xp) {
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      pack_lanes<float>(x + i * MR * k, k, MR, MR, t_len, xp + i * LANES * t_len * MR);
+      pack_lanes<XT>(x + i * MR * k, k, MR, MR, t_len, xp + i * LANES * t_len * MR);
   });
 }
 
@@ -381,6 +484,27 @@ inline void lane_chain(const float* xl, const float* wl, int64_t t_len, vf (&acc
     }
   }
 }
+
+#if defined(HC_PAIRS)
+// The same with bf16 pairs: each slot of xl and wl holds two bf16 (k = 2p, 2p + 1).
+inline void lane_chain_pairs(const float* xl, const float* wl, int64_t t_len,
+                             vf (&acc)[MR][NV]) {
+  __m512 a[MR][NV];  // local, so that the loop keeps it in registers
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < t_len; ++t) {
+    bh wv[NV];
+    for (int v = 0; v < NV; ++v)
+      wv[v] = (bh)_mm512_loadu_si512(wl + t * NR + v * LANES);
+    for (int r = 0; r < MR; ++r) {
+      const bh b = (bh)_mm512_set1_ps(xl[t * MR + r]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], b, wv[v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = (vf)a[r][v];
+}
+#endif
 
 // A tile's lane sums folded into the tree as they come: `stack` holds, per tree level, the
 // left subtree's sums waiting for their right sibling (a binary counter over the leaves, so
@@ -403,6 +527,17 @@ inline bool fold(int leaf, vf (&acc)[MR][NV], float* stack, int64_t level_stride
 template <typename T>
 inline void finish(const vf (&acc)[MR][NV], const float* bias, T* y, int64_t n, int64_t c0,
                    int cols) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cols == NR) {  // a full panel: the same additions, a vector at a time
+      vf b[NV] = {};
+      if (bias != nullptr)
+        for (int v = 0; v < NV; ++v) b[v] = load(bias + c0 + v * LANES);
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v)
+          storev(y + r * n + c0 + v * LANES, bias != nullptr ? acc[r][v] + b[v] : acc[r][v]);
+      return;
+    }
+  }
   float out[MR * NR];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) storev(out + r * NR + v * LANES, acc[r][v]);
@@ -414,12 +549,20 @@ inline void finish(const vf (&acc)[MR][NV], const float* bias, T* y, int64_t n, 
     }
 }
 
+template <bool PAIRS>
+inline void chain(const float* xl, const float* wl, int64_t t_len, vf (&acc)[MR][NV]) {
+#if defined(HC_PAIRS)
+  if constexpr (PAIRS) return lane_chain_pairs(xl, wl, t_len, acc);
+#endif
+  lane_chain(xl, wl, t_len, acc);
+}
+
 // The rows [0, tiles * MR) of y from the packed x. Work items are panels of NR columns. A
 // panel that fits L1 (short k) serves each tile's lanes one after another (the tree's
 // partial sums in a small stack); a longer one is taken lane by lane, each lane's slice in
 // L1 over every row tile, the partial sums of every tile on a stack per level.
-template <typename T>
-void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const T* w, int64_t k,
+template <typename T, typename WT, bool PAIRS>
+void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const WT* w, int64_t k,
                  const float* bias, T* y, int64_t n) {
   constexpr int LEVELS = LANES == 16 ? 4 : 3;
   const int64_t panels = (n + NR - 1) / NR;
@@ -432,13 +575,14 @@ void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const T* w, int6
     for (int64_t q = begin; q < end; ++q) {
       const int64_t c0 = q * NR;
       const int cols = static_cast<int>(std::min<int64_t>(NR, n - c0));
-      pack_lanes<T>(w + c0 * k, k, cols, NR, t_len, wp.get());
+      pack_lanes<WT>(w + c0 * k, k, cols, NR, t_len, wp.get());
       if (tile_major) {
         for (int64_t i = 0; i < tiles; ++i)
           for (int leaf = 0; leaf < LANES; ++leaf) {
             const int j = lane_at(leaf);
             vf acc[MR][NV];
-            lane_chain(xp + (i * LANES + j) * t_len * MR, wp.get() + j * t_len * NR, t_len, acc);
+            chain<PAIRS>(xp + (i * LANES + j) * t_len * MR, wp.get() + j * t_len * NR, t_len,
+                         acc);
             if (fold(leaf, acc, stack.get(), level_stride))
               finish<T>(acc, bias, y + i * MR * n, n, c0, cols);
           }
@@ -449,7 +593,7 @@ void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const T* w, int6
         const float* wl = wp.get() + j * t_len * NR;
         for (int64_t i = 0; i < tiles; ++i) {
           vf acc[MR][NV];
-          lane_chain(xp + (i * LANES + j) * t_len * MR, wl, t_len, acc);
+          chain<PAIRS>(xp + (i * LANES + j) * t_len * MR, wl, t_len, acc);
           if (fold(leaf, acc, stack.get() + i * MR * NR, level_stride))
             finish<T>(acc, bias, y + i * MR * n, n, c0, cols);
         }
@@ -467,12 +611,35 @@ void run(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t
     const int64_t tiles = m / MR;
     const int64_t t_len = (k + LANES - 1) / LANES;
     std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR]);
-    pack_x(x, k, tiles, t_len, xp.get());
-    run_blocked<T>(xp.get(), tiles, t_len, w, k, bias, y, n);
+    pack_x<float>(x, k, tiles, t_len, xp.get());
+    run_blocked<T, T, false>(xp.get(), tiles, t_len, w, k, bias, y, n);
     done = tiles * MR;
   }
-  if (done < m) run_rows<T>(x + done * k, w, bias, y + done * n, m - done, n, k);
+  if (done < m) run_rows<float, T>(x + done * k, w, bias, y + done * n, m - done, n, k);
 }
+
+#if defined(HC_PAIRS)
+// bf16 on an AVX512-BF16 host: the pair arithmetic in both forms. The blocked form packs
+// pairs as 32-bit slots, so it needs whole pairs in every row (an even K); an odd K runs
+// every row in the few-rows form, whose loads take any K.
+void run_pairs(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias,
+               c10::BFloat16* y, int64_t m, int64_t n, int64_t k) {
+  int64_t done = 0;
+  if (m >= BLOCKED_ROWS && n >= BLOCKED_COLS && k % 2 == 0) {
+    const int64_t k2 = k / 2;
+    const int64_t tiles = m / MR;
+    const int64_t t_len = (k2 + LANES - 1) / LANES;
+    std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR]);
+    pack_x<uint32_t>(reinterpret_cast<const uint32_t*>(x), k2, tiles, t_len, xp.get());
+    run_blocked<c10::BFloat16, uint32_t, true>(xp.get(), tiles, t_len,
+                                               reinterpret_cast<const uint32_t*>(w), k2, bias,
+                                               y, n);
+    done = tiles * MR;
+  }
+  if (done < m)
+    run_rows<c10::BFloat16, c10::BFloat16>(x + done * k, w, bias, y + done * n, m - done, n, k);
+}
+#endif
 
 }  // namespace
 
@@ -497,6 +664,13 @@ torch::Tensor rowwise_linear(torch::Tensor x, torch::Tensor weight, c10::optiona
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (m > 0 && n > 0) {
+#if defined(HC_PAIRS)
+    if (x.scalar_type() == torch::kBFloat16) {
+      run_pairs(x2.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), bp,
+                y.data_ptr<c10::BFloat16>(), m, n, k);
+      return y.view(out_sizes);
+    }
+#endif
     // bf16 -> float32 is exact: widening x once here leaves every product as it was
     auto xf = x2.to(torch::kFloat32).contiguous();
     if (x.scalar_type() == torch::kFloat32) {
@@ -511,9 +685,25 @@ torch::Tensor rowwise_linear(torch::Tensor x, torch::Tensor weight, c10::optiona
 
 int lanes() { return LANES; }
 
+// The build's arithmetic per dtype, for the engine fingerprint: links made by one arithmetic
+// must never be restored into an engine running the other.
+std::string arithmetic() {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const std::string lane_sums = "fma" + std::to_string(LANES);
+#else
+  const std::string lane_sums = "muladd" + std::to_string(LANES);  // `fmadd` above
+#endif
+#if defined(HC_PAIRS)
+  return "float32:" + lane_sums + ";bfloat16:dpbf16x" + std::to_string(LANES);
+#else
+  return "float32:" + lane_sums + ";bfloat16:" + lane_sums;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_linear", &rowwise_linear,
         "y = x @ w^T (+ bias), each element's arithmetic fixed by its own row and column",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("lanes", &lanes, "partial sums per element (the vector width of this build)");
+  m.def("arithmetic", &arithmetic, "the build's arithmetic per dtype (fma or bf16 pairs)");
 }

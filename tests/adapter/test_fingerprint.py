@@ -177,6 +177,30 @@ def test_kernel_backend_names_the_split_invariant_form(monkeypatch):
     assert "flash_next_invariant_form=tiles" in tiles
 
 
+def test_kernel_backend_names_the_rowwise_arithmetic(monkeypatch):
+    """The row-invariant kernel's sums differ by build (lane count, bf16 pairs on an
+    AVX512-BF16 host): two engines whose kernels add differently must not share link files
+    (negative control: the same arithmetic gives the same fingerprint)."""
+    from types import SimpleNamespace
+
+    from vllm_hybridcache.adapter.fingerprint import kernel_backend
+    from vllm_hybridcache.config import FLASH_NEXT_SPLIT_INVARIANT_ENV
+    from vllm_hybridcache.flash_next.ops import split_invariant
+    from vllm_hybridcache.ops import rowwise_linear
+
+    cfg = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    monkeypatch.setenv(FLASH_NEXT_SPLIT_INVARIANT_ENV, "1")
+    monkeypatch.setattr(split_invariant, "rowwise_available", lambda: True)
+    monkeypatch.setattr(rowwise_linear, "available", lambda: True)
+    monkeypatch.setattr(rowwise_linear, "arithmetic", lambda: "float32:fma16;bfloat16:fma16")
+    fma = kernel_backend(cfg)
+    assert kernel_backend(cfg) == fma
+    monkeypatch.setattr(rowwise_linear, "arithmetic",
+                        lambda: "float32:fma16;bfloat16:dpbf16x16")
+    pairs = kernel_backend(cfg)
+    assert pairs != fma and "rowwise_arithmetic=float32:fma16;bfloat16:dpbf16x16" in pairs
+
+
 def test_kernel_backend_names_the_default_forward_for_flash_next_only(monkeypatch,
                                                                       embedded_model):
     """`auto` (the default) turns the split-invariant forward on in a bf16 Flash-Next engine

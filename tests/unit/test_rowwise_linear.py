@@ -16,8 +16,11 @@ pytestmark = pytest.mark.skipif(not rl.available(),
 # (rows, in features, out features): K and N off the vector width and the register blocks
 SHAPES = [(1, 64, 1), (7, 256, 4), (130, 100, 33), (65, 1024, 96), (300, 8, 3),
           # around the row count where calls switch to the blocked form (4 register tiles),
-          # with k off the lane count and n off the panel width
-          (23, 37, 70), (24, 37, 70), (97, 515, 75)]
+          # with k off the lane count and n off the panel width (AVX2: 24 rows, 64 columns)
+          (23, 37, 70), (24, 37, 70), (97, 515, 75),
+          # the blocked form with AVX-512 (48 rows, 128 columns), K odd (bf16 pairs: the
+          # few-rows form only) and even off the pair vector (a partial last pair vector)
+          (47, 258, 150), (100, 515, 150), (100, 258, 150)]
 
 
 def _inputs(m, k, n, dtype, seed=0, bias=False):
@@ -120,12 +123,82 @@ def _lane_sums(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
     return parts[0].float()
 
 
+def _pair_sums(x: torch.Tensor, w: torch.Tensor, lanes: int, odd_first: bool = True
+               ) -> torch.Tensor:
+    """The bf16 pair arithmetic (an AVX512-BF16 host), in float64: lane j takes the pairs of
+    k (2p, 2p + 1) for p = j mod `lanes` in ascending p, adding the odd k's product and then
+    the even k's, one rounding to float32 each (bf16 products are exact in float64; the
+    instruction's DAZ / FTZ never acts on these normal inputs); then the tree of `_lane_sums`."""
+    k = x.shape[1]
+    xd, wd = x.double(), w.double()
+    parts = []
+    for j in range(lanes):
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+        for p in range(j, (k + 1) // 2, lanes):
+            order = (2 * p + 1, 2 * p) if odd_first else (2 * p, 2 * p + 1)
+            for kk in order:
+                if kk < k:
+                    acc = (acc + xd[:, kk:kk + 1] * wd[:, kk]).float().double()
+        parts.append(acc)
+    if lanes == 16:
+        parts = [(parts[i] + parts[i + 8]).float().double() for i in range(8)]
+    while len(parts) > 1:
+        parts = [(a + b).float().double() for a, b in zip(parts[::2], parts[1::2], strict=True)]
+    return parts[0].float()
+
+
+def _uses_pairs(dtype: torch.dtype) -> bool:
+    return f"{dtype}".removeprefix("torch.") + ":dpbf16" in rl.arithmetic()
+
+
+def _documented(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the module documents for this build and x's dtype, rounded to that dtype."""
+    sums = _pair_sums if _uses_pairs(x.dtype) else _lane_sums
+    return sums(x, w, rl.lanes()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [5, 60])  # the few-rows form and the blocked form
-def test_each_element_is_the_documented_lane_sums(rows):
-    """Both forms compute exactly the arithmetic the module documents (what a link's bits
-    were made of in earlier versions too). Negative control: one chain over all k in
-    ascending order (what a kernel without lanes would do) differs somewhere."""
-    x, w, _ = _inputs(rows, 300, 72, torch.float32, seed=5)
+def test_each_element_is_the_documented_arithmetic(rows, dtype):
+    """Both forms compute exactly the arithmetic the module documents for this build
+    (`arithmetic()`; float32's is what a link's bits were made of in earlier versions too).
+    Negative control: one chain over all k in ascending order (a kernel without lanes)
+    differs somewhere (float32: bf16's rounding of the result hides most such differences,
+    the next test makes them show)."""
+    x, w, _ = _inputs(rows, 300, 140, dtype, seed=5)
     y = rl.rowwise_linear(x, w)
-    assert torch.equal(y, _lane_sums(x, w, rl.lanes()))
-    assert not torch.equal(y, _lane_sums(x, w, 1))
+    assert torch.equal(y, _documented(x, w))
+    if dtype == torch.float32:
+        assert not torch.equal(y, _lane_sums(x, w, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 60])
+def test_bf16_order_of_additions_shows_in_the_result(rows):
+    """Inputs whose sum comes out 2 or 4 depending on the order of additions (2^24 + 1 + 2
+    rounds to 2^24 + 2 one way, 2^24 + 4 the other; then 2^24 is taken away in another lane):
+    the kernel gives what its documented arithmetic gives, and the check is discriminating:
+    the pair arithmetic with the even k first, and the float32 lane sums, give 4 where the
+    pair arithmetic gives 2."""
+    k, n = 64, 140
+    x = torch.zeros(rows, k)
+    w = torch.zeros(n, k)
+    x[:, [0, 32, 33]] = 1.0
+    x[:, 2] = -1.0
+    w[:, 0] = w[:, 2] = 2.0 ** 24
+    w[:, 32], w[:, 33] = 2.0, 1.0
+    x, w = x.bfloat16(), w.bfloat16()
+    y = rl.rowwise_linear(x, w)
+    lanes = rl.lanes()
+    assert torch.equal(y, _documented(x, w))
+    assert torch.equal(_pair_sums(x, w, lanes), torch.full((rows, n), 2.0))
+    assert torch.equal(_pair_sums(x, w, lanes, odd_first=False), torch.full((rows, n), 4.0))
+    assert torch.equal(_lane_sums(x, w, lanes), torch.full((rows, n), 4.0))
+    expected = 2.0 if _uses_pairs(torch.bfloat16) else 4.0
+    assert torch.equal(y, torch.full((rows, n), expected).bfloat16())
+
+
+def test_arithmetic_names_each_dtype():
+    names = dict(part.split(":") for part in rl.arithmetic().split(";"))
+    assert set(names) == {"float32", "bfloat16"}
+    assert names["float32"] in (f"fma{rl.lanes()}", f"muladd{rl.lanes()}")
+    assert names["bfloat16"] in (names["float32"], f"dpbf16x{rl.lanes()}")

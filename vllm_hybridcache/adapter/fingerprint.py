@@ -562,7 +562,13 @@ def kernel_backend(vllm_config) -> str:
     if split_invariant.enabled(vllm_config) and _auto_applies(vllm_config):
         invariant = "1"
         if device == "cpu":
-            invariant += f";flash_next_invariant_form={split_invariant.invariant_form()}"
+            form = split_invariant.invariant_form()
+            invariant += f";flash_next_invariant_form={form}"
+            if form == "rowwise":  # the kernel's sums differ by host ISA and by dtype
+                from vllm_hybridcache.ops import rowwise_linear
+
+                sums = rowwise_linear.arithmetic() if rowwise_linear.available() else "unbuilt"
+                invariant += f";rowwise_arithmetic={sums}"
     return (f"device={device};attention={attn};flash_next_impl="
             f"{os.environ.get(FLASH_NEXT_IMPL_ENV, '')};flash_next_ops="
             f"{os.environ.get(FLASH_NEXT_OPS_ENV, '')};flash_next_split_invariant="

@@ -6,9 +6,11 @@ BLAS chooses its kernel and blocking by the shape, so the first split-invariant 
 every GEMM on padded 64-row tiles (docs/split-invariance.md, "Cost"). This kernel fixes an
 output element's arithmetic by its own row and column alone (lane-wise fused multiply-adds in
 ascending k, one fixed tree over the lanes, the bias, one rounding), so one call of any shape
-gives every row the bits it would get alone. float32 and bf16 (widened exactly). A call of few
-rows computes dot products straight from the operands' rows; a call of many rows packs both
-operands lane by lane and runs GotoBLAS's blocking over the same sums (the same bits).
+gives every row the bits it would get alone. float32 and bf16 (widened exactly; on a host with
+AVX512-BF16, bf16 runs that host's pair dot product instead, twice as fast: `arithmetic`). A
+call of few rows computes dot products straight from the operands' rows; a call of many rows
+packs both operands lane by lane and runs GotoBLAS's blocking over the same sums (the same
+bits).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ def lanes() -> int:
     if mod is None:
         raise RuntimeError("the row-invariant CPU linear is not built in this process")
     return int(mod.lanes())
+
+
+def arithmetic() -> str:
+    """The build's arithmetic per dtype, e.g. ``float32:fma16;bfloat16:dpbf16x16``: lane sums
+    of fused multiply-adds (``fma``; ``muladd`` without FMA) or, for bf16 on an AVX512-BF16
+    host, of bf16 pair dot products (``dpbf16``), over that many lanes. The engine fingerprint
+    holds it: links made by one arithmetic are never restored into another."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the row-invariant CPU linear is not built in this process")
+    return str(mod.arithmetic())
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor,
