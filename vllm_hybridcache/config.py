@@ -252,6 +252,12 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
         place). On by default; on the AR route only (with speculative decoding a hit's rows
         are copied, as they are with this off).
+    anchor_in_place: an end-anchor hit also takes from vLLM's block pool the whole blocks
+        below its cold rows (the rows a cold prefill wrote: forks of one anchor then hold one
+        copy of the prefix), with `attention_in_place`. Off by default: a float32 soak run
+        (flash-next-tiny, seed 3, an AVX-512 host) served one such hit 0.036 nats away from
+        its cold run with the same picks, reproducibly, where float32 drift is below 1e-5
+        nats; the cause was not found, so an anchor hit copies its rows (docs/reliability.md).
     admin_key_file: a file holding the admin key (read by the API server at start-up; the
         key itself is never a setting: settings are logged and travel on command lines). With
         an admin key or vLLM's --api-key, `POST /v1/cache/clear` of every tenant's links needs
@@ -294,6 +300,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inner_captures: bool = True
     step_wait: bool = True
     attention_in_place: bool = True
+    anchor_in_place: bool = False
     admin_key_file: str = ""
     config_file: str = ""
 

@@ -221,16 +221,21 @@ def test_live_continuation_resumes_at_each_end_anchor(llm):
 
 
 def test_an_anchor_hit_in_place_equals_the_same_hit_copied(llm, monkeypatch):
-    """Issue 33, item 2: an end-anchor hit takes the attention blocks below its cold rows from
-    vLLM's prefix cache (shared, not copied). In one engine the same anchor is restored twice:
-    in place, and with every row copied from the anchor (the rule before); both resumed turns
-    give the same greedy tokens, logprobs (float equality) and final state parts. The second
-    turn's blocks below the anchor's cold rows are then vLLM's, not a copy."""
+    """Issue 33, item 2, with `anchor_in_place` on (off by default): an end-anchor hit takes
+    the attention blocks below its cold rows from vLLM's prefix cache (shared, not copied). In
+    one engine the same anchor is restored twice: in place, and with every row copied from the
+    anchor (the default); both resumed turns give the same greedy tokens, logprobs (float
+    equality) and final state parts. The second turn's blocks below the anchor's cold rows are
+    then vLLM's, not a copy."""
+    import msgspec
+
     sched, _ = engine_parts(llm)
     assert sched.in_place_block > 0
     p1 = [300 + (i * 29) % 2500 for i in range(1200)]
 
     def turn(copy_rows: bool) -> dict:
+        monkeypatch.setattr(sched, "settings",
+                            msgspec.structs.replace(sched.settings, anchor_in_place=True))
         clear(llm)
         first = run(llm, p1)                     # cold: leaves its end anchor
         assert first["cached"] == 0

@@ -23,6 +23,7 @@ from tests.harness.engine import (
 
 GRID = 64
 ON = {"attention_in_place": True}
+ANCHORS_ON = {**ON, "anchor_in_place": True}  # off by default (config.anchor_in_place)
 A = [100 + (i * 7) % 3000 for i in range(3 * GRID + 20)]          # cuts at 64, 128, 192
 B = A[: 2 * GRID] + [50 + (i * 13) % 3000 for i in range(70)]     # shares A's first 2 cuts
 ATTN = 1  # the harness's attention group
@@ -213,7 +214,7 @@ def test_an_end_anchor_hit_shares_the_blocks_below_its_cold_rows_and_equals_cold
     a cold run of its prompt. The turn after that resumes from the second turn's anchor, whose
     cold rows are only what the second turn shared (its own rows descend from the session):
     again in place below them, never above."""
-    e = HarnessEngine(ON, async_scheduling=async_scheduling)
+    e = HarnessEngine(ANCHORS_ON, async_scheduling=async_scheduling)
     first = e.run(A[:100], max_tokens=4)
     turn = A[:100] + first.tokens + [7, 8, 9, 10, 11]
     ref = cold(turn)
@@ -254,7 +255,7 @@ def test_forks_of_a_head_share_its_blocks(margin):
     the head's prompt); still exact."""
     from vllm_hybridcache.core import CostModel
 
-    e = HarnessEngine(ON)
+    e = HarnessEngine(ANCHORS_ON)
     cache = e.connector._sched.cache
     cache.cost = CostModel(pinned=True)
     if margin is not None:

@@ -16,11 +16,11 @@ from tests.unit.test_tiered_cache_adapter import BLOCKS, _finish, _no_steps, _si
 B = 16  # the attention block in place (what the segmentation scheduler installs)
 
 
-def _anchored(in_place: bool = True, off_from: int | None = None):
+def _anchored(in_place: bool = True, off_from: int | None = None, anchor_in_place: bool = True):
     """A side holding only the end anchor of a 200-token prompt prefilled on its cut (the tree
     link it left is cleared), optionally with the request's rows off the segmentation from
-    `off_from`."""
-    side = _side()
+    `off_from`; `anchor_in_place` is the setting (off by default, on for these tests)."""
+    side = _side(anchor_in_place=anchor_in_place)
     side.in_place_block = B if in_place else 0
     assert _commit_cuts(side, _request("a", TOKENS), TOKENS) == 1
     if off_from is not None:
@@ -78,8 +78,24 @@ def test_without_in_place_an_anchor_hit_copies_every_row():
     assert side.in_place_cap(_request("c", [*TOKENS, 1, 2, 4])) == 0
 
 
+def test_by_default_an_anchor_hit_copies_every_row():
+    """`anchor_in_place` is off by default (docs/reliability.md, the soak finding): with
+    attention in place on, an anchor records no cold rows and vLLM's prefix cache serves
+    nothing beside it; the same session with the setting on shares 192 rows (the control)."""
+    from vllm_hybridcache.config import CacheSettings
+
+    assert CacheSettings().anchor_in_place is False
+    side, _ = _anchored(anchor_in_place=False)
+    req = _request("b", [*TOKENS, 1, 2, 3])
+    assert side.in_place_cap(req) == 0
+    assert side._live["b"].lookup.kind == "anchor" and side._live["b"].lookup.cold_rows == 0
+    assert side.get_num_new_matched_tokens(req, 0) == (len(TOKENS), True)
+    on, _ = _anchored()
+    assert on.in_place_cap(_request("b", [*TOKENS, 1, 2, 3])) == 192
+
+
 def test_an_anchor_of_a_request_never_tracked_has_no_cold_rows():
-    side = _side()
+    side = _side(anchor_in_place=True)
     side.in_place_block = B
     _finish(side, "a", TOKENS)  # finished without a lookup or a planned step
     req = _request("b", [*TOKENS, 1, 2, 3])

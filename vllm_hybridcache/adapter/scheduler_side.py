@@ -797,9 +797,10 @@ class SchedulerSide:
         the rows before it left the segmentation (`off_from`: a step off the cuts, a
         session-exact resume above its shared rows, a preemption) and at most its prompt
         (decoded rows are never a prefill's). Known only where in place tracks provenance;
-        0 for a request that was not tracked, runs under an adapter, or carries items."""
-        if (not self.in_place_block or entry is None or entry.lora_id is not None
-                or entry.items or entry.unkeyed or entry.unbound
+        0 (every row copied on a hit) with `anchor_in_place` off, for a request that was not
+        tracked, runs under an adapter, or carries items."""
+        if (not self.in_place_block or not self.settings.anchor_in_place or entry is None
+                or entry.lora_id is not None or entry.items or entry.unkeyed or entry.unbound
                 or getattr(request, "num_preemptions", 0)):
             return 0
         off = request.num_prompt_tokens if entry.off_from is None else entry.off_from
