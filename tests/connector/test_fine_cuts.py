@@ -35,7 +35,7 @@ def _defaults_apply() -> bool:
     the defaults, nothing set); elsewhere the forward is forced on for the same checks."""
     from vllm_hybridcache.flash_next.ops import split_invariant
 
-    return not split_invariant._host_bf16_gemm() and split_invariant.rowwise_available()
+    return split_invariant.host_qualifies()[0]
 
 
 @pytest.fixture(scope="module")

@@ -240,8 +240,8 @@ def _forks(head: list[int], first: int, n: int) -> list[list[int]]:
             for k in range(n)]
 
 
-@pytest.mark.parametrize("margin", [None, 0.0])
-def test_forks_of_a_head_share_its_blocks(margin):
+@pytest.mark.parametrize("margin,settings", [(None, ANCHORS_ON), (0.0, ANCHORS_ON), (None, ON)])
+def test_forks_of_a_head_share_its_blocks(margin, settings):
     """Issue 33: a head that ends at a cut (a tree link there) and its end anchor one token
     deeper, then 4 concurrent forks. By expected time to first token the anchor is ahead by
     one token of prefill and behind by a copy of every row, within the cold-exact margin:
@@ -252,10 +252,11 @@ def test_forks_of_a_head_share_its_blocks(margin):
     block it allocates there is replaced by the head's cached one, so N forks hold one set of
     the head's blocks, as with vLLM's own prefix caching. With `margin=0` the anchor, cheaper
     by the estimate, serves every fork, and shares the head's blocks too (its cold rows are
-    the head's prompt); still exact."""
+    the head's prompt); still exact. With the defaults (`anchor_in_place` off: the anchor
+    would copy every row) the tree link serves the forks the same way."""
     from vllm_hybridcache.core import CostModel
 
-    e = HarnessEngine(ANCHORS_ON)
+    e = HarnessEngine(settings)
     cache = e.connector._sched.cache
     cache.cost = CostModel(pinned=True)
     if margin is not None:

@@ -65,6 +65,35 @@ def test_auto_is_off_on_a_host_with_its_own_bf16_gemm_or_without_the_kernel(qual
     assert not on and "did not build" in why
 
 
+def test_auto_on_an_avx512_bf16_host_follows_the_kernels_bf16_arithmetic(qualifying_host,
+                                                                        monkeypatch):
+    """AVX512-BF16 (torch's bf16 GEMM uses it): on where the kernel sums bf16 pairs with it
+    (measured the cheaper forward on the trace families), off where the build lacks it (the
+    widening form: 2.1-2.5x torch's bf16 GEMM); AMX, even with AVX512-BF16, off (not
+    measured)."""
+    monkeypatch.setattr(split_invariant, "_host_bf16_gemm",
+                        lambda: split_invariant.AVX512_BF16_HOST)
+    monkeypatch.setattr(split_invariant, "_kernel_sums_bf16_pairs", lambda: True)
+    on, why = plan(engine())
+    assert on and "AVX512-BF16" in why and "pair" in why
+    assert not plan(engine(dtype=torch.float32))[0]
+    monkeypatch.setattr(split_invariant, "_kernel_sums_bf16_pairs", lambda: False)
+    on, why = plan(engine())
+    assert not on and "without its bf16 pair arithmetic" in why
+    monkeypatch.setattr(split_invariant, "_host_bf16_gemm", lambda: "the host has AMX")
+    monkeypatch.setattr(split_invariant, "_kernel_sums_bf16_pairs", lambda: True)
+    assert not plan(engine())[0]
+
+
+def test_the_pair_check_reads_the_built_kernel():
+    from vllm_hybridcache.ops import rowwise_linear
+
+    if not rowwise_linear.available():
+        pytest.skip("the kernel needs a C++ compiler (make toolchain)")
+    assert split_invariant._kernel_sums_bf16_pairs() == (
+        "bfloat16:dpbf16" in rowwise_linear.arithmetic())
+
+
 def test_auto_is_off_off_the_cpu_backend(qualifying_host, monkeypatch):
     monkeypatch.setenv("VLLM_HYBRIDCACHE_FLASH_NEXT_OPS", "triton")
     on, why = plan(engine())
@@ -90,12 +119,14 @@ def test_one_and_zero_decide_alone(qualifying_host, monkeypatch):
 
 
 def test_this_hosts_answer_follows_torchs_own_probes(monkeypatch):
-    """The real probes: on a host where torch reports AVX512-BF16 or AMX the answer names it,
-    elsewhere it is empty (the AVX2-only CI host: empty)."""
+    """The real probes: on a host where torch reports AVX512-BF16 or AMX the answer names it
+    (AMX first: an AMX host has AVX512-BF16 too), elsewhere it is empty."""
     probes = (torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported())
     assert (split_invariant._host_bf16_gemm() == "") == (not any(probes))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert split_invariant._host_bf16_gemm() == "the host has AMX"
-    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert split_invariant._host_bf16_gemm() == split_invariant.AVX512_BF16_HOST
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     assert "cannot tell" in split_invariant._host_bf16_gemm()

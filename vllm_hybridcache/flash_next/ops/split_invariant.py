@@ -95,13 +95,14 @@ def plan(vllm_config: Any = None) -> tuple[bool, str]:
     the step forward (docs/split-invariance.md, "Cost"): an engine running the plugin's
     connector with the cache on (off means off), not speculative and not on vLLM's linear
     layers (a quantized checkpoint, TP > 1: fine cuts are off there anyway), the CPU backend,
-    bfloat16 weights, a host whose torch has neither AVX512-BF16 nor AMX (where it does,
-    torch's bf16 GEMM is fast and the rowwise form was not measured), and the row-invariant
-    kernel built. There the rowwise forward took 0.30x the step forward's cold prefill and
-    0.37-0.45x its server CPU on every trace family; in float32 it took 1.02-1.16x a cold
-    prefill and 0.94-1.06x on the trace families over two runs (not reliably within 3%), so
-    float32 stays in step mode. The same answer in
-    every process of an engine: it reads the engine's config, the setting and the host."""
+    bfloat16 weights, and a host that qualifies (`host_qualifies`): without AVX512-BF16 and
+    AMX the rowwise forward took 0.30x the step forward's cold prefill and 0.37-0.45x its
+    server CPU on every trace family; with AVX512-BF16 (torch's bf16 GEMM uses it) and the
+    kernel's bf16 pair arithmetic, 1.11-1.22x a cold prefill but 0.55-0.88x the server CPU
+    on the trace families (it caches more); with AMX it was not measured (off). In float32
+    it took 1.02-1.16x a cold prefill and 0.94-1.06x on the trace families over two runs
+    (not reliably within 3%), so float32 stays in step mode. The same answer in every
+    process of an engine: it reads the engine's config, the setting and the host."""
     value = setting()
     if value != AUTO:
         return value == ON, f"{ENV_VAR}={value}"
@@ -127,19 +128,44 @@ def plan(vllm_config: Any = None) -> tuple[bool, str]:
     if dtype.removeprefix("torch.") != "bfloat16":
         return False, (f"auto: {dtype or 'no'} dtype (measured in bfloat16 only as cheaper; "
                        "float32 costs up to 1.06x on the trace families)")
+    return host_qualifies()
+
+
+def host_qualifies() -> tuple[bool, str]:
+    """(whether this host is one where the rowwise forward was measured the cheaper one for a
+    bf16 engine, `plan`'s reason): no bf16 GEMM hardware of torch's, or AVX512-BF16 with the
+    kernel built with its bf16 pair arithmetic (docs/split-invariance.md, "Cost"); the kernel
+    built either way. AMX: not measured, off."""
     fast_bf16 = _host_bf16_gemm()
-    if fast_bf16:
+    if fast_bf16 and fast_bf16 != AVX512_BF16_HOST:
         return False, f"auto: {fast_bf16} (torch's bf16 GEMM uses it; rowwise not measured)"
     if not rowwise_available():
         return False, "auto: the row-invariant CPU kernel did not build on this host"
+    if fast_bf16:
+        if not _kernel_sums_bf16_pairs():
+            return False, (f"auto: {fast_bf16} and the row-invariant kernel was built without "
+                           "its bf16 pair arithmetic (measured 2.1-2.5x torch's bf16 GEMM)")
+        return True, ("auto: bfloat16 on the CPU backend, AVX512-BF16 and the kernel's bf16 "
+                      "pair arithmetic: the cheaper forward on the trace families here")
     return True, ("auto: bfloat16 on the CPU backend, no AVX512-BF16/AMX, the row-invariant "
                   "kernel built: the cheaper forward here")
 
 
+AVX512_BF16_HOST = "the host has AVX512-BF16"
+
+
+def _kernel_sums_bf16_pairs() -> bool:
+    """Whether the built kernel computes bf16 as pair dot products (`arithmetic()`)."""
+    from vllm_hybridcache.ops import rowwise_linear
+
+    return "bfloat16:dpbf16" in rowwise_linear.arithmetic()
+
+
 def _host_bf16_gemm() -> str:
     """'' where torch's CPU bf16 GEMM has no hardware of its own on this host, else what it
-    has (or that torch cannot tell: then the cheaper-forward claim is not made)."""
-    probes = (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+    has, AMX first (an AMX host has AVX512-BF16 too), or that torch cannot tell (then the
+    cheaper-forward claim is not made)."""
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     for label, name in probes:
         probe = getattr(torch.cpu, name, None)
         if probe is None:
