@@ -170,32 +170,90 @@ inline void hsum4(const vf* v, float* out) {
 }
 #endif
 
-// sums[r * C + c] = the element (r, c) of an R x C block: rows x[r * ldx], columns w[c * ldw].
-template <typename XT, typename WT, int R, int C>
+// v in every lane
+inline vf splat(float s) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(s);
+#elif defined(__AVX2__)
+  return (vf)_mm256_set1_ps(s);
+#else
+  vf v;
+  for (int i = 0; i < LANES; ++i) v[i] = s;
+  return v;
+#endif
+}
+
+// A lane's step, the unit both forms repeat over k. `Fma<XT, WT>`: LANES values of k, one
+// fused multiply-add each (`fmadd`); `Pairs` (bf16 on an AVX512-BF16 host, the header's second
+// arithmetic): 2 * LANES values of k as one VDPBF16PS, lane j holding k = 2j, 2j + 1 of them.
+// `at` loads a row's step, `tail` its first n < K values and zeros, `keep` pins a loaded
+// vector in a register (`pin`), `mad` adds the products to the lanes.
+template <typename XT, typename WT>
+struct Fma {
+  static constexpr int64_t K = LANES;
+  using XV = vf;
+  using WV = vf;
+  static vf x_at(const XT* p) { return load(p); }
+  static vf w_at(const WT* p) { return load(p); }
+  static vf x_tail(const XT* p, int64_t n) { return load_tail(p, n); }
+  static vf w_tail(const WT* p, int64_t n) { return load_tail(p, n); }
+  static void keep(vf& v) { pin(v); }
+  static vf mad(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
+  // the blocked form's step: one packed slot of x (a float) times a vector of w's columns
+  static vf splat_x(float v) { return splat(v); }
+  static vf panel_at(const float* p) { return load(p); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HC_PAIRS 1
+using bh = __m512bh;
+
+struct Pairs {
+  static constexpr int64_t K = 2 * LANES;
+  using XV = bh;
+  using WV = bh;
+  static bh x_at(const c10::BFloat16* p) { return (bh)_mm512_loadu_si512(p); }
+  static bh w_at(const c10::BFloat16* p) { return x_at(p); }
+  static bh x_tail(const c10::BFloat16* p, int64_t n) {
+    return (bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
+  }
+  static bh w_tail(const c10::BFloat16* p, int64_t n) { return x_tail(p, n); }
+  // `pin` for pairs ("v": any of the 32 AVX-512 registers)
+  static void keep(bh& v) { asm("" : "+v"(v)); }
+  static vf mad(vf acc, bh x, bh w) { return (vf)_mm512_dpbf16_ps((__m512)acc, x, w); }
+  // a packed slot holds a pair's bits: broadcast as they are
+  static bh splat_x(float v) { return (bh)_mm512_set1_ps(v); }
+  static bh panel_at(const float* p) { return (bh)_mm512_loadu_si512(p); }
+};
+#endif
+
+// sums[r * C + c] = the element (r, c) of an R x C block: rows x[r * ldx], columns w[c * ldw],
+// in steps of S.
+template <typename S, typename XT, typename WT, int R, int C>
 void block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, float* sums) {
   vf acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vf{};
   int64_t k = 0;
-  for (; k + LANES <= k_len; k += LANES) {
-    vf xv[R];
+  for (; k + S::K <= k_len; k += S::K) {
+    typename S::XV xv[R];
     for (int r = 0; r < R; ++r) {
-      xv[r] = load(x + r * ldx + k);
-      pin(xv[r]);
+      xv[r] = S::x_at(x + r * ldx + k);
+      S::keep(xv[r]);
     }
     for (int c = 0; c < C; ++c) {
-      vf wv = load(w + c * ldw + k);
-      pin(wv);
-      for (int r = 0; r < R; ++r) acc[r][c] = fmadd(xv[r], wv, acc[r][c]);
+      typename S::WV wv = S::w_at(w + c * ldw + k);
+      S::keep(wv);
+      for (int r = 0; r < R; ++r) acc[r][c] = S::mad(acc[r][c], xv[r], wv);
     }
   }
   if (k < k_len) {
     const int64_t n = k_len - k;
-    vf xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = load_tail(x + r * ldx + k, n);
+    typename S::XV xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = S::x_tail(x + r * ldx + k, n);
     for (int c = 0; c < C; ++c) {
-      const vf wv = load_tail(w + c * ldw + k, n);
-      for (int r = 0; r < R; ++r) acc[r][c] = fmadd(xv[r], wv, acc[r][c]);
+      const typename S::WV wv = S::w_tail(w + c * ldw + k, n);
+      for (int r = 0; r < R; ++r) acc[r][c] = S::mad(acc[r][c], xv[r], wv);
     }
   }
   // copied out so that acc's address never escapes (it stays in registers in the loop)
@@ -208,101 +266,35 @@ void block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, fl
   for (; i < R * C; ++i) sums[i] = hsum(flat[i]);
 }
 
-template <typename XT, typename WT, int R>
+template <typename S, typename XT, typename WT, int R>
 void block_rows(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, int cols,
                 float* sums) {
   switch (cols) {
-    case 1: return block<XT, WT, R, 1>(x, ldx, w, ldw, k_len, sums);
-    case 2: return block<XT, WT, R, 2>(x, ldx, w, ldw, k_len, sums);
-    case 3: return block<XT, WT, R, 3>(x, ldx, w, ldw, k_len, sums);
-    default: return block<XT, WT, R, CB>(x, ldx, w, ldw, k_len, sums);
+    case 1: return block<S, XT, WT, R, 1>(x, ldx, w, ldw, k_len, sums);
+    case 2: return block<S, XT, WT, R, 2>(x, ldx, w, ldw, k_len, sums);
+    case 3: return block<S, XT, WT, R, 3>(x, ldx, w, ldw, k_len, sums);
+    default: return block<S, XT, WT, R, CB>(x, ldx, w, ldw, k_len, sums);
   }
 }
 
-template <typename XT, typename WT>
+template <typename S, typename XT, typename WT>
 void any_block(const XT* x, int64_t ldx, const WT* w, int64_t ldw, int64_t k_len, int rows,
                int cols, float* sums) {
   static_assert(CB == 4 && RB >= 2 && RB <= 4, "the switches list 1..3 and RB, CB");
   switch (std::min(rows, RB)) {
-    case 1: return block_rows<XT, WT, 1>(x, ldx, w, ldw, k_len, cols, sums);
-    case 2: return block_rows<XT, WT, 2>(x, ldx, w, ldw, k_len, cols, sums);
-    case 3: return block_rows<XT, WT, 3>(x, ldx, w, ldw, k_len, cols, sums);
-    default: return block_rows<XT, WT, RB>(x, ldx, w, ldw, k_len, cols, sums);
+    case 1: return block_rows<S, XT, WT, 1>(x, ldx, w, ldw, k_len, cols, sums);
+    case 2: return block_rows<S, XT, WT, 2>(x, ldx, w, ldw, k_len, cols, sums);
+    case 3: return block_rows<S, XT, WT, 3>(x, ldx, w, ldw, k_len, cols, sums);
+    default: return block_rows<S, XT, WT, RB>(x, ldx, w, ldw, k_len, cols, sums);
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HC_PAIRS 1
-// bf16 pairs (the header's second arithmetic): each lane's step is one VDPBF16PS over 32 bf16
-// of x's row and of w's row, lane j holding k = 2j, 2j + 1 of them.
-using bh = __m512bh;
-
-inline bh pairs_at(const c10::BFloat16* p) { return (bh)_mm512_loadu_si512(p); }
-// the first n < 32 bf16 of p, zeros after
-inline bh pairs_tail(const c10::BFloat16* p, int64_t n) {
-  return (bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
-}
-inline vf dp(vf acc, bh a, bh b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
-// `pin` for pairs ("v": any of the 32 AVX-512 registers)
-inline void pin_bh(bh& v) { asm("" : "+v"(v)); }
-
-template <int R, int C>
-void block_pairs(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
-                 int64_t k_len, float* sums) {
-  vf acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = vf{};
-  int64_t k = 0;
-  for (; k + 2 * LANES <= k_len; k += 2 * LANES) {
-    bh xv[R];
-    for (int r = 0; r < R; ++r) {
-      xv[r] = pairs_at(x + r * ldx + k);
-      pin_bh(xv[r]);
-    }
-    for (int c = 0; c < C; ++c) {
-      bh wv = pairs_at(w + c * ldw + k);
-      pin_bh(wv);
-      for (int r = 0; r < R; ++r) acc[r][c] = dp(acc[r][c], xv[r], wv);
-    }
-  }
-  if (k < k_len) {
-    const int64_t n = k_len - k;
-    bh xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = pairs_tail(x + r * ldx + k, n);
-    for (int c = 0; c < C; ++c) {
-      const bh wv = pairs_tail(w + c * ldw + k, n);
-      for (int r = 0; r < R; ++r) acc[r][c] = dp(acc[r][c], xv[r], wv);
-    }
-  }
-  vf flat[R * C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) flat[r * C + c] = acc[r][c];
-  int i = 0;
-  for (; i + 8 <= R * C; i += 8) hsum8(flat + i, sums + i);
-  for (; i + 4 <= R * C; i += 4) hsum4(flat + i, sums + i);
-  for (; i < R * C; ++i) sums[i] = hsum(flat[i]);
-}
-
-template <int R>
-void pairs_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
-                int64_t k_len, int cols, float* sums) {
-  switch (cols) {
-    case 1: return block_pairs<R, 1>(x, ldx, w, ldw, k_len, sums);
-    case 2: return block_pairs<R, 2>(x, ldx, w, ldw, k_len, sums);
-    case 3: return block_pairs<R, 3>(x, ldx, w, ldw, k_len, sums);
-    default: return block_pairs<R, CB>(x, ldx, w, ldw, k_len, sums);
-  }
-}
-
-void any_pairs(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
-               int64_t k_len, int rows, int cols, float* sums) {
-  switch (std::min(rows, RB)) {
-    case 1: return pairs_rows<1>(x, ldx, w, ldw, k_len, cols, sums);
-    case 2: return pairs_rows<2>(x, ldx, w, ldw, k_len, cols, sums);
-    case 3: return pairs_rows<3>(x, ldx, w, ldw, k_len, cols, sums);
-    default: return pairs_rows<RB>(x, ldx, w, ldw, k_len, cols, sums);
-  }
-}
+// The step of a call: pairs for a bf16 x on a host with them, else lane-wise FMAs.
+template <typename XT, typename T>
+#if defined(HC_PAIRS)
+using StepOf = std::conditional_t<std::is_same_v<XT, c10::BFloat16>, Pairs, Fma<XT, T>>;
+#else
+using StepOf = Fma<XT, T>;
 #endif
 
 // The few-rows form: x is float32 (a bf16 x is widened once, exactly, for the whole call) or,
@@ -323,12 +315,7 @@ void run_rows(const XT* x, const T* w, const float* bias, T* y, int64_t m, int64
         const int cols = static_cast<int>(std::min<int64_t>(CB, c1 - c));
         for (int64_t r = r0; r < r1; r += RB) {
           const int rows = static_cast<int>(std::min<int64_t>(RB, r1 - r));
-#if defined(HC_PAIRS)
-          if constexpr (std::is_same_v<XT, c10::BFloat16>)
-            any_pairs(x + r * k, k, w + c * k, k, k, rows, cols, sums);
-          else
-#endif
-            any_block<float, T>(x + r * k, k, w + c * k, k, k, rows, cols, sums);
+          any_block<StepOf<XT, T>, XT, T>(x + r * k, k, w + c * k, k, k, rows, cols, sums);
           for (int i = 0; i < rows; ++i)
             for (int j = 0; j < cols; ++j) {
               float v = sums[i * cols + j];
@@ -357,17 +344,6 @@ constexpr int MR = 6;             // 12 accumulators, 2 w vectors, 1 broadcast o
 constexpr int64_t BLOCKED_ROWS = 4 * MR;
 constexpr int64_t BLOCKED_COLS = 4 * NR;
 
-inline vf splat(float s) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_set1_ps(s);
-#elif defined(__AVX2__)
-  return (vf)_mm256_set1_ps(s);
-#else
-  vf v;
-  for (int i = 0; i < LANES; ++i) v[i] = s;
-  return v;
-#endif
-}
 
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -470,41 +446,25 @@ void pack_x(const XT* x, int64_t k, int64_t tiles, int64_t t_len, float* xp) {
   });
 }
 
-// One lane's partial sums of a full tile: acc[r][v] = the chain over t of
-// fma(x[r, t * LANES + j], w[column, t * LANES + j], .) from zero (xl, wl: the lane's slices).
+// One lane's partial sums of a full tile: acc[r][v] = the chain over t of S's step with
+// x[r]'s slot t (broadcast) and the panel's vector t (xl, wl: the lane's slices), from zero.
+// Float32 slots hold one k (fma); with `Pairs` a slot holds a bf16 pair's bits (k = 2p, 2p + 1).
+template <typename S>
 inline void lane_chain(const float* xl, const float* wl, int64_t t_len, vf (&acc)[MR][NV]) {
+  vf a[MR][NV];  // local, so that the loop keeps it in registers
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+    for (int v = 0; v < NV; ++v) a[r][v] = vf{};
   for (int64_t t = 0; t < t_len; ++t) {
-    vf wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load(wl + t * NR + v * LANES);
+    typename S::WV wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = S::panel_at(wl + t * NR + v * LANES);
     for (int r = 0; r < MR; ++r) {
-      const vf a = splat(xl[t * MR + r]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, wv[v], acc[r][v]);
-    }
-  }
-}
-
-#if defined(HC_PAIRS)
-// The same with bf16 pairs: each slot of xl and wl holds two bf16 (k = 2p, 2p + 1).
-inline void lane_chain_pairs(const float* xl, const float* wl, int64_t t_len,
-                             vf (&acc)[MR][NV]) {
-  __m512 a[MR][NV];  // local, so that the loop keeps it in registers
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < t_len; ++t) {
-    bh wv[NV];
-    for (int v = 0; v < NV; ++v)
-      wv[v] = (bh)_mm512_loadu_si512(wl + t * NR + v * LANES);
-    for (int r = 0; r < MR; ++r) {
-      const bh b = (bh)_mm512_set1_ps(xl[t * MR + r]);
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], b, wv[v]);
+      const typename S::XV b = S::splat_x(xl[t * MR + r]);
+      for (int v = 0; v < NV; ++v) a[r][v] = S::mad(a[r][v], b, wv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = (vf)a[r][v];
+    for (int v = 0; v < NV; ++v) acc[r][v] = a[r][v];
 }
-#endif
 
 // A tile's lane sums folded into the tree as they come: `stack` holds, per tree level, the
 // left subtree's sums waiting for their right sibling (a binary counter over the leaves, so
@@ -549,19 +509,11 @@ inline void finish(const vf (&acc)[MR][NV], const float* bias, T* y, int64_t n, 
     }
 }
 
-template <bool PAIRS>
-inline void chain(const float* xl, const float* wl, int64_t t_len, vf (&acc)[MR][NV]) {
-#if defined(HC_PAIRS)
-  if constexpr (PAIRS) return lane_chain_pairs(xl, wl, t_len, acc);
-#endif
-  lane_chain(xl, wl, t_len, acc);
-}
-
 // The rows [0, tiles * MR) of y from the packed x. Work items are panels of NR columns. A
 // panel that fits L1 (short k) serves each tile's lanes one after another (the tree's
 // partial sums in a small stack); a longer one is taken lane by lane, each lane's slice in
 // L1 over every row tile, the partial sums of every tile on a stack per level.
-template <typename T, typename WT, bool PAIRS>
+template <typename S, typename T, typename WT>
 void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const WT* w, int64_t k,
                  const float* bias, T* y, int64_t n) {
   constexpr int LEVELS = LANES == 16 ? 4 : 3;
@@ -581,7 +533,7 @@ void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const WT* w, int
           for (int leaf = 0; leaf < LANES; ++leaf) {
             const int j = lane_at(leaf);
             vf acc[MR][NV];
-            chain<PAIRS>(xp + (i * LANES + j) * t_len * MR, wp.get() + j * t_len * NR, t_len,
+            lane_chain<S>(xp + (i * LANES + j) * t_len * MR, wp.get() + j * t_len * NR, t_len,
                          acc);
             if (fold(leaf, acc, stack.get(), level_stride))
               finish<T>(acc, bias, y + i * MR * n, n, c0, cols);
@@ -593,7 +545,7 @@ void run_blocked(const float* xp, int64_t tiles, int64_t t_len, const WT* w, int
         const float* wl = wp.get() + j * t_len * NR;
         for (int64_t i = 0; i < tiles; ++i) {
           vf acc[MR][NV];
-          chain<PAIRS>(xp + (i * LANES + j) * t_len * MR, wl, t_len, acc);
+          lane_chain<S>(xp + (i * LANES + j) * t_len * MR, wl, t_len, acc);
           if (fold(leaf, acc, stack.get() + i * MR * NR, level_stride))
             finish<T>(acc, bias, y + i * MR * n, n, c0, cols);
         }
@@ -612,7 +564,7 @@ void run(const float* x, const T* w, const float* bias, T* y, int64_t m, int64_t
     const int64_t t_len = (k + LANES - 1) / LANES;
     std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR]);
     pack_x<float>(x, k, tiles, t_len, xp.get());
-    run_blocked<T, T, false>(xp.get(), tiles, t_len, w, k, bias, y, n);
+    run_blocked<Fma<float, T>, T, T>(xp.get(), tiles, t_len, w, k, bias, y, n);
     done = tiles * MR;
   }
   if (done < m) run_rows<float, T>(x + done * k, w, bias, y + done * n, m - done, n, k);
@@ -631,7 +583,7 @@ void run_pairs(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias
     const int64_t t_len = (k2 + LANES - 1) / LANES;
     std::unique_ptr<float[]> xp(new float[tiles * LANES * t_len * MR]);
     pack_x<uint32_t>(reinterpret_cast<const uint32_t*>(x), k2, tiles, t_len, xp.get());
-    run_blocked<c10::BFloat16, uint32_t, true>(xp.get(), tiles, t_len,
+    run_blocked<Pairs, c10::BFloat16, uint32_t>(xp.get(), tiles, t_len,
                                                reinterpret_cast<const uint32_t*>(w), k2, bias,
                                                y, n);
     done = tiles * MR;

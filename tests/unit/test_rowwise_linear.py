@@ -102,6 +102,16 @@ def test_negative_control_a_shape_dependent_order_is_caught():
     assert rl.lanes() in (8, 16)
 
 
+def _tree(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The lanes' partial sums (float32 values held in float64) added in the fixed tree: with
+    16 lanes, lane i + 8 onto lane i first; then adjacent pairs, level by level."""
+    if len(parts) == 16:
+        parts = [(parts[i] + parts[i + 8]).float().double() for i in range(8)]
+    while len(parts) > 1:
+        parts = [(a + b).float().double() for a, b in zip(parts[::2], parts[1::2], strict=True)]
+    return parts[0].float()
+
+
 def _lane_sums(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
     """The documented arithmetic, in float64: lane j sums x[m, k] * w[n, k] for k = j mod
     `lanes` in ascending k, one rounding to float32 per multiply-add (a float32 product is
@@ -116,11 +126,7 @@ def _lane_sums(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
         for kk in range(j, k, lanes):
             acc = (acc + x[:, kk:kk + 1].double() * w[:, kk].double()).float().double()
         parts.append(acc)
-    if lanes == 16:
-        parts = [(parts[i] + parts[i + 8]).float().double() for i in range(8)]
-    while len(parts) > 1:
-        parts = [(a + b).float().double() for a, b in zip(parts[::2], parts[1::2], strict=True)]
-    return parts[0].float()
+    return _tree(parts)
 
 
 def _pair_sums(x: torch.Tensor, w: torch.Tensor, lanes: int, odd_first: bool = True
@@ -128,7 +134,7 @@ def _pair_sums(x: torch.Tensor, w: torch.Tensor, lanes: int, odd_first: bool = T
     """The bf16 pair arithmetic (an AVX512-BF16 host), in float64: lane j takes the pairs of
     k (2p, 2p + 1) for p = j mod `lanes` in ascending p, adding the odd k's product and then
     the even k's, one rounding to float32 each (bf16 products are exact in float64; the
-    instruction's DAZ / FTZ never acts on these normal inputs); then the tree of `_lane_sums`."""
+    instruction's DAZ / FTZ never acts on these normal inputs); then `_tree`."""
     k = x.shape[1]
     xd, wd = x.double(), w.double()
     parts = []
@@ -140,11 +146,7 @@ def _pair_sums(x: torch.Tensor, w: torch.Tensor, lanes: int, odd_first: bool = T
                 if kk < k:
                     acc = (acc + xd[:, kk:kk + 1] * wd[:, kk]).float().double()
         parts.append(acc)
-    if lanes == 16:
-        parts = [(parts[i] + parts[i + 8]).float().double() for i in range(8)]
-    while len(parts) > 1:
-        parts = [(a + b).float().double() for a, b in zip(parts[::2], parts[1::2], strict=True)]
-    return parts[0].float()
+    return _tree(parts)
 
 
 def _uses_pairs(dtype: torch.dtype) -> bool:
