@@ -256,7 +256,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         below its cold rows (the rows a cold prefill wrote: forks of one anchor then hold one
         copy of the prefix), with `attention_in_place`. Off by default: a float32 soak run
         (flash-next-tiny, seed 3, an AVX-512 host) served one such hit 0.036 nats away from
-        its cold run with the same picks, reproducibly, where float32 drift is below 1e-5
+        its cold run with the same picks, twice on one code version, where drift is below 1e-5
         nats; the cause was not found, so an anchor hit copies its rows (docs/reliability.md).
     admin_key_file: a file holding the admin key (read by the API server at start-up; the
         key itself is never a setting: settings are logged and travel on command lines). With
