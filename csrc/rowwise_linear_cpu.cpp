@@ -21,8 +21,8 @@
 //
 // bf16 on a host with AVX512-BF16 takes that host's bf16 dot product instead (VDPBF16PS: two
 // products per lane and step, twice a float32 FMA's multiply-adds per instruction; measured on
-// a Zen 4 host at 1,024 rows, a float32-widening kernel took 2.1-2.5x oneDNN's bf16 GEMM, this one
-// 1.16-1.39x): 16 lanes, lane j taking the k pairs (2p, 2p + 1) for p = j (mod 16) in ascending
+// a Zen 4 host at 1,024 rows: float32 work, the widening form's, takes 2.1-2.8x oneDNN's
+// bf16 GEMM, this 1.16-1.39x): 16 lanes, lane j taking the k pairs (2p, 2p + 1) for p = j (mod 16) in ascending
 // p, each step adding the odd k's product and then the even k's, each an exact product
 // rounded once to nearest even into the float32 lane, bf16 denormals read as zero and float32
 // denormal results flushed to zero (the instruction's fixed DAZ / FTZ); then the same tree,
