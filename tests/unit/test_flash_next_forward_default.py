@@ -69,8 +69,8 @@ def test_auto_on_an_avx512_bf16_host_follows_the_kernels_bf16_arithmetic(qualify
                                                                         monkeypatch):
     """AVX512-BF16 (torch's bf16 GEMM uses it): on where the kernel sums bf16 pairs with it
     (measured the cheaper forward on the trace families), off where the build lacks it (the
-    widening form does float32's work: 2.1-2.8x torch's bf16 GEMM); AMX, even with AVX512-BF16, off (not
-    measured)."""
+    widening form does float32's work: 2.1-2.8x torch's bf16 GEMM); AMX, even with
+    AVX512-BF16, off (not measured)."""
     monkeypatch.setattr(split_invariant, "_host_bf16_gemm",
                         lambda: split_invariant.AVX512_BF16_HOST)
     monkeypatch.setattr(split_invariant, "_kernel_sums_bf16_pairs", lambda: True)

@@ -144,7 +144,8 @@ def host_qualifies() -> tuple[bool, str]:
     if fast_bf16:
         if not _kernel_sums_bf16_pairs():
             return False, (f"auto: {fast_bf16} and the row-invariant kernel was built without "
-                           "its bf16 pair arithmetic (it then does float32's work: 2.1-2.8x torch's bf16 GEMM)")
+                           "its bf16 pair arithmetic (it then does float32's work: 2.1-2.8x "
+                           "torch's bf16 GEMM)")
         return True, ("auto: bfloat16 on the CPU backend, AVX512-BF16 and the kernel's bf16 "
                       "pair arithmetic: the cheaper forward on the trace families here")
     return True, ("auto: bfloat16 on the CPU backend, no AVX512-BF16/AMX, the row-invariant "
