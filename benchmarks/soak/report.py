@@ -148,6 +148,10 @@ def summarize(requests: list[RequestRecord], faults: list[FaultRecord],
         reasons.append(f"faults that did not end as expected: {bad_faults}")
     if over_budget:
         reasons.append(f"bytes held above the budget in {over_budget}")
+    gross = counters.get("in_place_gross", 0)
+    if gross:
+        reasons.append(f"{int(gross)} attention block(s) served in place held other rows than "
+                       "the restored links stored (testing/in_place_check.py)")
     slope = rss["slope_mib_per_min"]
     rss["bound_mib_per_min"] = rss_bound_mib_per_min
     rss["judged"] = rss["window_s"] >= min_window_s and slope is not None

@@ -96,8 +96,19 @@ class SoakServer:
             time.sleep(0.5)
         took = time.monotonic() - t0
         self.startups.append(took)
+        self._instrument()
         self.up.set()
         return took
+
+    def _instrument(self) -> None:
+        """Put the workers' instrumentation in place before any traffic (the first call of a
+        worker extension method builds it, testing/instrumentation.py), so the in-place check
+        sees a life's first restores too; best effort: the monitor's samples build it anyway."""
+        try:
+            requests.post(self.base_url + "/collective_rpc", timeout=10,
+                          json={"method": "hybridcache_fault_counts"})
+        except requests.RequestException:
+            pass
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -7,7 +7,9 @@ error, no budget overrun) and every fault must have fired and done what it exerc
 The proof that the check bites rides on the same run: the `restore_corruption` fault has the
 worker corrupt restores after every check of their bytes passed, and every answer served from
 one must have been flagged by the checker (caught == injected > 0). Negative control: the same
-records, with the checker's verdicts on those answers blinded to `ok`, fail the verdict."""
+records, with the checker's verdicts on those answers blinded to `ok`, fail the verdict.
+The workers also compare every block a restore took from vLLM's pool with the rows its links
+stored (testing/in_place_check.py; its negative controls in test_in_place_check.py)."""
 
 from __future__ import annotations
 
@@ -108,3 +110,15 @@ def test_negative_control_a_blinded_check_fails_the_run(soak):
     assert summary["reasons"] == [f"{summary['corrupt_injected']} of "
                                   f"{summary['corrupt_injected']} answers served from an "
                                   "injected restore corruption not flagged by the check"]
+
+
+def test_blocks_served_in_place_held_the_rows_their_links_stored(soak):
+    """The workers' in-place check (testing/in_place_check.py) ran on the restores that took
+    blocks from vLLM's pool, and none of those blocks held other rows than the links stored
+    (a gross one fails the verdict above; rounding-level differences are counted, not failed:
+    the soak's float32 engine runs in step mode, which is not batch-invariant)."""
+    _, report = soak
+    cache = report["summary"]["cache"]
+    assert cache["in_place_restores"] > 0 and cache["in_place_blocks"] > 0
+    assert cache["in_place_gross"] == 0
+    assert cache["in_place_differing"] <= cache["in_place_blocks"]

@@ -12,6 +12,9 @@ slots:
   the sha256 of every state part (exactness tests compare warm runs with cold runs on these);
 - copy totals: `after_load(job, seconds)` / `after_capture(job, seconds)` sum the copies a
   worker made (benchmarks read them);
+- the in-place check (`in_place_check`, an `in_place_check.InPlaceCheck`): `after_load` compares
+  the blocks a restore took from vLLM's block pool with the rows its links stored (the soak
+  run's servers have it);
 - restore corruption (`corruption`, a `RestoreCorruption`): `after_load` runs once the restore
   has copied the state into the request's slot, after every check of the bytes passed (headers,
   CRCs, any MAC), so a corruption there is a wrong state that every checksum calls valid; it
@@ -40,6 +43,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from vllm_hybridcache.testing.in_place_check import InPlaceCheck
 
 if TYPE_CHECKING:
     from vllm_hybridcache.adapter.plans import CaptureJob, LoadJob
@@ -80,10 +85,12 @@ class Instrumentation:
     """
 
     def __init__(self, *, probe_states: bool = False, fault: Fault | None = None,
-                 corruption: RestoreCorruption | None = None) -> None:
+                 corruption: RestoreCorruption | None = None,
+                 in_place_check: InPlaceCheck | None = None) -> None:
         self.probe_states = probe_states
         self.fault = fault
         self.corruption = corruption
+        self.in_place_check = in_place_check
         self.digests: dict[str, dict[str, str]] = {}
         self.totals: dict[str, float] = {"captures": 0, "capture_s": 0.0,
                                          "loads": 0, "load_s": 0.0}
@@ -102,6 +109,8 @@ class Instrumentation:
         forward that reads it has not run yet (the corruption's moment)."""
         self.totals["loads"] += 1
         self.totals["load_s"] += seconds
+        if self.in_place_check is not None:  # before a corruption: it reads shared blocks only
+            self.in_place_check(job)
         if self.corruption is not None:
             self.corruption(job)
 
@@ -294,7 +303,7 @@ class FaultInjection:
         if side is None:
             return None
         if side.instrumentation is None:
-            side.instrumentation = Instrumentation()
+            side.instrumentation = Instrumentation(in_place_check=InPlaceCheck(side))
         return side.instrumentation
 
     def _hybridcache_faults(self) -> LoadFailures | None:
@@ -321,12 +330,18 @@ class FaultInjection:
         faults.pending += int(count)
         return faults.counts()
 
-    def hybridcache_fault_counts(self) -> dict[str, int]:
-        """Restores failed on purpose so far, those still to fail, and restores corrupted."""
+    def hybridcache_fault_counts(self) -> dict[str, float]:
+        """Restores failed on purpose so far, those still to fail, restores corrupted, and the
+        in-place check's counts (`in_place_*`)."""
         faults = self._hybridcache_faults()
         corruption = self._hybridcache_corruption()
-        counts = {"pending": 0, "fired": 0} if faults is None else faults.counts()
+        counts: dict[str, float] = {"pending": 0, "fired": 0}
+        if faults is not None:
+            counts.update(faults.counts())
         counts["corrupted"] = 0 if corruption is None else corruption.corrupted
+        inst = self._hybridcache_instrumentation()
+        if inst is not None and inst.in_place_check is not None:
+            counts.update(inst.in_place_check.report())
         return counts
 
     def hybridcache_corrupt_restore(self, tag: str, tokens: str = "") -> dict[str, bool]:
