@@ -36,6 +36,7 @@ import concurrent.futures as cf
 import time
 import uuid
 
+import psutil
 import pytest
 import ray
 import requests
@@ -212,6 +213,17 @@ def listed_as(owner: str, locators: list[bytes], anchors: bool = False) -> None:
             return
         time.sleep(0.05)
     pytest.fail(f"{owner}'s entries never listed")
+
+
+def engine_core_of(cluster, name: str) -> psutil.Process:
+    """The engine-core process of replica `name`'s `vllm serve` (its server's only child
+    running Python's vLLM engine), found from the actor's server pid."""
+    pid = ray.get(cluster.actors[name].__ray_call__.remote(lambda replica: replica.proc.pid))
+    cores = [p for p in psutil.Process(pid).children(recursive=True)
+             if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, [(p.pid, p.name(), p.cmdline()) for p in
+                             psutil.Process(pid).children(recursive=True)]
+    return cores[0]
 
 
 def pinned(name: str) -> dict:
@@ -486,6 +498,12 @@ def test_zz_a_replica_killed_mid_trace_loses_no_request_and_its_links_leave(clus
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 128, "temperature": 0,
             "logprobs": 5, "return_token_ids": True}
     retries = stats(cluster)["routing"]["retries"]
+    # The victim's engine is frozen first, so the request is still running when the kill
+    # lands: a fast host once finished all 128 tokens between the front's taking it and the
+    # SIGKILL, and the answer then (rightly) came from the victim. The victim's API server
+    # keeps answering (its stats need no engine), so the front sees it up and sends there.
+    engine = engine_core_of(cluster, victim)
+    engine.suspend()
     with cf.ThreadPoolExecutor(1) as pool:
         future = pool.submit(requests.post, cluster.url + "/v1/completions", json=body,
                              headers=pinned(victim), timeout=600)
@@ -493,7 +511,9 @@ def test_zz_a_replica_killed_mid_trace_loses_no_request_and_its_links_leave(clus
             if stats(cluster)["routing"]["replicas"][victim]["inflight"] == 1:
                 break
             time.sleep(0.05)
-        ray.get(cluster.actors[victim].kill.remote())
+        assert stats(cluster)["routing"]["replicas"][victim]["inflight"] == 1
+        assert engine.status() == psutil.STATUS_STOPPED  # nothing of it ran meanwhile
+        ray.get(cluster.actors[victim].kill.remote())  # SIGKILL ends a stopped process too
         answer = future.result()
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-hybridcache-replica"] == survivor
