@@ -33,6 +33,9 @@ SUITES: tuple[Suite, ...] = (
     Suite("replay", "benchmarks.run", "trace replay: native vLLM, no cache and ours on the "
           "agent trace families (cached share, TTFT, end-to-end, server CPU)", "servers",
           sizes=True),
+    Suite("replay-ab", "benchmarks.replay_ab", "paired replays: ours and native side by side "
+          "round after round on every trace family, medians and paired ratios", "servers",
+          sizes=True),
     Suite("headline", "benchmarks.headline", "the README's headline table and figure, from "
           "one replay run's results", "none", sizes=True),
     Suite("fork-probe", "benchmarks.fork_probe", "forks of one head: peak K/V of N concurrent "
