@@ -14,7 +14,10 @@ back to back, from an empty cache (`POST /reset_prefix_cache?reset_external=true
 order that flips every round (`benchmarks.ab.alternate`). The per-round ratio of two systems
 cancels what moved between rounds; the median of those ratios (`paired`) is the figure to
 quote, beside each system's medians. `--warmup-rounds` rounds run first and are not counted
-(the first replays of a fresh server pay its lazy initialisations).
+(the first replays of a fresh server pay its lazy initialisations). Each replay waits
+`--settle-s` first: after its last step a vLLM worker keeps polling its message queue for a
+second (vLLM's shm_broadcast busy loop, `sched_yield`), so without the pause the system that
+replays second in a round shares the 2 cores with the first one's idle spin.
 
 Measured per replay: the cached share of the prompt tokens, TTFT p50 and p95, the replay's
 wall time and the server's CPU seconds (its whole process tree, `process_tree_cpu_s`). Each
@@ -31,6 +34,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -104,7 +108,8 @@ def markdown(runs: dict[str, ABRun], arm: str, base: str, meta: dict) -> str:
         f"`{meta['command']}` (commit {meta['commit']}, {meta['started_utc']}; "
         f"{meta['host']}). {meta['rounds']} counted rounds after {meta['warmup_rounds']} "
         f"uncounted; each round replays every family once on each system from an empty "
-        f"cache, the systems' order flipping every round. Load average over the run "
+        f"cache, the systems' order flipping every round, {meta['settle_s']:g} s apart. Load "
+        f"average over the run "
         f"{min(loads):.1f}-{max(loads):.1f}." if loads else "",
         "",
         "Each system's row: medians over the rounds. The ratio row: the median of the "
@@ -125,11 +130,13 @@ def _utc() -> str:
 
 
 def replay_once(trace: Trace, base_url: str, pid: int, model: str, max_tokens: int,
-                tokenizer) -> dict[str, float]:
-    """One replay of `trace` on the server at `base_url` (process `pid`) from an empty cache."""
+                tokenizer, settle_s: float = 0.0) -> dict[str, float]:
+    """One replay of `trace` on the server at `base_url` (process `pid`) from an empty cache,
+    `settle_s` after the previous replay (of any server) ended."""
     from benchmarks.replay import ReplayConfig, replay
     from benchmarks.servers import process_tree_cpu_s, reset_cache
 
+    time.sleep(settle_s)
     if not reset_cache(base_url):
         raise RuntimeError(f"{base_url} refused POST /reset_prefix_cache (a paired run needs "
                            "every replay to start from an empty cache)")
@@ -177,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default="native")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup-rounds", type=int, default=1)
+    p.add_argument("--settle-s", type=float, default=2.0, metavar="S",
+                   help="pause before each replay: the previous server's worker polls for "
+                        "a second after its last step (default 2)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG")
@@ -227,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def one(trace: Trace, system: str) -> dict[str, float]:
             s = by_name[system]
-            return replay_once(trace, s.base_url, s.pid, served, args.max_tokens, tokenizer)
+            return replay_once(trace, s.base_url, s.pid, served, args.max_tokens, tokenizer,
+                               args.settle_s)
 
         for trace in traces:
             runs[trace.family] = run_family(trace, systems, args.rounds, args.warmup_rounds,
@@ -237,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     h = host()
     meta = {"model": args.model, "size": args.size, "rounds": args.rounds,
-            "warmup_rounds": args.warmup_rounds, "started_utc": started,
+            "warmup_rounds": args.warmup_rounds, "settle_s": args.settle_s,
+            "started_utc": started,
             "command": "python -m benchmarks run replay-ab " + " ".join(argv),
             "commit": (git_commit() or "unknown")[:7],
             "host": f"{h.cpu}, {h.usable_cpus} CPUs"}

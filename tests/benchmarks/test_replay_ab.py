@@ -96,7 +96,8 @@ def test_the_page_counts_the_families_that_meet_the_goal_and_keeps_every_round()
     good = _run(_metrics(60.0, [90, 90, 90], [4.5, 4.5, 4.5]), native)
     bad = _run(_metrics(60.0, [120, 120, 90], [4.5, 4.5, 4.5]), native)
     meta = {"model": "m", "size": "ci", "rounds": 3, "warmup_rounds": 1,
-            "started_utc": "t", "command": "c", "commit": "abc", "host": "h"}
+            "settle_s": 2.0, "started_utc": "t", "command": "c", "commit": "abc",
+            "host": "h"}
     page = markdown({"chat-ui": good, "concurrent": bad}, "ours", "native", meta)
     assert "**1 of 2 families meet it.**" in page
     assert "| chat-ui | **ours / native** | +10.0 pts | 0.90x |" in page
