@@ -1,7 +1,7 @@
 """Paired replays: the compared systems on the same traces, round after round, their medians and
 paired ratios.
 
-    python -m benchmarks run replay-ab --size ci [--trace all] [--systems native,ours]
+    python -m benchmarks run replay-ab --size ci [--trace all] [--systems ours,native]
         [--rounds 5] [--warmup-rounds 1] [--model qwen3-next-tiny]
 
 Why a second replay harness: `benchmarks.run` (suite `replay`) replays each trace once per
@@ -101,6 +101,8 @@ def markdown(runs: dict[str, ABRun], arm: str, base: str, meta: dict) -> str:
             "server CPU s |", "|---|---|---|---|---|---|---|"]
     rows = [row for family, run in runs.items() for row in family_rows(family, run, arm, base)]
     loads = [x for run in runs.values() for x in run.loads]
+    load = (f" 1-minute load average during the counted rounds {min(loads):.1f}-"
+            f"{max(loads):.1f}." if loads else "")
     met = sum(meets_goal(run, arm, base)[0] for run in runs.values())
     lines = [
         f"# Paired replays: {arm} vs {base}, {meta['model']} at {meta['size']} size",
@@ -108,9 +110,7 @@ def markdown(runs: dict[str, ABRun], arm: str, base: str, meta: dict) -> str:
         f"`{meta['command']}` (commit {meta['commit']}, {meta['started_utc']}; "
         f"{meta['host']}). {meta['rounds']} counted rounds after {meta['warmup_rounds']} "
         f"uncounted; each round replays every family once on each system from an empty "
-        f"cache, the systems' order flipping every round, {meta['settle_s']:g} s apart. Load "
-        f"average over the run "
-        f"{min(loads):.1f}-{max(loads):.1f}." if loads else "",
+        f"cache, the systems' order flipping every round, {meta['settle_s']:g} s apart." + load,
         "",
         "Each system's row: medians over the rounds. The ratio row: the median of the "
         f"rounds' own ratios ({arm} / {base}, each round's replays back to back), the cached "

@@ -99,6 +99,8 @@ def test_the_page_counts_the_families_that_meet_the_goal_and_keeps_every_round()
             "settle_s": 2.0, "started_utc": "t", "command": "c", "commit": "abc",
             "host": "h"}
     page = markdown({"chat-ui": good, "concurrent": bad}, "ours", "native", meta)
+    assert "`c` (commit abc, t; h). 3 counted rounds after 1 uncounted" in page
+    assert "load average" not in page  # none was read (the fake rounds read no load)
     assert "**1 of 2 families meet it.**" in page
     assert "| chat-ui | **ours / native** | +10.0 pts | 0.90x |" in page
     assert "NOT met: ttft_p50_ms paired 1.200x" in page
