@@ -88,7 +88,7 @@ cluster: $(STAMP)
 	$(VENV)/bin/vllm-hybridcache cluster $(MODEL) --replicas $(REPLICAS) --port $(PORT)
 
 test: $(STAMP) $(TOOLCHAIN)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 test-fast: $(STAMP) $(TOOLCHAIN)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
