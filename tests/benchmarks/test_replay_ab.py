@@ -4,6 +4,7 @@ page. Fake replays, no server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -13,16 +14,6 @@ from benchmarks.ab import ABRun, alternate
 from benchmarks.replay import RequestResult
 from benchmarks.replay_ab import markdown, meets_goal, run_family, sample
 from benchmarks.traces import generate
-
-
-class NoSampler:
-    peak = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _summary(errors: int = 0) -> rep.SystemSummary:
@@ -47,7 +38,7 @@ def _run(ours: dict[str, list[float]], native: dict[str, list[float]]) -> ABRun:
     return alternate(("ours", "native"), len(ours["ttft_p50_ms"]),
                      lambda arm, r: {m: (ours if arm == "ours" else native)[m][r]
                                      for m in metrics},
-                     read_load=None, sampler=NoSampler)
+                     read_load=None, sampler=contextlib.nullcontext)  # no load read
 
 
 def _metrics(cached: float, ttft: list[float], cpu: list[float]) -> dict[str, list[float]]:
