@@ -6,7 +6,7 @@ paired ratios.
 
 Why a second replay harness: `benchmarks.run` (suite `replay`) replays each trace once per
 system, one system's server after the other's. At ci size a trace replays in 2-10 s on a
-2-core box, and two replays of one system there differ by about 15% (the machine's other work,
+2-core box, and two replays of one system there differ by up to about 30% (the machine's other work,
 the CPU's clocks, which request lands in which step), about as much as the systems differ. So
 a single run cannot say whether ours is "at or below native" at that size. Here every
 system's server runs for the whole run; each round replays every trace once on each system,
