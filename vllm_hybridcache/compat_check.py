@@ -508,6 +508,23 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
         attribute("vllm.v1.request", "Request", "num_prompt_tokens"),
         attribute("vllm.v1.request", "Request", "spec_token_ids"),
     ),
+    "withdraw_failed_sync_load": (
+        accepts(_SCHED, "Scheduler._preempt_request", "request", "timestamp",
+                "drop_stale_output"),
+        contains(_SCHED, "Scheduler._preempt_request", "request.num_computed_tokens = 0"),
+        contains(_SCHED, "Scheduler._preempt_request", "self.waiting.prepend_request(request)"),
+        contains(_SCHED, "Scheduler.update_from_output",
+                 "if output_is_stale and request.drop_stale_output:"),
+        contains(_SCHED, "Scheduler.reset_prefix_cache",
+                 "self.prev_step_scheduled_req_ids.clear()"),
+        contains(_SCHED, "Scheduler.schedule", "has_sync_kv_loads = True"),
+        contains("vllm.v1.worker.kv_connector_model_runner_mixin",
+                 "KVConnectorModelRunnerMixin._get_kv_connector_output",
+                 "start_after_forward = not scheduler_output.has_sync_kv_loads"),
+        exists(_MANAGER, "KVCacheManager.evict_blocks"),
+        attribute(_SCHED, "Scheduler", "running"),
+        attribute("vllm.v1.request", "Request", "prefill_stats"),
+    ),
     "scheduler_has_recurrent_layers": (
         contains(_SCHED, "Scheduler.__init__",
                  "self.has_mamba_layers = kv_cache_config.has_mamba_layers"),
@@ -696,7 +713,7 @@ API_SIGNATURES: dict[str, tuple[str, str, str, dict[str, str]]] = {
         "adapter/connector.py:HybridSnapshotConnector", {V32: "32a339d9fab53372"}),
     "(api) Scheduler methods": (
         _SCHED, "Scheduler", "adapter/scheduler.py:SegmentedScheduler",
-        {V32: "1c2cab20a686f5b4"}),
+        {V32: "4aebff18964aad6f"}),
 }
 """Name -> (vLLM module, vLLM class, our subclass as `file:Class`, digest of the signatures of
 the vLLM methods our subclass overrides, per version)."""

@@ -252,6 +252,12 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         hit's last block are copied from the link (docs/how-it-works.md, attention K/V in
         place). On by default; on the AR route only (with speculative decoding a hit's rows
         are copied, as they are with this off).
+    sync_loads: a RAM hit loads in the step that runs its request (vLLM's synchronous load),
+        so it does not wait a step in vLLM's queue for its copy; a load that fails is
+        withdrawn with its step before its output is applied (the request recomputes from
+        token 0). Only with the segmentation scheduler on synchronous scheduling and the AR
+        route; disk and cluster hits always load a step ahead. Off = every hit loads a step
+        ahead (vLLM's asynchronous load), as before (docs/how-it-works.md, loads).
     anchor_in_place: an end-anchor hit also takes from vLLM's block pool the whole blocks
         below its cold rows (the rows a cold prefill wrote: forks of one anchor then hold one
         copy of the prefix), with `attention_in_place`. Off by default: a float32 soak run
@@ -300,6 +306,7 @@ class CacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inner_captures: bool = True
     step_wait: bool = True
     attention_in_place: bool = True
+    sync_loads: bool = True
     anchor_in_place: bool = False
     admin_key_file: str = ""
     config_file: str = ""

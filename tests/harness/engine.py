@@ -224,6 +224,10 @@ class FakeWorker:
 
         conn = self.connector
         conn.bind_connector_metadata(so.kv_connector_metadata)
+        # a step with a synchronous load starts its loads before the forward (they feed it),
+        # any other after it (vLLM's `_get_kv_connector_output`)
+        if so.has_sync_kv_loads:
+            conn.start_load_kv(None)
         req_ids, sampled = [], []
         for req_id, start in _scheduled(so):
             n = so.num_scheduled_tokens[req_id]
@@ -232,8 +236,8 @@ class FakeWorker:
             req_ids.append(req_id)
             # a partial prefill samples nothing (the model runner discards its sample)
             sampled.append([tok] if start + n >= len(toks) else [])
-        # asynchronous loads start after the forward (no synchronous loads in this connector)
-        conn.start_load_kv(None)
+        if not so.has_sync_kv_loads:
+            conn.start_load_kv(None)
         if not self.defer_save:
             conn.wait_for_save()
         res = conn.get_transfer_results(so.finished_req_ids)
@@ -377,9 +381,13 @@ class HarnessEngine:
         `kv_connector_metadata` (also appended to `plans`)."""
         so = self.scheduler.schedule()
         self.plans.append(so.kv_connector_metadata)
+        resumed = set(so.scheduled_cached_reqs.resumed_req_ids)
         for req_id, start in _scheduled(so):
             run = self.runs.get(req_id)
-            if run is not None and run.cached is None:
+            # where its first forward started; a request withdrawn before any output (a
+            # failed synchronous load's step) counts from where it resumes
+            if run is not None and (run.cached is None or (req_id in resumed
+                                                           and not run.tokens)):
                 run.cached = start
         return so
 
@@ -418,9 +426,14 @@ class HarnessEngine:
                 run.tokens += list(o.new_token_ids)
                 if o.finish_reason is not None:
                     run.finished = True
+        from vllm.v1.request import RequestStatus
+
         for run in self.runs.values():
             if run.state is None:
                 run.state = self.instrumentation[0].take_digests(run.req_id)
+                req = self.scheduler.requests.get(run.req_id)
+                if req is not None and req.status == RequestStatus.PREEMPTED:
+                    run.state = None  # its step was withdrawn: the state of the rerun counts
         self.steps += 1
 
     def step(self) -> None:

@@ -213,6 +213,16 @@ class HybridSnapshotConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return sched
 
+    def sync_load_side(self):
+        """The scheduler side when synchronous RAM loads are asked for and possible (an
+        active cache on the AR route): the segmentation scheduler turns them on when it can
+        withdraw a failed one (synchronous scheduling)."""
+        sched = self._sched
+        if (sched is None or not sched.active or not self.settings.sync_loads
+                or sched.speculative):
+            return None
+        return sched
+
     # ========================= metrics =========================
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridCacheStats:

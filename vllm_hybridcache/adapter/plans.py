@@ -50,6 +50,10 @@ class LoadJob:
     # attention K/V in place: the first tokens vLLM's shared blocks already hold; the view
     # blocks below it are not written (other requests read them)
     in_place: int = 0
+    # loaded in the step that runs the request (vLLM's synchronous load): not one of vLLM's
+    # asynchronous receives, so neither finished nor failed there; a failure reaches the
+    # scheduler in the report's `failed_loads` only
+    sync: bool = False
 
     def addr(self, link_id: int) -> LinkAddr:
         return LinkAddr(self.tier, self.kind, link_id)

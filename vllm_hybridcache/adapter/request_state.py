@@ -88,6 +88,12 @@ class RequestState:
     last_len: int = 0
     # lookups answered "ask again next step" to wait for a link in flight (adapter/inflight.py)
     lookup_waits: int = 0
+    # its hit loads in the step that first runs it (a synchronous load: `_answer`); a failed
+    # one is withdrawn by the segmentation scheduler before that step's output is applied
+    sync_load: bool = False
+    # its step was withdrawn before it produced a token: vLLM resumes it from token 0 as if
+    # new (not as a preempted request that recomputes its output)
+    withdrawn: bool = False
     # attention K/V in place: the answer the cap computed for the connector's question that
     # follows it in the same scheduling pass, and the tokens vLLM's block pool serves in place
     answer: tuple[int | None, bool] | None = None

@@ -15,6 +15,11 @@ again with a provenance key on the blocks they write off the segmentation
 end of that `schedule()` (and any found between steps at the start of the next), before vLLM
 registers those blocks.
 
+Synchronous loads (`sync_loads`): a RAM hit loads in the step that runs it. vLLM 0.32 cannot
+recover such a load that fails on a model with several KV-cache groups, so this class does
+(`update_from_output`, before vLLM applies the step: `compat.withdraw_failed_sync_load`). Only
+on synchronous scheduling, where a step's report arrives before the next step is planned.
+
 Async scheduling: `--scheduler-cls` names one class, but vLLM decides whether it schedules
 asynchronously only after the command line is parsed (`VllmConfig`: on by default on GPUs, off
 on vLLM's CPU platform), and `get_scheduler_cls` returns a custom class as is. So the class
@@ -53,6 +58,7 @@ from vllm_hybridcache.compat import (  # noqa: E402
     prefill_step_limit,
     rehash_request,
     scheduler_has_recurrent_layers,
+    withdraw_failed_sync_load,
 )
 from vllm_hybridcache.segmentation import first_cut_after  # noqa: E402
 
@@ -88,11 +94,22 @@ class SegmentedScheduler(Scheduler):
         self._cuts_for = connector.cuts_for if active else None
         self._waits_for_room = connector.waits_for_room if active else None
         self._in_place = None
+        self._sync_side = None
         if self._cuts_for is not None and scheduler_has_recurrent_layers(self):
             install_prefill_split(self, self._split)
             side = connector.in_place_side()
             if side is not None:
                 self._install_in_place(side)
+            side = connector.sync_load_side()
+            if side is not None and not isinstance(self, AsyncScheduler):
+                # under async scheduling the next step is planned on top of the failed one
+                # before its report arrives: hits keep loading a step ahead there
+                side.sync_loads = True
+                self._sync_side = side
+            logger.info("hybridcache: RAM hits load %s", "in the step that runs them "
+                        "(sync_loads)" if self._sync_side is not None else "a step ahead "
+                        "(asynchronous: " + ("async scheduling" if side is not None
+                                             else "sync_loads off or the MTP route") + ")")
 
     def _install_in_place(self, side: Any) -> None:
         try:
@@ -125,6 +142,32 @@ class SegmentedScheduler(Scheduler):
         # when a token arrives, a stale one after a preemption included)
         self._apply_off_segmentation()
         return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self._sync_side is not None:
+            self._withdraw_failed_loads(model_runner_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _withdraw_failed_loads(self, model_runner_output: Any) -> None:
+        """Before vLLM applies a step's output: every request whose synchronous load failed
+        in it, and any request that read the blocks that load wrote, is withdrawn
+        (`compat.withdraw_failed_sync_load`: its output dropped, its blocks out of the prefix
+        cache, back to the waiting queue from token 0), and the links the step captured for
+        them are aborted. The failed request's connector state says cold-only (the report's
+        failed load), so it recomputes; the others look up again."""
+        kv = getattr(model_runner_output, "kv_connector_output", None)
+        report = getattr(kv, "kv_connector_worker_meta", None)
+        failed = self._sync_side.failed_sync_loads(report)
+        if not failed:
+            return
+        withdrawn: dict[str, int] = {}
+        for req_id, in_place in failed.items():
+            for rid in withdraw_failed_sync_load(self, req_id, in_place):
+                withdrawn[rid] = self.requests[rid].num_output_tokens
+        self._sync_side.withdrawn(report, withdrawn)
+        logger.warning("hybridcache: synchronous load failed for %s; withdrawn with its step "
+                       "and recomputed: %s", ", ".join(sorted(failed)),
+                       ", ".join(sorted(withdrawn)))
 
     def _apply_off_segmentation(self) -> None:
         """Mark the blocks of positions the connector found written off the segmentation

@@ -168,6 +168,12 @@ class SchedulerSide:
         # allocated blocks for [start, end) replaced by vLLM's cached ones (set with
         # in_place_block; compat.share_cached_blocks)
         self.share_blocks: Callable[[Any, int, int], int] | None = None
+        # synchronous loads: RAM hits load in the step that runs them, not a step ahead (set
+        # by the segmentation scheduler, which withdraws a failed one: adapter/scheduler.py)
+        self.sync_loads = False
+        # the captures of the last plan, by address -> request (a withdrawn request's are
+        # aborted: `withdrawn`)
+        self._step_captures: dict[LinkAddr, str] = {}
         # restored hits by the (tier, kind) of their link: where their rows came from
         self.in_place_counts = InPlaceCounts()
         # tree links planned and not yet reported: a lookup may wait a step for one
@@ -417,7 +423,15 @@ class SchedulerSide:
         if not entry.observed:
             entry.observed = True
             self.cache.observe(entry.keys, entry.domain, res)
-        return (res.tokens, True) if res.hit else (0, False)
+        if not res.hit:
+            return 0, False
+        # a RAM hit's copy is a memcpy the worker cannot be denied (no file, no network):
+        # loaded synchronously, the request runs in this step instead of waiting one in vLLM's
+        # queue; disk and cluster hits (reads that can fail or take long) and the MTP route
+        # (its draft rows) load a step ahead, as vLLM's asynchronous loads do
+        entry.sync_load = (self.sync_loads and res.tier == Tier.RAM
+                           and not entry.draft_route)
+        return res.tokens, not entry.sync_load
 
     def _short_resume(self, entry: RequestState, res: LookupResult, prompt_len: int) -> bool:
         """A tree hit at a position that is not a cut whose resumed step would hold fewer than
@@ -476,14 +490,15 @@ class SchedulerSide:
                                        chain=res.plan.chain, block_ids=block_ids,
                                        sources=sources, origin=origin, expect=expect,
                                        draft=draft,
-                                       in_place=in_place))
+                                       in_place=in_place, sync=entry.sync_load))
         else:
             # vLLM already counts these tokens as loading: the chain changed since the lookup
             # (evicted or cleared), so report a failed load and let vLLM recompute.
             entry.cold_only = True
             self._loads.append(LoadJob(req_id=request.request_id, tier=res.tier, kind=res.kind,
                                        chain=(), block_ids=block_ids,
-                                       fail="the chain changed between lookup and allocation"))
+                                       fail="the chain changed between lookup and allocation",
+                                       sync=entry.sync_load))
 
     def in_place_stats(self, tier: str | None = None,
                        kind: str | None = None) -> dict[str, int]:
@@ -542,8 +557,13 @@ class SchedulerSide:
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 entry.block_ids = [list(b) for b in new] if new is not None else entry.block_ids
-                entry.canonical = False  # resumed after preemption: recomputed, not captured
-                self._off_segmentation(req_id, entry, 0)
+                if entry.withdrawn:
+                    # its only step so far was withdrawn (`withdrawn`): it runs from token 0
+                    # as any new request does, its links captured as usual
+                    entry.withdrawn = False
+                else:
+                    entry.canonical = False  # resumed after preemption: recomputed, not captured
+                    self._off_segmentation(req_id, entry, 0)
             elif new is not None:
                 for g, ids in enumerate(new):
                     entry.block_ids[g].extend(ids)
@@ -556,6 +576,7 @@ class SchedulerSide:
                 self._inflight.planned(c.addr, entry.domain, entry.keys, c.row_end,
                                        entry.draft_tag(c.row_end) if not c.inner_offset
                                        else None)
+        self._step_captures = {c.addr: c.req_id for c in plan.captures}
         plan.drops = self.cache.drain_dropped()
         for c in plan.captures:  # the lower tiers hear of the tree links this step fills
             entry = self._live.get(c.req_id)
@@ -701,6 +722,7 @@ class SchedulerSide:
         for req_id in report.failed_loads:
             entry = self._live.get(req_id)
             if entry is not None:
+                entry.sync_load = False
                 self._end_restore(req_id, entry, False, 0.0)
                 entry.resume_at = 0  # vLLM recomputes the request from token 0
                 entry.cold_only = True
@@ -709,6 +731,7 @@ class SchedulerSide:
         for req_id, seconds in report.loaded.items():
             entry = self._live.get(req_id)
             if entry is not None:
+                entry.sync_load = False
                 self._end_restore(req_id, entry, True, seconds)
         self.cache.absorb(report.tier_reports)
         self.cache.absorb_shards(report.shard_reports)
@@ -717,6 +740,34 @@ class SchedulerSide:
             if counter is not None:
                 for problem, n in problems.items():
                     counter(problem, n)
+
+    def failed_sync_loads(self, report: StepReport | None) -> dict[str, int]:
+        """The synchronous loads `report` says failed: request id -> the tokens vLLM's blocks
+        served in place below its load (what the load did not write). Read before the report
+        is applied (`apply_report`), by the scheduler that withdraws them."""
+        if report is None or not self.active:
+            return {}
+        out = {}
+        for req_id in report.failed_loads:
+            entry = self._live.get(req_id)
+            if entry is not None and entry.sync_load:
+                out[req_id] = entry.in_place
+        return out
+
+    def withdrawn(self, report: StepReport, outputs: dict[str, int]) -> None:
+        """These requests' step is void (a synchronous load failed under one of them; request
+        id -> the tokens it had output before): the links that step captured for them fail,
+        so `apply_report` aborts them instead of committing states computed from a state that
+        was never restored. One that had output nothing runs from token 0 as a new request
+        (its links captured as usual); one that had is a preempted request as any other."""
+        for addr, req_id in self._step_captures.items():
+            if req_id in outputs and addr in report.saved:
+                report.failed_saves.add(addr)
+        for req_id, n in outputs.items():
+            entry = self._live.get(req_id)
+            if entry is not None and n == 0:
+                entry.withdrawn = True
+                entry.resume_at = 0  # until a restore on its next lookup says otherwise
 
     def _end_restore(self, req_id: str, entry: RequestState, ok: bool, seconds: float) -> None:
         if entry.restoring is not None:

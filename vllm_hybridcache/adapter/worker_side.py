@@ -3,8 +3,10 @@
 Runs in each worker process on the model runner's thread. It decides nothing: it executes the
 scheduler's plan (loads before the forward needs them, captures after the step's forward,
 drops last) and reports what succeeded. Any exception in a copy is contained: a failed load is
-reported so vLLM recomputes the request from scratch (kv_load_failure_policy=recompute), a
-failed capture is discarded and its link aborted.
+reported so vLLM recomputes the request from scratch (an asynchronous one through vLLM's
+failed receives, kv_load_failure_policy=recompute; a synchronous one through the report, for the
+segmentation scheduler to withdraw its step), a failed capture is discarded and its link
+aborted.
 """
 
 from __future__ import annotations
@@ -230,8 +232,10 @@ class WorkerSide:
                 if isinstance(e, MissingLinkError) and e.link_id is not None:
                     self._report.lost_links.add(job.addr(e.link_id))  # never offered again
                 self._report.failed_loads.add(job.req_id)
-                self._failed_recving.add(job.req_id)
-            self._recving.add(job.req_id)
+                if not job.sync:
+                    self._failed_recving.add(job.req_id)
+            if not job.sync:
+                self._recving.add(job.req_id)
 
     # --------------------------------------------------------------- captures
     def _capture(self, job: CaptureJob) -> None:

@@ -185,6 +185,7 @@ from vllm_hybridcache.compat.scheduler import (  # noqa: E402
     prefill_step_limit,
     rehash_request,
     scheduler_has_recurrent_layers,
+    withdraw_failed_sync_load,
 )
 from vllm_hybridcache.compat.serve_cli import (  # noqa: E402
     PLUGIN_OPTION,
@@ -263,5 +264,6 @@ __all__ = [
     "vllm_cpu_linear",
     "vllm_distribution_name",
     "vllm_supported",
+    "withdraw_failed_sync_load",
     "worker_connector",
 ]

@@ -5,6 +5,7 @@ recurrent-layer probe, and re-hashing a request's blocks (adapter/scheduler.py u
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,3 +93,54 @@ def rehash_request(request: Any, hasher: Callable[[Any], list]) -> None:
     request._block_hasher = hasher
     request.block_hashes = []
     request.update_block_hashes()
+
+
+@checked("0.32.0", "0.33.0")
+def withdraw_failed_sync_load(scheduler: Any, req_id: str, in_place_tokens: int) -> list[str]:
+    """Undo a step whose synchronous KV load (`load_kv_async=False`) failed for `req_id`:
+    call before `Scheduler.update_from_output` applies that step's output. Returns the ids
+    withdrawn (`req_id` and every running request that shares a block it wrote).
+
+    Why this is ours to do: vLLM 0.32 recovers a failed synchronous load only through
+    `invalid_block_ids`, which it refuses for models with more than one KV-cache group (every
+    hybrid model), and `failed_recving` covers only requests still waiting for an
+    asynchronous load. The forward of the failed step already read the request's state, so
+    its output must not be delivered and its blocks must not be found by anyone.
+
+    What it does, with vLLM's own means: the blocks the load wrote (the request's blocks from
+    `in_place_tokens` on, in every group; those below are vLLM's, written by others and
+    valid) leave the prefix cache (`KVCacheManager.evict_blocks`); every running request
+    holding one of them (one that took them as a local prefix hit in the same `schedule()`,
+    since a synchronous load's blocks are cached when they are allocated) is withdrawn with
+    it. Withdrawing is vLLM's preemption outside `schedule()`, as `reset_prefix_cache` does
+    it: out of `running`, `_preempt_request(..., drop_stale_output=True)` (blocks freed,
+    `num_computed_tokens` = 0, back to the front of the waiting queue, this step's output
+    dropped as stale in `update_from_output`), forgotten in `prev_step_scheduled_req_ids` so
+    the model runner gets its tokens again, and its prefill statistics reset so the cached
+    tokens it reports are the ones of the run that counts.
+    """
+    failed = scheduler.requests.get(req_id)
+    if failed is None or failed not in scheduler.running:
+        return []
+    manager = scheduler.kv_cache_manager
+    null = manager.block_pool.null_block.block_id
+    written: set[int] = set()
+    for group, ids in zip(scheduler.kv_cache_config.kv_cache_groups,
+                          manager.get_block_ids(req_id), strict=True):
+        first = in_place_tokens // group.kv_cache_spec.block_size
+        written.update(b for b in ids[first:] if b != null)
+    victims = [failed] + [
+        r for r in scheduler.running
+        if r is not failed and any(b in written for ids in manager.get_block_ids(r.request_id)
+                                   for b in ids)]
+    manager.evict_blocks(written)
+    timestamp = time.monotonic()
+    for request in victims:
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, timestamp, drop_stale_output=True)
+        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+        if request.prefill_stats is not None:
+            request.prefill_stats.set(num_prompt_tokens=request.num_prompt_tokens,
+                                      num_local_cached_tokens=0,
+                                      num_external_cached_tokens=0)
+    return [r.request_id for r in victims]
