@@ -524,6 +524,9 @@ ASSUMPTIONS: dict[str, tuple[Check, ...]] = {
         exists(_MANAGER, "KVCacheManager.evict_blocks"),
         attribute(_SCHED, "Scheduler", "running"),
         attribute("vllm.v1.request", "Request", "prefill_stats"),
+        accepts("vllm.v1.metrics.stats", "PrefillStats.set", "num_prompt_tokens",
+                "num_local_cached_tokens", "num_external_cached_tokens"),
+        attribute("vllm.v1.core.block_pool", "BlockPool", "null_block"),
     ),
     "scheduler_has_recurrent_layers": (
         contains(_SCHED, "Scheduler.__init__",
