@@ -101,15 +101,17 @@ class SegmentedScheduler(Scheduler):
             if side is not None:
                 self._install_in_place(side)
             side = connector.sync_load_side()
-            if side is not None and not isinstance(self, AsyncScheduler):
-                # under async scheduling the next step is planned on top of the failed one
-                # before its report arrives: hits keep loading a step ahead there
+            if side is None:
+                why = "sync_loads off or the MTP route"
+            elif isinstance(self, AsyncScheduler):
+                # the next step is planned on top of a failed one before its report arrives
+                why = "async scheduling"
+            else:
                 side.sync_loads = True
                 self._sync_side = side
-            logger.info("hybridcache: RAM hits load %s", "in the step that runs them "
-                        "(sync_loads)" if self._sync_side is not None else "a step ahead "
-                        "(asynchronous: " + ("async scheduling" if side is not None
-                                             else "sync_loads off or the MTP route") + ")")
+                why = ""
+            logger.info("hybridcache: RAM hits load %s", f"a step ahead ({why})" if why
+                        else "in the step that runs them (sync_loads)")
 
     def _install_in_place(self, side: Any) -> None:
         try:

@@ -171,9 +171,8 @@ class SchedulerSide:
         # synchronous loads: RAM hits load in the step that runs them, not a step ahead (set
         # by the segmentation scheduler, which withdraws a failed one: adapter/scheduler.py)
         self.sync_loads = False
-        # the captures of the last plan, by address -> request (a withdrawn request's are
-        # aborted: `withdrawn`)
-        self._step_captures: dict[LinkAddr, str] = {}
+        # the captures of the last plan (a withdrawn request's are aborted: `withdrawn`)
+        self._step_captures: list[CaptureJob] = []
         # restored hits by the (tier, kind) of their link: where their rows came from
         self.in_place_counts = InPlaceCounts()
         # tree links planned and not yet reported: a lookup may wait a step for one
@@ -576,7 +575,7 @@ class SchedulerSide:
                 self._inflight.planned(c.addr, entry.domain, entry.keys, c.row_end,
                                        entry.draft_tag(c.row_end) if not c.inner_offset
                                        else None)
-        self._step_captures = {c.addr: c.req_id for c in plan.captures}
+        self._step_captures = plan.captures
         plan.drops = self.cache.drain_dropped()
         for c in plan.captures:  # the lower tiers hear of the tree links this step fills
             entry = self._live.get(c.req_id)
@@ -760,9 +759,9 @@ class SchedulerSide:
         so `apply_report` aborts them instead of committing states computed from a state that
         was never restored. One that had output nothing runs from token 0 as a new request
         (its links captured as usual); one that had is a preempted request as any other."""
-        for addr, req_id in self._step_captures.items():
-            if req_id in outputs and addr in report.saved:
-                report.failed_saves.add(addr)
+        for c in self._step_captures:
+            if c.req_id in outputs and c.addr in report.saved:
+                report.failed_saves.add(c.addr)
         for req_id, n in outputs.items():
             entry = self._live.get(req_id)
             if entry is not None and n == 0:
